@@ -1,0 +1,38 @@
+"""Alembic environment: runs migrations over the project's async (asyncpg) engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from alembic import context
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from shared.ledger.db import async_url
+from shared.ledger.models import metadata
+
+config = context.config
+target_metadata = metadata
+
+
+def _run(connection) -> None:  # type: ignore[no-untyped-def]
+    context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_async() -> None:
+    engine = create_async_engine(async_url(config.get_main_option("sqlalchemy.url") or ""))
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_run)
+            await connection.commit()
+    finally:
+        await engine.dispose()
+
+
+def run_migrations_online() -> None:
+    """Connect and migrate (offline SQL generation is not supported)."""
+    asyncio.run(_run_async())
+
+
+run_migrations_online()

@@ -1,0 +1,1 @@
+"""The four gpushare services (extender, binder, node agent, accounting) and the `gpushare` CLI."""

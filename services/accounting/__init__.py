@@ -1,0 +1,1 @@
+"""The accounting service."""

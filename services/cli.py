@@ -1,0 +1,151 @@
+"""`gpushare`: one command with a subcommand per service and tool.
+
+Every subcommand takes the common flags below; each flag can also be given as a `GPUSHARE_*`
+environment variable (flags win). Services register their own subcommands in `services/<name>/cli.py`
+(a `register(subparsers, common)` function), so this module stays a thin dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+from shared.logging import configure_logging
+from shared.settings import Settings
+
+log = logging.getLogger("gpushare")
+
+SERVICE_CLIS = (
+    "services.extender.cli",
+    "services.binder.cli",
+    "services.accounting.cli",
+    "services.node_agent.cli",
+    "services.stack.cli",
+)
+
+COMMON_FLAGS = {
+    "database_url": "PostgreSQL URL (GPUSHARE_DATABASE_URL)",
+    "nats_url": "NATS URL (GPUSHARE_NATS_URL)",
+    "accounting_url": "accounting's base URL (GPUSHARE_ACCOUNTING_URL)",
+    "log_level": "DEBUG, INFO, WARNING, ERROR (GPUSHARE_LOG_LEVEL, default INFO)",
+    "log_format": "json or text (GPUSHARE_LOG_FORMAT, default json)",
+    "resource_memory_unit": "GiB or MiB: unit of aliyun.com/gpu-mem (GPUSHARE_RESOURCE_MEMORY_UNIT)",
+    "stream_name": "JetStream stream name (GPUSHARE_STREAM_NAME, default GPUSHARE)",
+    "subject_prefix": "event subject prefix (GPUSHARE_SUBJECT_PREFIX, default gpushare)",
+}
+
+
+def common_parser() -> argparse.ArgumentParser:
+    """The flags every subcommand accepts."""
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group("common settings")
+    for name, help_text in COMMON_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "resource_memory_unit":
+            group.add_argument(flag, "--memory-unit", dest=name, default=None, choices=["GiB", "MiB"], help=help_text)
+        else:
+            group.add_argument(flag, dest=name, default=None, help=help_text)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by any common flag given."""
+    overrides = {k: getattr(args, k) for k in COMMON_FLAGS if getattr(args, k, None) is not None}
+    return Settings(**overrides)
+
+
+def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from shared.ledger import migrate
+
+    url = settings.require_database_url()
+    if args.downgrade:
+        migrate.downgrade(url, args.downgrade)
+        log.info("downgraded the ledger schema", extra={"revision": args.downgrade})
+    else:
+        migrate.upgrade(url, args.revision)
+        log.info("ledger schema is at %s", args.revision, extra={"revision": migrate.head_revision()})
+    return 0
+
+
+def _cmd_ledger(args: argparse.Namespace, settings: Settings) -> int:
+    from services.ledger_tool import rebuild
+
+    return asyncio.run(rebuild(settings, apply=args.apply, verify=not args.apply or args.verify))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `gpushare` command line."""
+    common = common_parser()
+    parser = argparse.ArgumentParser(
+        prog="gpushare",
+        description="GPU sharing for Kubernetes: scheduler extender, binder, node agent, accounting.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "migrate",
+        parents=[common],
+        help="upgrade the ledger schema (or --downgrade base)",
+        description="Apply the ledger's database migrations.",
+    )
+    p.add_argument("--revision", default="head", help="target revision (default head)")
+    p.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead (base = empty)")
+    p.set_defaults(func=_cmd_migrate)
+
+    p = sub.add_parser(
+        "ledger",
+        parents=[common],
+        help="ledger maintenance (rebuild from the event stream)",
+        description="Ledger maintenance.",
+    )
+    lsub = p.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
+    r = lsub.add_parser(
+        "rebuild",
+        parents=[common],
+        help="replay the event stream into the ledger",
+        description="Replay every event in the stream. By default compare the result with the "
+        "live ledger and rebuild accounting's projections; with --apply also "
+        "replace the ledger tables with the replayed state (disaster recovery).",
+    )
+    r.add_argument("--apply", action="store_true", help="replace the ledger tables with the replayed state")
+    r.add_argument("--verify", action="store_true", help="with --apply, compare before replacing")
+    r.set_defaults(func=_cmd_ledger)
+
+    for module_name in SERVICE_CLIS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise
+            continue
+        module.register(sub, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `gpushare` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from(args)
+    except Exception as exc:
+        parser.error(f"invalid setting: {exc}")
+    configure_logging(settings.log_level, settings.log_format)
+    func: Callable[[argparse.Namespace, Settings], int] = args.func
+    try:
+        return int(func(args, settings) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+def inspect_main() -> int:
+    """Entry point of `kubectl-inspect-gpushare` (same as `gpushare inspect`)."""
+    return main(["inspect", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The node_agent service."""

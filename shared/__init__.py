@@ -1,0 +1,1 @@
+"""gpushare's common library: settings, logging, the event catalogue and bus, the ledger, placement."""

@@ -1,0 +1,498 @@
+"""A local Kubernetes 1.20 control plane: etcd, apiserver, controller-manager, scheduler.
+
+No kubelet and no containers: nodes are simulated through the API (see
+``nodes.py``), and the real kube-scheduler binds pods to them, optionally
+through a scheduler extender.  Usable synchronously (``start``/``stop``, ``with``)
+and from asyncio (``async with``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .binaries import ControlPlaneUnavailable, Paths, Progress, ensure_binaries, stderr_progress
+
+if TYPE_CHECKING:
+    from kubernetes_asyncio.client import ApiClient, Configuration
+
+GPU_RESOURCES = ("aliyun.com/gpu-mem", "aliyun.com/gpu-core", "aliyun.com/gpu-count")
+SERVICE_CIDR = "10.96.0.0/16"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+
+
+@dataclass
+class ExtenderConfig:
+    """One entry of the scheduler's ``extenders:`` list (v1beta1 field names)."""
+
+    url_prefix: str
+    filter_verb: str | None = "filter"
+    prioritize_verb: str | None = "prioritize"
+    bind_verb: str | None = "bind"
+    preempt_verb: str | None = "preempt"
+    weight: int = 1
+    http_timeout: str = "30s"
+    node_cache_capable: bool = True
+    managed_resources: Sequence[str] = GPU_RESOURCES
+    ignored_by_scheduler: bool = True
+    ignorable: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Render as a KubeSchedulerConfiguration extender entry."""
+        out: dict[str, Any] = {
+            "urlPrefix": self.url_prefix.rstrip("/"),
+            "weight": self.weight,
+            "httpTimeout": self.http_timeout,
+            "nodeCacheCapable": self.node_cache_capable,
+            "enableHTTPS": self.url_prefix.startswith("https://"),
+            "ignorable": self.ignorable,
+            "managedResources": [
+                {"name": n, "ignoredByScheduler": self.ignored_by_scheduler} for n in self.managed_resources
+            ],
+        }
+        for key, verb in (
+            ("filterVerb", self.filter_verb),
+            ("prioritizeVerb", self.prioritize_verb),
+            ("bindVerb", self.bind_verb),
+            ("preemptVerb", self.preempt_verb),
+        ):
+            if verb:
+                out[key] = verb
+        if out["enableHTTPS"]:
+            out["tlsConfig"] = {"insecure": True}
+        return out
+
+
+ExtenderSpec = str | ExtenderConfig | None
+
+
+def _as_extender(ext: ExtenderSpec) -> ExtenderConfig | None:
+    return ExtenderConfig(url_prefix=ext) if isinstance(ext, str) else ext
+
+
+def scheduler_config(
+    kubeconfig: Path,
+    extender: ExtenderSpec = None,
+    scheduler_name: str = "default-scheduler",
+    healthz_address: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build a ``kubescheduler.config.k8s.io/v1beta1`` KubeSchedulerConfiguration."""
+    cfg: dict[str, Any] = {
+        "apiVersion": "kubescheduler.config.k8s.io/v1beta1",
+        "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": scheduler_name}],
+    }
+    if healthz_address:
+        cfg["healthzBindAddress"] = healthz_address
+        cfg["metricsBindAddress"] = healthz_address
+    ext = _as_extender(extender)
+    if ext is not None:
+        cfg["extenders"] = [ext.to_dict()]
+    cfg.update(extra or {})
+    return cfg
+
+
+def free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct currently-free TCP ports on 127.0.0.1."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class _Proc:
+    name: str
+    args: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+
+class ControlPlane:
+    """Runs etcd + kube-apiserver + kube-controller-manager + kube-scheduler locally.
+
+    ``extender`` is a URL prefix string, an ``ExtenderConfig``, or None (no extender).
+    Attributes after ``start()``: ``kubeconfig_path``, ``server_url``, ``token``,
+    ``work_dir``, ``logs`` (component name -> log file).
+    """
+
+    def __init__(
+        self,
+        extender: ExtenderSpec = None,
+        *,
+        scheduler_name: str = "default-scheduler",
+        scheduler_extra: dict[str, Any] | None = None,
+        keep: bool = False,
+        work_dir: Path | str | None = None,
+        paths: Paths | None = None,
+        progress: Progress = stderr_progress,
+        startup_timeout: float = 60.0,
+        verbosity: int = 2,
+    ) -> None:
+        self.extender = _as_extender(extender)
+        self.scheduler_name = scheduler_name
+        self.scheduler_extra = scheduler_extra
+        self.keep = keep
+        self.progress = progress
+        self.startup_timeout = startup_timeout
+        self.verbosity = verbosity
+        self._paths = paths
+        self._work_dir_arg = Path(work_dir) if work_dir else None
+        self.work_dir: Path = Path()
+        self.token = secrets.token_hex(16)
+        self.server_url = ""
+        self.kubeconfig_path: Path = Path()
+        self.logs: dict[str, Path] = {}
+        self._procs: dict[str, _Proc] = {}
+        self._etcd_data: Path | None = None
+        self._owns_work_dir = False
+        self._started = False
+        self.startup_seconds: float = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> ControlPlane:
+        """Obtain binaries, start every component, wait until the apiserver is ready."""
+        if self._started:
+            return self
+        t0 = time.monotonic()
+        paths = self._paths or ensure_binaries(self.progress)
+        self._paths = paths
+        if self._work_dir_arg:
+            self.work_dir = self._work_dir_arg
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.work_dir = Path(tempfile.mkdtemp(prefix="gpushare-devcluster-"))
+            self._owns_work_dir = True
+        self._started = True
+        atexit.register(self.stop)
+        try:
+            self._prepare_files()
+            self._start_etcd()
+            self._start_apiserver()
+            self._start_controller_manager()
+            self._start_scheduler()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        self.progress(
+            f"control plane ready at {self.server_url} in "
+            f"{self.startup_seconds:.1f}s (kubeconfig {self.kubeconfig_path})"
+        )
+        return self
+
+    def stop(self) -> None:
+        """Terminate all components (SIGTERM, then SIGKILL) and remove temp dirs."""
+        if not self._started:
+            return
+        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+            self._stop_proc(name)
+        self._started = False
+        atexit.unregister(self.stop)
+        if self._etcd_data and not self.keep:
+            shutil.rmtree(self._etcd_data, ignore_errors=True)
+        if self._owns_work_dir and not self.keep:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> ControlPlane:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.stop)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """PIDs of the component processes started so far."""
+        return {n: p.popen.pid for n, p in self._procs.items() if p.popen is not None}
+
+    def running(self) -> dict[str, bool]:
+        """Whether each component process is still alive."""
+        return {n: p.popen is not None and p.popen.poll() is None for n, p in self._procs.items()}
+
+    # ------------------------------------------------------------------ restarts
+    def restart_scheduler(self, extender: ExtenderSpec | bool = False, *, scheduler_name: str | None = None) -> None:
+        """Restart only kube-scheduler; ``extender`` replaces the config unless False."""
+        if extender is not False:
+            self.extender = _as_extender(extender)  # type: ignore[arg-type]
+        if scheduler_name is not None:
+            self.scheduler_name = scheduler_name
+        self._stop_proc("kube-scheduler")
+        self._start_scheduler()
+
+    def restart_apiserver(self, down_seconds: float = 0.0, grace: float = 2.0) -> None:
+        """Stop kube-apiserver, optionally stay down a while, start it on the same port.
+
+        With clients connected the apiserver rarely exits on SIGTERM quickly, so
+        it is SIGKILLed after ``grace`` seconds.
+        """
+        self._stop_proc("kube-apiserver", grace)
+        if down_seconds:
+            time.sleep(down_seconds)
+        self._spawn(self._procs["kube-apiserver"])
+        self._wait_apiserver()
+
+    def stop_component(self, name: str, grace: float = 10.0) -> None:
+        """Stop one component (SIGTERM, SIGKILL after ``grace``); ``start_component`` revives it."""
+        self._stop_proc(name, grace)
+
+    def start_component(self, name: str) -> None:
+        """Start a component previously stopped with ``stop_component``."""
+        self._spawn(self._procs[name])
+        if name == "kube-apiserver":
+            self._wait_apiserver()
+
+    # ------------------------------------------------------------------ clients
+    def client_configuration(self) -> Configuration:
+        """A kubernetes_asyncio Configuration for this cluster (token, no TLS verify)."""
+        from kubernetes_asyncio.client import Configuration
+
+        conf = Configuration(host=self.server_url)
+        conf.api_key = {"BearerToken": self.token, "authorization": self.token}
+        conf.api_key_prefix = {"BearerToken": "Bearer", "authorization": "Bearer"}
+        conf.verify_ssl = False
+        return conf
+
+    def api_client(self) -> ApiClient:
+        """A new kubernetes_asyncio ApiClient (use ``async with`` or close it)."""
+        from kubernetes_asyncio.client import ApiClient
+
+        return ApiClient(configuration=self.client_configuration())
+
+    def env(self) -> dict[str, str]:
+        """Environment variables pointing clients (kubectl, services) at this cluster."""
+        return {"KUBECONFIG": str(self.kubeconfig_path)}
+
+    def log_tail(self, name: str, nbytes: int = 4000) -> str:
+        """Last bytes of one component's log, for error messages."""
+        path = self.logs.get(name)
+        if not path or not path.exists():
+            return ""
+        return path.read_bytes()[-nbytes:].decode(errors="replace")
+
+    # ------------------------------------------------------------------ internals
+    def _prepare_files(self) -> None:
+        wd = self.work_dir
+        (wd / "certs").mkdir(exist_ok=True)
+        self._etcd_port, self._etcd_peer_port, self._api_port, self._sched_port = free_ports(4)
+        self.server_url = f"https://127.0.0.1:{self._api_port}"
+        (wd / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        sa_key = wd / "certs" / "sa.key"
+        sa_pub = wd / "certs" / "sa.pub"
+        if shutil.which("openssl") is None:
+            raise ControlPlaneUnavailable("openssl CLI not found (needed for service-account keys)")
+        for cmd in (
+            ["openssl", "genrsa", "-out", str(sa_key), "2048"],
+            ["openssl", "rsa", "-in", str(sa_key), "-pubout", "-out", str(sa_pub)],
+        ):
+            res = subprocess.run(cmd, capture_output=True, check=False)
+            if res.returncode:
+                raise ControlPlaneUnavailable(f"{' '.join(cmd)} failed: {res.stderr.decode()}")
+        self.kubeconfig_path = wd / "kubeconfig"
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {"name": "gpushare-dev", "cluster": {"server": self.server_url, "insecure-skip-tls-verify": True}}
+            ],
+            "users": [{"name": "admin", "user": {"token": self.token}}],
+            "contexts": [
+                {
+                    "name": "gpushare-dev",
+                    "context": {"cluster": "gpushare-dev", "user": "admin", "namespace": "default"},
+                }
+            ],
+            "current-context": "gpushare-dev",
+        }
+        self.kubeconfig_path.write_text(json.dumps(kubeconfig, indent=2))
+        self.kubeconfig_path.chmod(0o600)
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            self._etcd_data = Path(tempfile.mkdtemp(prefix="gpushare-etcd-", dir=shm))
+        else:
+            self._etcd_data = wd / "etcd-data"
+
+    def _spawn(self, proc: _Proc) -> None:
+        self.logs[proc.name] = proc.log
+        with proc.log.open("ab") as fh:
+            fh.write(f"\n==== starting {proc.name} at {time.ctime()}\n".encode())
+            fh.flush()
+            proc.popen = subprocess.Popen(
+                proc.args,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.work_dir,
+            )
+        self._procs[proc.name] = proc
+
+    def _stop_proc(self, name: str, timeout: float = 10.0) -> None:
+        proc = self._procs.get(name)
+        if proc is None or proc.popen is None or proc.popen.poll() is not None:
+            return
+        proc.popen.send_signal(signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait(5)
+
+    def _check_alive(self, name: str) -> None:
+        p = self._procs[name].popen
+        if p is not None and p.poll() is not None:
+            raise ControlPlaneUnavailable(
+                f"{name} exited with code {p.returncode}; log {self.logs[name]}:\n{self.log_tail(name)}"
+            )
+
+    def _wait(self, name: str, probe: Any, what: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            self._check_alive(name)
+            if probe():
+                return
+            time.sleep(0.2)
+        raise ControlPlaneUnavailable(
+            f"{name} not {what} after {self.startup_timeout:.0f}s; log {self.logs[name]}:\n{self.log_tail(name)}"
+        )
+
+    def _http_ok(self, url: str, auth: bool = False) -> bool:
+        req = urllib.request.Request(url)
+        if auth:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        try:
+            with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _start_etcd(self) -> None:
+        assert self._paths is not None and self._etcd_data is not None
+        client = f"http://127.0.0.1:{self._etcd_port}"
+        peer = f"http://127.0.0.1:{self._etcd_peer_port}"
+        args = [
+            str(self._paths.etcd),
+            "--name=devcluster",
+            f"--data-dir={self._etcd_data}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=devcluster={peer}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+        ]
+        self._spawn(_Proc("etcd", args, self.work_dir / "etcd.log"))
+        self._wait("etcd", lambda: self._http_ok(f"{client}/health"), "healthy")
+        self.progress(f"etcd healthy on {client}")
+
+    def _start_apiserver(self) -> None:
+        assert self._paths is not None
+        certs = self.work_dir / "certs"
+        args = [
+            str(self._paths.kube_apiserver),
+            f"--etcd-servers=http://127.0.0.1:{self._etcd_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self._api_port}",
+            "--insecure-port=0",
+            f"--cert-dir={certs}",
+            f"--token-auth-file={self.work_dir / 'tokens.csv'}",
+            "--authorization-mode=AlwaysAllow",
+            f"--service-account-key-file={certs / 'sa.pub'}",
+            f"--service-account-signing-key-file={certs / 'sa.key'}",
+            f"--service-account-issuer={SA_ISSUER}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--disable-admission-plugins=ServiceAccount",
+            "--endpoint-reconciler-type=none",
+            "--allow-privileged=true",
+            "--profiling=false",
+            f"--v={self.verbosity}",
+        ]
+        self._spawn(_Proc("kube-apiserver", args, self.work_dir / "kube-apiserver.log"))
+        self._wait_apiserver()
+        self.progress(f"kube-apiserver ready on {self.server_url}")
+
+    def _wait_apiserver(self) -> None:
+        self._wait(
+            "kube-apiserver",
+            lambda: (
+                self._http_ok(f"{self.server_url}/readyz", auth=True)
+                and self._http_ok(f"{self.server_url}/api/v1/namespaces/default", auth=True)
+            ),
+            "ready",
+        )
+
+    def _start_controller_manager(self) -> None:
+        assert self._paths is not None
+        args = [
+            str(self._paths.kube_controller_manager),
+            f"--kubeconfig={self.kubeconfig_path}",
+            "--controllers=*,-nodelifecycle",
+            f"--service-account-private-key-file={self.work_dir / 'certs' / 'sa.key'}",
+            "--use-service-account-credentials=false",
+            "--leader-elect=false",
+            "--secure-port=0",
+            "--port=0",
+            f"--v={self.verbosity}",
+        ]
+        self._spawn(_Proc("kube-controller-manager", args, self.work_dir / "kube-controller-manager.log"))
+        time.sleep(0.3)
+        self._check_alive("kube-controller-manager")
+
+    def _start_scheduler(self) -> None:
+        assert self._paths is not None
+        healthz = f"127.0.0.1:{self._sched_port}"
+        cfg = scheduler_config(
+            self.kubeconfig_path,
+            self.extender,
+            self.scheduler_name,
+            healthz_address=healthz,
+            extra=self.scheduler_extra,
+        )
+        cfg_path = self.work_dir / "kube-scheduler.json"
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        args = [str(self._paths.kube_scheduler), f"--config={cfg_path}", "--secure-port=0", f"--v={self.verbosity}"]
+        self._spawn(_Proc("kube-scheduler", args, self.work_dir / "kube-scheduler.log"))
+        self._wait("kube-scheduler", lambda: self._http_ok(f"http://{healthz}/healthz"), "healthy")
+        self.progress(
+            "kube-scheduler running" + (f" with extender {self.extender.url_prefix}" if self.extender else "")
+        )
+
+
+def start_control_plane(extender: ExtenderSpec = None, **kwargs: Any) -> ControlPlane:
+    """Convenience: construct and start a ControlPlane."""
+    return ControlPlane(extender, **kwargs).start()

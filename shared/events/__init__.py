@@ -1,0 +1,43 @@
+"""The event catalogue and the JetStream helpers every service uses."""
+
+from shared.events.catalogue import (
+    AllocationPart,
+    AssignedEvent,
+    BoundEvent,
+    Event,
+    EventDecodeError,
+    FailedEvent,
+    GpuInfo,
+    HealthEvent,
+    InventoryEvent,
+    NodeRetiredEvent,
+    QuotaEvent,
+    RefusedEvent,
+    ReleasedEvent,
+    ReservedEvent,
+    UsageEvent,
+    UsageSample,
+    decode_event,
+    encode_event,
+)
+
+__all__ = [
+    "AllocationPart",
+    "AssignedEvent",
+    "BoundEvent",
+    "Event",
+    "EventDecodeError",
+    "FailedEvent",
+    "GpuInfo",
+    "HealthEvent",
+    "InventoryEvent",
+    "NodeRetiredEvent",
+    "QuotaEvent",
+    "RefusedEvent",
+    "ReleasedEvent",
+    "ReservedEvent",
+    "UsageEvent",
+    "UsageSample",
+    "decode_event",
+    "encode_event",
+]

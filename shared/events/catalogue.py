@@ -1,0 +1,272 @@
+"""Typed, versioned events: the only things services say to each other.
+
+Every event has an `event_id` (also the JetStream `Nats-Msg-Id`, so a re-publish is dropped by the
+stream's dedup window and a re-delivery is recognised by consumers), a `kind` that selects its model and
+its subject, and a schema `version`. Consumers refuse versions they do not know instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+Name = Annotated[str, Field(min_length=1, max_length=253)]
+ShortText = Annotated[str, Field(max_length=2048)]
+MiB = Annotated[int, Field(ge=0, le=16 * 1024 * 1024)]
+Compute = Annotated[int, Field(ge=0, le=100 * 64)]
+
+SUPPORTED_VERSION = 1
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class EventDecodeError(ValueError):
+    """A message that is not a valid event of a known kind and version."""
+
+
+class _EventBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    version: Literal[1] = SUPPORTED_VERSION
+    occurred_at: datetime = Field(default_factory=_now)
+    source: Annotated[str, Field(max_length=253)] = ""
+
+    @property
+    def subject_token(self) -> str:
+        """The last subject token: the node concerned, or `_` for cluster-wide events."""
+        node = getattr(self, "node", None)
+        return _token(node) if node else "_"
+
+
+def _token(name: str) -> str:
+    """A NATS subject token for a node name (dots, wildcards and spaces are not allowed in tokens)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "_"
+
+
+class GpuInfo(BaseModel):
+    """One physical GPU as the node agent discovered it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: Name
+    index: Annotated[int, Field(ge=0, le=1024)]
+    model: Annotated[str, Field(max_length=253)] = ""
+    memory_mib: MiB = Field(description="Schedulable memory: whole resource units only")
+    memory_total_mib: MiB = Field(description="Physical memory reported by the driver")
+    compute_units: Annotated[int, Field(ge=1, le=100)] = 100
+    healthy: bool = True
+    mig_mode: bool = False
+    numa_node: int | None = None
+    pci_bus_id: Annotated[str, Field(max_length=64)] = ""
+
+
+class AllocationPart(BaseModel):
+    """The share of one GPU that one container holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    container: Name
+    container_index: Annotated[int, Field(ge=0, le=1024)]
+    gpu_uuid: Name
+    gpu_index: Annotated[int, Field(ge=0, le=1024)]
+    memory_mib: MiB
+    compute: Compute = 0
+    init: bool = False
+
+
+class InventoryEvent(_EventBase):
+    """The complete set of GPUs on a node (sent at start and on every change)."""
+
+    kind: Literal["inventory"] = "inventory"
+    node: Name
+    gpus: Annotated[list[GpuInfo], Field(max_length=256)]
+    driver_version: Annotated[str, Field(max_length=64)] = ""
+    cuda_version: Annotated[str, Field(max_length=64)] = ""
+
+
+class NodeRetiredEvent(_EventBase):
+    """A node left the cluster: its GPUs are retired and its allocations released."""
+
+    kind: Literal["node_retired"] = "node_retired"
+    node: Name
+
+
+class ReservedEvent(_EventBase):
+    """The extender reserved GPUs for a pod in the ledger."""
+
+    kind: Literal["reserved"] = "reserved"
+    allocation_id: uuid.UUID
+    pod_uid: Name
+    namespace: Name
+    pod_name: Name
+    owner_kind: Annotated[str, Field(max_length=64)] = ""
+    owner_name: Annotated[str, Field(max_length=253)] = ""
+    node: Name
+    parts: Annotated[list[AllocationPart], Field(min_length=1, max_length=1024)]
+
+
+class BoundEvent(_EventBase):
+    """The binder created the pod's Binding."""
+
+    kind: Literal["bound"] = "bound"
+    allocation_id: uuid.UUID
+    pod_uid: Name
+    node: Name
+
+
+class FailedEvent(_EventBase):
+    """Binding failed: the reservation is released."""
+
+    kind: Literal["failed"] = "failed"
+    allocation_id: uuid.UUID
+    pod_uid: Name
+    node: Name
+    reason: ShortText = ""
+
+
+class AssignedEvent(_EventBase):
+    """The node agent handed the reserved GPU(s) to one container."""
+
+    kind: Literal["assigned"] = "assigned"
+    allocation_id: uuid.UUID
+    pod_uid: Name
+    node: Name
+    container: Name
+    gpu_uuids: Annotated[list[Name], Field(min_length=1, max_length=64)]
+
+
+class ReleasedEvent(_EventBase):
+    """An allocation ended (pod deleted, finished, node gone, reconciliation)."""
+
+    kind: Literal["released"] = "released"
+    allocation_id: uuid.UUID
+    pod_uid: Name
+    node: Name
+    reason: ShortText = ""
+
+
+class UsageSample(BaseModel):
+    """What one process group (a container of a pod, when known) used on one GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_uuid: Name
+    pod_uid: Annotated[str, Field(max_length=253)] = ""
+    namespace: Annotated[str, Field(max_length=253)] = ""
+    pod_name: Annotated[str, Field(max_length=253)] = ""
+    container: Annotated[str, Field(max_length=253)] = ""
+    used_memory_mib: MiB
+    utilization_pct: Annotated[float, Field(ge=0, le=100)] = 0.0
+
+
+class UsageEvent(_EventBase):
+    """Periodic usage samples from a node."""
+
+    kind: Literal["usage"] = "usage"
+    node: Name
+    samples: Annotated[list[UsageSample], Field(max_length=4096)]
+
+
+class HealthEvent(_EventBase):
+    """A GPU became unhealthy or recovered."""
+
+    kind: Literal["health"] = "health"
+    node: Name
+    gpu_uuid: Name
+    healthy: bool
+    reason: ShortText = ""
+
+
+class RefusedEvent(_EventBase):
+    """The extender could not place a pod: the reasons per node, for "why is my pod pending"."""
+
+    kind: Literal["refused"] = "refused"
+    pod_uid: Name
+    namespace: Name
+    pod_name: Name
+    summary: ShortText
+    reasons: Annotated[dict[str, ShortText], Field(max_length=256)] = Field(default_factory=dict)
+
+
+class QuotaEvent(_EventBase):
+    """A namespace quota was set (limits given) or removed (both None)."""
+
+    kind: Literal["quota"] = "quota"
+    namespace: Name
+    memory_mib: MiB | None = None
+    compute: Annotated[int, Field(ge=0)] | None = None
+
+
+Event = Annotated[
+    InventoryEvent
+    | NodeRetiredEvent
+    | ReservedEvent
+    | BoundEvent
+    | FailedEvent
+    | AssignedEvent
+    | ReleasedEvent
+    | UsageEvent
+    | HealthEvent
+    | RefusedEvent
+    | QuotaEvent,
+    Field(discriminator="kind"),
+]
+
+EVENT_KINDS: tuple[str, ...] = (
+    "inventory",
+    "node_retired",
+    "reserved",
+    "bound",
+    "failed",
+    "assigned",
+    "released",
+    "usage",
+    "health",
+    "refused",
+    "quota",
+)
+
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+
+
+def encode_event(event: _EventBase) -> bytes:
+    """Serialise an event as compact JSON."""
+    return event.model_dump_json().encode()
+
+
+def decode_event(data: bytes | str) -> Event:
+    """Parse and validate an event; raise `EventDecodeError` naming what is wrong."""
+    if len(data) > MAX_EVENT_BYTES:
+        raise EventDecodeError(f"event of {len(data)} bytes exceeds the {MAX_EVENT_BYTES}-byte limit")
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EventDecodeError(f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise EventDecodeError("an event must be a JSON object")
+    kind = raw.get("kind")
+    if kind not in EVENT_KINDS:
+        raise EventDecodeError(f"unknown event kind {kind!r}")
+    version = raw.get("version")
+    if version != SUPPORTED_VERSION:
+        raise EventDecodeError(f"unsupported {kind} event version {version!r} (this build reads 1)")
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'][1:]) or '(root)'}: {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise EventDecodeError(f"invalid {kind} event: {problems}") from None
+
+
+def subject_for(prefix: str, event: _EventBase) -> str:
+    """The subject an event is published on: `<prefix>.<kind>.<node or _>`."""
+    return f"{prefix}.{event.kind}.{event.subject_token}"  # type: ignore[attr-defined]

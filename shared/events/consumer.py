@@ -1,0 +1,185 @@
+"""Durable JetStream consumers: explicit ack after the effect, bounded redelivery, poison parking.
+
+A handler receives a decoded event and returns once its effect is durable (committed to the ledger, or
+published). Only then is the message acked. A handler that raises is retried with backoff up to
+`max_deliver` times; after that, or at once for messages that cannot be decoded or that the handler
+rejects with `PermanentError`, the message is copied to the parking stream with its reason and
+terminated, so it is never looped. Handlers must be idempotent: JetStream delivers at least once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from shared.events.bus import EventBus
+from shared.events.catalogue import Event, EventDecodeError, decode_event
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Event], Awaitable[None]]
+
+
+class PermanentError(Exception):
+    """The handler will never be able to apply this event: park it instead of retrying."""
+
+
+class DurableConsumer:
+    """Pulls events of the given kinds from the stream and feeds them to a handler."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        durable: str,
+        handler: Handler,
+        *,
+        kinds: Iterable[str] | None = None,
+        max_deliver: int = 5,
+        ack_wait_s: float = 30.0,
+        batch: int = 64,
+        backoff_s: float = 0.5,
+        concurrency: int = 1,
+    ) -> None:
+        self.bus = bus
+        self.durable = durable
+        self.handler = handler
+        self.kinds = frozenset(kinds) if kinds else None
+        self.max_deliver = max_deliver
+        self.ack_wait_s = ack_wait_s
+        self.batch = batch
+        self.backoff_s = backoff_s
+        self.concurrency = max(1, concurrency)
+        self.applied = 0
+        self.parked = 0
+        self.ready = asyncio.Event()
+
+    def _filter_subject(self) -> str:
+        names = self.bus.names
+        if self.kinds and len(self.kinds) == 1:
+            return names.subject(next(iter(self.kinds)), ">")
+        return f"{names.prefix}.>"
+
+    async def _subscribe(self) -> Any:
+        config = ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver + 1,
+            max_ack_pending=max(1000, self.batch * 4),
+            filter_subject=self._filter_subject(),
+        )
+        return await self.bus.js.pull_subscribe(
+            self._filter_subject(), durable=self.durable, stream=self.bus.names.stream, config=config
+        )
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Consume until `stop` is set (or forever), surviving NATS outages."""
+        stop = stop or asyncio.Event()
+        sub = None
+        try:
+            while not stop.is_set():
+                try:
+                    if sub is None:
+                        sub = await self._subscribe()
+                        self.ready.set()
+                    try:
+                        msgs = await sub.fetch(self.batch, timeout=1.0)
+                    except NatsTimeout:
+                        continue
+                    await self._handle_batch(msgs)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("consumer %s: %s; retrying", self.durable, exc, extra={"consumer": self.durable})
+                    sub = None
+                    self.ready.clear()
+                    await asyncio.sleep(1.0)
+        finally:
+            self.ready.clear()
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception as exc:  # the connection may already be gone
+                    log.debug("consumer %s: unsubscribe failed: %s", self.durable, exc)
+
+    async def _handle_batch(self, msgs: list[Any]) -> None:
+        if self.concurrency == 1:
+            for msg in msgs:
+                await self.handle_message(msg)
+            return
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def _one(msg: Any) -> None:
+            async with sem:
+                await self.handle_message(msg)
+
+        await asyncio.gather(*(_one(m) for m in msgs))
+
+    async def handle_message(self, msg: Any) -> None:
+        """Decode, dispatch, and ack / retry / park one message."""
+        try:
+            event = decode_event(msg.data)
+        except EventDecodeError as exc:
+            await self._park(msg, f"undecodable: {exc}")
+            return
+        if self.kinds is not None and event.kind not in self.kinds:
+            await msg.ack()
+            return
+        try:
+            await self.handler(event)
+        except PermanentError as exc:
+            await self._park(msg, f"rejected by handler: {exc}")
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            delivered = msg.metadata.num_delivered if msg.metadata else 1
+            if delivered >= self.max_deliver:
+                await self._park(msg, f"failed {delivered} times, last error: {exc!r}")
+            else:
+                delay = self.backoff_s * (2 ** (delivered - 1))
+                log.warning(
+                    "consumer %s: handling %s %s failed (attempt %d/%d): %r",
+                    self.durable,
+                    event.kind,
+                    event.event_id,
+                    delivered,
+                    self.max_deliver,
+                    exc,
+                    extra={"consumer": self.durable, "event_id": str(event.event_id)},
+                )
+                await msg.nak(delay=delay)
+            return
+        await msg.ack()
+        self.applied += 1
+
+    async def _park(self, msg: Any, reason: str) -> None:
+        names = self.bus.names
+        seq = msg.metadata.sequence.stream if msg.metadata else 0
+        log.error(
+            "consumer %s parked message seq=%s on %s: %s",
+            self.durable,
+            seq,
+            msg.subject,
+            reason,
+            extra={"consumer": self.durable, "stream_seq": seq, "reason": reason},
+        )
+        try:
+            await self.bus.js.publish(
+                f"{names.parked_prefix}.{self.durable}",
+                msg.data,
+                headers={
+                    "Nats-Msg-Id": f"{self.durable}-{seq}",
+                    "Gpushare-Parked-Reason": reason[:1000],
+                    "Gpushare-Original-Subject": msg.subject,
+                },
+            )
+        finally:
+            await msg.term()
+        self.parked += 1

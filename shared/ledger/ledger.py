@@ -1,0 +1,158 @@
+"""The ledger's public face: each change is applied and its event staged in one transaction.
+
+Services call these methods; they never write ledger tables directly. Because every committed change
+has exactly one event in the outbox (and so, soon after, in the stream), the stream is a complete log
+of the ledger and `gpushare ledger rebuild` can reproduce it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from shared.events.catalogue import (
+    AssignedEvent,
+    BoundEvent,
+    FailedEvent,
+    HealthEvent,
+    InventoryEvent,
+    NodeRetiredEvent,
+    QuotaEvent,
+    ReleasedEvent,
+    ReservedEvent,
+)
+from shared.ledger import inventory, outbox, quotas, reservations, transitions
+from shared.ledger.reservations import Reservation, ReservationRequest
+
+log = logging.getLogger(__name__)
+
+LedgerEvent = (
+    InventoryEvent
+    | NodeRetiredEvent
+    | HealthEvent
+    | QuotaEvent
+    | ReservedEvent
+    | BoundEvent
+    | AssignedEvent
+    | ReleasedEvent
+    | FailedEvent
+)
+
+
+async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
+    """Apply any ledger event to the tables inside the caller's transaction."""
+    match event:
+        case ReservedEvent():
+            return await reservations.reserve(conn, event)
+        case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
+            return await transitions.apply_transition(conn, event)
+        case InventoryEvent():
+            return await inventory.apply_inventory(conn, event)
+        case HealthEvent():
+            return await inventory.apply_health(conn, event)
+        case NodeRetiredEvent():
+            return await inventory.apply_node_retired(conn, event)
+        case QuotaEvent():
+            return await quotas.apply_quota(conn, event)
+    raise TypeError(f"not a ledger event: {type(event).__name__}")
+
+
+class Ledger:
+    """Applies ledger changes and stages their events atomically; kicks the outbox relay after commit."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        prefix: str,
+        source: str = "",
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.prefix = prefix
+        self.source = source
+        self.on_commit = on_commit
+
+    def _committed(self) -> None:
+        if self.on_commit is not None:
+            self.on_commit()
+
+    async def record(self, event: LedgerEvent) -> object:
+        """Apply one event and stage it, in one transaction."""
+        async with self.engine.begin() as conn:
+            result = await apply_event(conn, event)
+            await outbox.stage(conn, self.prefix, event)
+        self._committed()
+        return result
+
+    async def reserve(self, request: ReservationRequest) -> Reservation:
+        """Reserve GPU shares for a pod, or return its existing live reservation.
+
+        Raises `InsufficientCapacity` / `QuotaExceeded` (nothing is written then).
+        """
+        event = reservations.reserved_event(request, source=self.source)
+        async with self.engine.begin() as conn:
+            result = await reservations.reserve(conn, event)
+            if result.created:
+                await outbox.stage(conn, self.prefix, event)
+        if result.created:
+            self._committed()
+        return result
+
+    async def mark_bound(self, allocation_id: uuid.UUID, pod_uid: str, node: str) -> bool:
+        """The pod's Binding exists."""
+        return bool(
+            await self.record(BoundEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, source=self.source))
+        )
+
+    async def mark_failed(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
+        """Binding failed: give the capacity back."""
+        return bool(
+            await self.record(
+                FailedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
+            )
+        )
+
+    async def mark_assigned(
+        self, allocation_id: uuid.UUID, pod_uid: str, node: str, container: str, gpu_uuids: list[str]
+    ) -> bool:
+        """A container received its GPU(s) from the node agent."""
+        return bool(
+            await self.record(
+                AssignedEvent(
+                    allocation_id=allocation_id,
+                    pod_uid=pod_uid,
+                    node=node,
+                    container=container,
+                    gpu_uuids=gpu_uuids,
+                    source=self.source,
+                )
+            )
+        )
+
+    async def release(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
+        """End an allocation and give its capacity back (no-op if already ended)."""
+        return bool(
+            await self.record(
+                ReleasedEvent(
+                    allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source
+                )
+            )
+        )
+
+    async def release_pod(self, pod_uid: str, reason: str) -> int:
+        """Release every live allocation of a pod; returns how many ended."""
+        async with self.engine.connect() as conn:
+            rows = await transitions.live_allocation_ids(conn, pod_uid=pod_uid)
+        return sum([await self.release(r.id, r.pod_uid, r.node, reason) for r in rows])
+
+    async def retire_node(self, node: str, reason: str = "node deleted") -> int:
+        """Release a node's allocations and retire its GPUs; returns how many allocations ended."""
+        async with self.engine.connect() as conn:
+            rows = await transitions.live_allocation_ids(conn, node=node)
+        released = sum([await self.release(r.id, r.pod_uid, r.node, reason) for r in rows])
+        await self.record(NodeRetiredEvent(node=node, source=self.source))
+        return released

@@ -1,0 +1,168 @@
+"""Ledger tables (SQLAlchemy Core). The migrations in `migrations/` create exactly these.
+
+The no-overcommit invariant is enforced by the database itself: each GPU row carries the memory and
+compute its live allocations hold, every reservation raises those counters with a conditional UPDATE
+(which takes the row lock, so concurrent writers serialise per GPU), and CHECK constraints make any
+write that would exceed capacity fail, whatever process attempts it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+LIVE_SQL = "state IN ('reserved', 'bound', 'assigned')"
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("driver_version", Text, nullable=False, server_default=""),
+    Column("cuda_version", Text, nullable=False, server_default=""),
+    Column("retired_at", DateTime(timezone=True)),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+gpus = Table(
+    "gpus",
+    metadata,
+    Column("uuid", Text, primary_key=True),
+    Column("node", Text, ForeignKey("nodes.name", ondelete="CASCADE"), nullable=False),
+    Column("index", Integer, nullable=False),
+    Column("model", Text, nullable=False, server_default=""),
+    Column("memory_mib", Integer, nullable=False),
+    Column("memory_total_mib", Integer, nullable=False),
+    Column("compute_units", Integer, nullable=False, server_default="100"),
+    Column("allocated_memory_mib", Integer, nullable=False, server_default="0"),
+    Column("allocated_compute", Integer, nullable=False, server_default="0"),
+    Column("healthy", Boolean, nullable=False, server_default=text("true")),
+    Column("health_reason", Text, nullable=False, server_default=""),
+    Column("mig_mode", Boolean, nullable=False, server_default=text("false")),
+    Column("numa_node", Integer),
+    Column("pci_bus_id", Text, nullable=False, server_default=""),
+    Column("retired_at", DateTime(timezone=True)),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("allocated_memory_mib >= 0 AND allocated_memory_mib <= memory_mib", name="memory_fits"),
+    CheckConstraint("allocated_compute >= 0 AND allocated_compute <= compute_units", name="compute_fits"),
+    CheckConstraint("memory_mib >= 0 AND memory_mib <= memory_total_mib", name="memory_sane"),
+    Index("ix_gpus_node", "node"),
+)
+
+allocations = Table(
+    "allocations",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("pod_uid", Text, nullable=False),
+    Column("namespace", Text, nullable=False),
+    Column("pod_name", Text, nullable=False),
+    Column("owner_kind", Text, nullable=False, server_default=""),
+    Column("owner_name", Text, nullable=False, server_default=""),
+    Column("node", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("memory_mib", Integer, nullable=False),
+    Column("compute", Integer, nullable=False, server_default="0"),
+    Column("reason", Text, nullable=False, server_default=""),
+    Column("reserved_at", DateTime(timezone=True), nullable=False),
+    Column("bound_at", DateTime(timezone=True)),
+    Column("assigned_at", DateTime(timezone=True)),
+    Column("ended_at", DateTime(timezone=True)),
+    CheckConstraint("state IN ('reserved', 'bound', 'assigned', 'released', 'failed')", name="known_state"),
+    Index("uq_allocations_live_pod", "pod_uid", unique=True, postgresql_where=text(LIVE_SQL)),
+    Index("ix_allocations_node_state", "node", "state"),
+    Index("ix_allocations_namespace_state", "namespace", "state"),
+    Index("ix_allocations_reserved_at", "reserved_at"),
+)
+
+allocation_parts = Table(
+    "allocation_parts",
+    metadata,
+    Column("allocation_id", UUID(as_uuid=True), ForeignKey("allocations.id", ondelete="CASCADE"), nullable=False),
+    Column("container", Text, nullable=False),
+    Column("container_index", Integer, nullable=False),
+    Column("init", Boolean, nullable=False, server_default=text("false")),
+    Column("gpu_uuid", Text, nullable=False),
+    Column("gpu_index", Integer, nullable=False),
+    Column("memory_mib", Integer, nullable=False),
+    Column("compute", Integer, nullable=False, server_default="0"),
+    Column("assigned_at", DateTime(timezone=True)),
+    PrimaryKeyConstraint("allocation_id", "container_index", "init", "gpu_uuid"),
+    CheckConstraint("memory_mib >= 0 AND compute >= 0", name="non_negative"),
+    Index("ix_allocation_parts_gpu_uuid", "gpu_uuid"),
+)
+
+quotas = Table(
+    "quotas",
+    metadata,
+    Column("namespace", Text, primary_key=True),
+    Column("memory_mib", Integer),
+    Column("compute", Integer),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("memory_mib IS NULL OR memory_mib >= 0", name="memory_non_negative"),
+    CheckConstraint("compute IS NULL OR compute >= 0", name="compute_non_negative"),
+)
+
+applied_events = Table(
+    "applied_events",
+    metadata,
+    Column("consumer", Text, nullable=False),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("applied_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("consumer", "event_id"),
+)
+
+usage_samples = Table(
+    "usage_samples",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("ts", DateTime(timezone=True), nullable=False),
+    Column("node", Text, nullable=False),
+    Column("gpu_uuid", Text, nullable=False),
+    Column("pod_uid", Text, nullable=False, server_default=""),
+    Column("namespace", Text, nullable=False, server_default=""),
+    Column("pod_name", Text, nullable=False, server_default=""),
+    Column("container", Text, nullable=False, server_default=""),
+    Column("used_memory_mib", Integer, nullable=False),
+    Column("utilization_pct", Float, nullable=False, server_default="0"),
+    Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
+    Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
+    Index("ix_usage_samples_event_id", "event_id"),
+)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("seq", BigInteger, primary_key=True, autoincrement=True),
+    Column("event_id", UUID(as_uuid=True), nullable=False, unique=True),
+    Column("subject", Text, nullable=False),
+    Column("payload", LargeBinary, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)

@@ -1,0 +1,87 @@
+"""Transactional outbox: events are written in the same transaction as the ledger change they
+describe, then relayed to JetStream. A crash between commit and publish loses nothing (the relay
+publishes on restart), and a double publish is dropped by the stream's dedup on the event id."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from sqlalchemy import delete, insert, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from shared.events.bus import EventBus
+from shared.events.catalogue import encode_event, subject_for
+from shared.ledger.models import outbox
+
+log = logging.getLogger(__name__)
+
+
+async def stage(conn: AsyncConnection, prefix: str, *events: object) -> None:
+    """Add events to the outbox inside the caller's transaction."""
+    if not events:
+        return
+    await conn.execute(
+        insert(outbox),
+        [
+            {
+                "event_id": e.event_id,  # type: ignore[attr-defined]
+                "subject": subject_for(prefix, e),  # type: ignore[arg-type]
+                "payload": encode_event(e),  # type: ignore[arg-type]
+            }
+            for e in events
+        ],
+    )
+
+
+class OutboxRelay:
+    """Publishes staged events in order and deletes them once JetStream acknowledged them."""
+
+    def __init__(self, engine: AsyncEngine, bus: EventBus, *, batch: int = 256, poll_s: float = 1.0) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.batch = batch
+        self.poll_s = poll_s
+        self.published = 0
+        self._kick = asyncio.Event()
+
+    def kick(self) -> None:
+        """Ask the relay to flush now (called right after a commit that staged events)."""
+        self._kick.set()
+
+    async def flush(self) -> int:
+        """Publish everything staged so far; returns how many events went out."""
+        total = 0
+        while True:
+            async with self.engine.begin() as conn:
+                rows = (
+                    await conn.execute(
+                        select(outbox.c.seq, outbox.c.event_id, outbox.c.subject, outbox.c.payload)
+                        .order_by(outbox.c.seq)
+                        .limit(self.batch)
+                        .with_for_update(skip_locked=True)
+                    )
+                ).all()
+                if not rows:
+                    return total
+                await asyncio.gather(*(self.bus.publish_raw(r.subject, r.payload, str(r.event_id)) for r in rows))
+                await conn.execute(delete(outbox).where(outbox.c.seq.in_([r.seq for r in rows])))
+            total += len(rows)
+            self.published += len(rows)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Flush on every kick and at least every `poll_s` seconds, until `stop` is set."""
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("outbox relay: %s; will retry", exc)
+                await asyncio.sleep(self.poll_s)
+            try:
+                await asyncio.wait_for(self._kick.wait(), timeout=self.poll_s)
+            except TimeoutError:
+                pass
+            self._kick.clear()

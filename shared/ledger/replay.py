@@ -1,0 +1,251 @@
+"""Rebuilding the ledger from the event stream, and comparing it with the live database."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.js.api import DeliverPolicy
+from sqlalchemy import delete, insert, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from shared.events.bus import EventBus
+from shared.events.catalogue import AllocationPart, Event, EventDecodeError, decode_event
+from shared.ledger.models import allocation_parts, allocations, gpus, nodes, outbox, quotas
+from shared.ledger.rules import AllocationState
+from shared.ledger.state import AllocationRow, GpuRow, LedgerState, NodeRow
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ReplayStats:
+    """What a replay read."""
+
+    events: int = 0
+    skipped: int = 0
+    last_sequence: int = 0
+
+
+async def read_events(
+    bus: EventBus, *, stats: ReplayStats | None = None, progress: Progress | None = None
+) -> AsyncIterator[Event]:
+    """Every event in the stream, oldest first, up to the last one present when called.
+
+    Undecodable messages are counted and skipped (consumers park them the same way).
+    """
+    stats = stats or ReplayStats()
+    info = await bus.js.stream_info(bus.names.stream)
+    last = info.state.last_seq
+    if info.state.messages == 0 or last == 0:
+        return
+    sub = await bus.js.subscribe(
+        f"{bus.names.prefix}.>",
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+        stream=bus.names.stream,
+        pending_msgs_limit=1_000_000,
+    )
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=10.0)
+            seq = msg.metadata.sequence.stream
+            stats.last_sequence = seq
+            try:
+                event = decode_event(msg.data)
+            except EventDecodeError as exc:
+                stats.skipped += 1
+                log.warning("replay skipped message %d: %s", seq, exc)
+            else:
+                stats.events += 1
+                yield event
+            if progress is not None and (stats.events + stats.skipped) % 5000 == 0:
+                progress(seq, last)
+            if seq >= last:
+                break
+    finally:
+        await sub.unsubscribe()
+    if progress is not None:
+        progress(last, last)
+
+
+async def replay_state(bus: EventBus, *, progress: Progress | None = None) -> tuple[LedgerState, ReplayStats]:
+    """Fold the whole stream into a `LedgerState`."""
+    state, stats = LedgerState(), ReplayStats()
+    async for event in read_events(bus, stats=stats, progress=progress):
+        state.apply(event)
+    return state, stats
+
+
+async def load_state(conn: AsyncConnection) -> LedgerState:
+    """The live ledger tables as a `LedgerState`, for comparison with a replay."""
+    state = LedgerState()
+    for r in (await conn.execute(select(nodes))).all():
+        state.nodes[r.name] = NodeRow(r.driver_version, r.cuda_version, r.retired_at is not None)
+    for r in (await conn.execute(select(gpus))).all():
+        state.gpus[r.uuid] = GpuRow(
+            node=r.node,
+            index=r.index,
+            model=r.model,
+            memory_mib=r.memory_mib,
+            memory_total_mib=r.memory_total_mib,
+            compute_units=r.compute_units,
+            healthy=r.healthy,
+            health_reason=r.health_reason,
+            mig_mode=r.mig_mode,
+            numa_node=r.numa_node,
+            pci_bus_id=r.pci_bus_id,
+            retired=r.retired_at is not None,
+            allocated_memory_mib=r.allocated_memory_mib,
+            allocated_compute=r.allocated_compute,
+        )
+    parts: dict[Any, list[Any]] = {}
+    for p in (await conn.execute(select(allocation_parts))).all():
+        parts.setdefault(p.allocation_id, []).append(p)
+    for r in (await conn.execute(select(allocations))).all():
+        rows = parts.get(r.id, [])
+        state.allocations[r.id] = AllocationRow(
+            pod_uid=r.pod_uid,
+            namespace=r.namespace,
+            pod_name=r.pod_name,
+            owner_kind=r.owner_kind,
+            owner_name=r.owner_name,
+            node=r.node,
+            state=AllocationState(r.state),
+            memory_mib=r.memory_mib,
+            compute=r.compute,
+            reason=r.reason,
+            reserved_at=r.reserved_at,
+            bound_at=r.bound_at,
+            assigned_at=r.assigned_at,
+            ended_at=r.ended_at,
+            parts=tuple(
+                AllocationPart(
+                    container=p.container,
+                    container_index=p.container_index,
+                    gpu_uuid=p.gpu_uuid,
+                    gpu_index=p.gpu_index,
+                    memory_mib=p.memory_mib,
+                    compute=p.compute,
+                    init=p.init,
+                )
+                for p in rows
+            ),
+            assigned_containers={p.container: p.assigned_at for p in rows if p.assigned_at is not None},
+        )
+        if r.state in ("reserved", "bound", "assigned"):
+            state.live_by_pod[r.pod_uid] = r.id
+    for r in (await conn.execute(select(quotas))).all():
+        state.quotas[r.namespace] = (r.memory_mib, r.compute)
+    return state
+
+
+def differences(live: LedgerState, replayed: LedgerState, *, limit: int = 20) -> list[str]:
+    """Human-readable differences between two ledgers (empty when they are equal)."""
+    out: list[str] = []
+    a, b = live.canonical(), replayed.canonical()
+    for table in a:
+        keys = set(a[table]) | set(b[table])
+        for key in sorted(keys, key=str):
+            if a[table].get(key) != b[table].get(key):
+                out.append(f"{table}[{key}]: live={a[table].get(key)!r} replayed={b[table].get(key)!r}")
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+async def write_state(engine: AsyncEngine, state: LedgerState) -> None:
+    """Replace the ledger tables with `state` in one transaction (disaster recovery)."""
+    async with engine.begin() as conn:
+        for table in (allocation_parts, allocations, gpus, nodes, quotas):
+            await conn.execute(delete(table))
+        if state.nodes:
+            await conn.execute(
+                insert(nodes),
+                [
+                    {
+                        "name": n,
+                        "driver_version": r.driver_version,
+                        "cuda_version": r.cuda_version,
+                        "retired_at": _retired_stamp(r.retired),
+                    }
+                    for n, r in state.nodes.items()
+                ],
+            )
+        gpu_rows = []
+        for u, g in state.gpus.items():
+            if g.node not in state.nodes:
+                continue
+            row = {k: v for k, v in vars(g).items() if k != "retired"}
+            gpu_rows.append({"uuid": u, **row, "retired_at": _retired_stamp(g.retired)})
+        if gpu_rows:
+            await conn.execute(insert(gpus), gpu_rows)
+        if state.allocations:
+            await conn.execute(
+                insert(allocations),
+                [
+                    {
+                        "id": i,
+                        "pod_uid": a.pod_uid,
+                        "namespace": a.namespace,
+                        "pod_name": a.pod_name,
+                        "owner_kind": a.owner_kind,
+                        "owner_name": a.owner_name,
+                        "node": a.node,
+                        "state": a.state.value,
+                        "memory_mib": a.memory_mib,
+                        "compute": a.compute,
+                        "reason": a.reason,
+                        "reserved_at": a.reserved_at,
+                        "bound_at": a.bound_at,
+                        "assigned_at": a.assigned_at,
+                        "ended_at": a.ended_at,
+                    }
+                    for i, a in state.allocations.items()
+                ],
+            )
+            part_rows = [
+                {
+                    "allocation_id": i,
+                    "container": p.container,
+                    "container_index": p.container_index,
+                    "init": p.init,
+                    "gpu_uuid": p.gpu_uuid,
+                    "gpu_index": p.gpu_index,
+                    "memory_mib": p.memory_mib,
+                    "compute": p.compute,
+                    "assigned_at": a.assigned_containers.get(p.container),
+                }
+                for i, a in state.allocations.items()
+                for p in a.parts
+            ]
+            if part_rows:
+                await conn.execute(insert(allocation_parts), part_rows)
+        if state.quotas:
+            await conn.execute(
+                insert(quotas),
+                [{"namespace": ns, "memory_mib": m, "compute": c} for ns, (m, c) in state.quotas.items()],
+            )
+
+
+def _retired_stamp(retired: bool) -> datetime | None:
+    return datetime.now(UTC) if retired else None
+
+
+async def wait_for_quiet(engine: AsyncEngine, *, timeout_s: float = 30.0) -> None:
+    """Wait until the outbox is empty (every committed change is in the stream)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        async with engine.connect() as conn:
+            left = (await conn.execute(select(outbox.c.seq).limit(1))).first()
+        if left is None:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("the outbox did not drain: is an outbox relay running?")
+        await asyncio.sleep(0.1)

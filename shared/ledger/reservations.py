@@ -1,0 +1,238 @@
+"""Reserving GPU shares for a pod: the statements that keep the no-overcommit invariant.
+
+One transaction per pod: insert the allocation (the partial unique index on live allocations per pod
+UID makes a retried or concurrent reserve for the same pod find the existing one), check the namespace
+quota under the quota row's lock, then raise each GPU's counters with a conditional UPDATE, in GPU UUID
+order so that concurrent multi-GPU reservations cannot deadlock. The CHECK constraints on `gpus` back
+this up: no code path can commit an overcommitted GPU.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import and_, func, select, text, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from shared.events.catalogue import AllocationPart, ReservedEvent
+from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, quotas
+from shared.ledger.rules import AllocationState, gpu_charges
+
+
+class ReservationError(Exception):
+    """A reservation that cannot be made; the message says why in terms a person can act on."""
+
+
+class InsufficientCapacity(ReservationError):
+    """A GPU does not have the free memory or compute the pod needs (or is unhealthy / gone)."""
+
+    def __init__(self, gpu_uuid: str, message: str) -> None:
+        super().__init__(message)
+        self.gpu_uuid = gpu_uuid
+
+
+class QuotaExceeded(ReservationError):
+    """The pod would take its namespace past its GPU quota."""
+
+
+@dataclass(frozen=True)
+class ReservationRequest:
+    """What the extender decided: a pod, a node, and each container's share of each GPU."""
+
+    pod_uid: str
+    namespace: str
+    pod_name: str
+    node: str
+    parts: tuple[AllocationPart, ...]
+    owner_kind: str = ""
+    owner_name: str = ""
+    allocation_id: uuid.UUID = field(default_factory=uuid.uuid4)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A live allocation as the ledger holds it."""
+
+    allocation_id: uuid.UUID
+    pod_uid: str
+    node: str
+    state: AllocationState
+    parts: tuple[AllocationPart, ...]
+    created: bool
+
+
+def reserved_event(req: ReservationRequest, *, source: str = "") -> ReservedEvent:
+    """The event that records a reservation (its timestamp is the reservation's)."""
+    return ReservedEvent(
+        allocation_id=req.allocation_id,
+        pod_uid=req.pod_uid,
+        namespace=req.namespace,
+        pod_name=req.pod_name,
+        owner_kind=req.owner_kind,
+        owner_name=req.owner_name,
+        node=req.node,
+        parts=list(req.parts),
+        source=source,
+    )
+
+
+async def live_reservation(conn: AsyncConnection, pod_uid: str) -> Reservation | None:
+    """The live allocation of a pod, if it has one."""
+    row = (
+        await conn.execute(
+            select(allocations.c.id, allocations.c.node, allocations.c.state).where(
+                and_(allocations.c.pod_uid == pod_uid, allocations.c.state.in_(("reserved", "bound", "assigned")))
+            )
+        )
+    ).first()
+    if row is None:
+        return None
+    part_rows = (
+        await conn.execute(
+            select(allocation_parts)
+            .where(allocation_parts.c.allocation_id == row.id)
+            .order_by(allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index)
+        )
+    ).all()
+    parts = tuple(
+        AllocationPart(
+            container=p.container,
+            container_index=p.container_index,
+            gpu_uuid=p.gpu_uuid,
+            gpu_index=p.gpu_index,
+            memory_mib=p.memory_mib,
+            compute=p.compute,
+            init=p.init,
+        )
+        for p in part_rows
+    )
+    return Reservation(row.id, pod_uid, row.node, AllocationState(row.state), parts, created=False)
+
+
+async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
+    """Apply a reservation inside the caller's transaction (which must stage `event` and commit).
+
+    Returns the existing live allocation (created=False) when the pod already has one. Raises
+    `InsufficientCapacity` or `QuotaExceeded`; the caller then rolls back, leaving nothing behind.
+    """
+    charges = gpu_charges(event.parts)
+    total_memory = sum(m for m, _ in charges.values())
+    total_compute = sum(c for _, c in charges.values())
+    at: datetime = event.occurred_at
+
+    inserted = await conn.execute(
+        insert(allocations)
+        .values(
+            id=event.allocation_id,
+            pod_uid=event.pod_uid,
+            namespace=event.namespace,
+            pod_name=event.pod_name,
+            owner_kind=event.owner_kind,
+            owner_name=event.owner_name,
+            node=event.node,
+            state=AllocationState.RESERVED.value,
+            memory_mib=total_memory,
+            compute=total_compute,
+            reserved_at=at,
+        )
+        .on_conflict_do_nothing(index_elements=["pod_uid"], index_where=text(LIVE_SQL))
+        .returning(allocations.c.id)
+    )
+    if inserted.first() is None:
+        existing = await live_reservation(conn, event.pod_uid)
+        if existing is not None:
+            return existing
+        raise ReservationError(f"pod {event.namespace}/{event.pod_name} changed while reserving; retry")
+
+    await _check_quota(conn, event.namespace, total_memory, total_compute)
+
+    for gpu_uuid, (memory, compute) in charges.items():
+        done = await conn.execute(
+            update(gpus)
+            .where(
+                and_(
+                    gpus.c.uuid == gpu_uuid,
+                    gpus.c.node == event.node,
+                    gpus.c.healthy.is_(True),
+                    gpus.c.retired_at.is_(None),
+                    gpus.c.allocated_memory_mib + memory <= gpus.c.memory_mib,
+                    gpus.c.allocated_compute + compute <= gpus.c.compute_units,
+                )
+            )
+            .values(
+                allocated_memory_mib=gpus.c.allocated_memory_mib + memory,
+                allocated_compute=gpus.c.allocated_compute + compute,
+                updated_at=at,
+            )
+            .returning(gpus.c.uuid)
+        )
+        if done.first() is None:
+            raise InsufficientCapacity(gpu_uuid, await _explain_refusal(conn, event.node, gpu_uuid, memory, compute))
+
+    await conn.execute(
+        insert(allocation_parts),
+        [
+            {
+                "allocation_id": event.allocation_id,
+                "container": p.container,
+                "container_index": p.container_index,
+                "init": p.init,
+                "gpu_uuid": p.gpu_uuid,
+                "gpu_index": p.gpu_index,
+                "memory_mib": p.memory_mib,
+                "compute": p.compute,
+            }
+            for p in event.parts
+        ],
+    )
+    return Reservation(
+        event.allocation_id, event.pod_uid, event.node, AllocationState.RESERVED, tuple(event.parts), created=True
+    )
+
+
+async def _check_quota(conn: AsyncConnection, namespace: str, memory: int, compute: int) -> None:
+    quota = (await conn.execute(select(quotas).where(quotas.c.namespace == namespace).with_for_update())).first()
+    if quota is None or (quota.memory_mib is None and quota.compute is None):
+        return
+    used = (
+        await conn.execute(
+            select(
+                func.coalesce(func.sum(allocations.c.memory_mib), 0),
+                func.coalesce(func.sum(allocations.c.compute), 0),
+            ).where(
+                and_(
+                    allocations.c.namespace == namespace,
+                    allocations.c.state.in_(("reserved", "bound", "assigned")),
+                )
+            )
+        )
+    ).one()
+    used_memory, used_compute = int(used[0]), int(used[1])  # includes this pod's row
+    if quota.memory_mib is not None and used_memory > quota.memory_mib:
+        raise QuotaExceeded(
+            f"namespace {namespace} GPU memory quota {quota.memory_mib} MiB exceeded: "
+            f"{used_memory - memory} MiB in use, pod needs {memory} MiB"
+        )
+    if quota.compute is not None and used_compute > quota.compute:
+        raise QuotaExceeded(
+            f"namespace {namespace} GPU compute quota {quota.compute}% exceeded: "
+            f"{used_compute - compute}% in use, pod needs {compute}%"
+        )
+
+
+async def _explain_refusal(conn: AsyncConnection, node: str, gpu_uuid: str, memory: int, compute: int) -> str:
+    row = (await conn.execute(select(gpus).where(gpus.c.uuid == gpu_uuid))).first()
+    if row is None or row.node != node:
+        return f"GPU {gpu_uuid} is not on node {node}"
+    if row.retired_at is not None:
+        return f"GPU {row.index} ({gpu_uuid}) on {node} was removed"
+    if not row.healthy:
+        return f"GPU {row.index} ({gpu_uuid}) on {node} is unhealthy: {row.health_reason or 'no reason given'}"
+    free_memory = row.memory_mib - row.allocated_memory_mib
+    free_compute = row.compute_units - row.allocated_compute
+    if free_memory < memory:
+        return f"GPU {row.index} on {node} has {free_memory} MiB free, pod needs {memory} MiB"
+    return f"GPU {row.index} on {node} has {free_compute}% compute free, pod needs {compute}%"

@@ -1,0 +1,249 @@
+"""The ledger as a pure value: what folding the event stream produces (no I/O).
+
+`LedgerState.apply` mirrors, rule for rule, what `shared.ledger.ledger.apply_event` does to the tables,
+so that replaying the stream yields the same ledger as the live database. Both sides are turned into
+the same canonical form (`canonical()`) to compare them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from shared.events.catalogue import (
+    AllocationPart,
+    AssignedEvent,
+    BoundEvent,
+    Event,
+    FailedEvent,
+    HealthEvent,
+    InventoryEvent,
+    NodeRetiredEvent,
+    QuotaEvent,
+    ReleasedEvent,
+    ReservedEvent,
+)
+from shared.ledger.rules import AllocationState, advances, gpu_charges, is_live
+
+
+@dataclass
+class NodeRow:
+    """A node as the ledger holds it."""
+
+    driver_version: str = ""
+    cuda_version: str = ""
+    retired: bool = False
+
+
+@dataclass
+class GpuRow:
+    """A GPU as the ledger holds it."""
+
+    node: str
+    index: int
+    model: str
+    memory_mib: int
+    memory_total_mib: int
+    compute_units: int
+    healthy: bool
+    health_reason: str
+    mig_mode: bool
+    numa_node: int | None
+    pci_bus_id: str
+    retired: bool = False
+    allocated_memory_mib: int = 0
+    allocated_compute: int = 0
+
+
+@dataclass
+class AllocationRow:
+    """An allocation with its parts."""
+
+    pod_uid: str
+    namespace: str
+    pod_name: str
+    owner_kind: str
+    owner_name: str
+    node: str
+    state: AllocationState
+    memory_mib: int
+    compute: int
+    reason: str
+    reserved_at: datetime
+    bound_at: datetime | None = None
+    assigned_at: datetime | None = None
+    ended_at: datetime | None = None
+    parts: tuple[AllocationPart, ...] = ()
+    assigned_containers: dict[str, datetime] = field(default_factory=dict)
+
+
+_STAMP = {"bound": "bound_at", "assigned": "assigned_at", "released": "ended_at", "failed": "ended_at"}
+
+
+@dataclass
+class LedgerState:
+    """Nodes, GPUs, allocations and quotas, folded from events."""
+
+    nodes: dict[str, NodeRow] = field(default_factory=dict)
+    gpus: dict[str, GpuRow] = field(default_factory=dict)
+    allocations: dict[uuid.UUID, AllocationRow] = field(default_factory=dict)
+    quotas: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    live_by_pod: dict[str, uuid.UUID] = field(default_factory=dict)
+    early: dict[uuid.UUID, list[Any]] = field(default_factory=dict)
+    applied: int = 0
+
+    def apply(self, event: Event) -> None:
+        """Fold one event in (events that do not change the ledger are ignored)."""
+        match event:
+            case InventoryEvent():
+                self._inventory(event)
+            case HealthEvent():
+                gpu = self.gpus.get(event.gpu_uuid)
+                if gpu is not None and gpu.node == event.node:
+                    gpu.healthy, gpu.health_reason = event.healthy, "" if event.healthy else event.reason
+            case NodeRetiredEvent():
+                if event.node in self.nodes:
+                    self.nodes[event.node].retired = True
+                for gpu in self.gpus.values():
+                    if gpu.node == event.node:
+                        gpu.retired = True
+            case QuotaEvent():
+                if event.memory_mib is None and event.compute is None:
+                    self.quotas.pop(event.namespace, None)
+                else:
+                    self.quotas[event.namespace] = (event.memory_mib, event.compute)
+            case ReservedEvent():
+                self._reserved(event)
+            case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
+                if event.allocation_id not in self.allocations:
+                    self.early.setdefault(event.allocation_id, []).append(event)
+                else:
+                    self._transition(event)
+            case _:
+                return
+        self.applied += 1
+
+    def _inventory(self, event: InventoryEvent) -> None:
+        node = self.nodes.setdefault(event.node, NodeRow())
+        node.driver_version, node.cuda_version, node.retired = event.driver_version, event.cuda_version, False
+        for info in event.gpus:
+            old = self.gpus.get(info.uuid)
+            row = GpuRow(
+                node=event.node,
+                index=info.index,
+                model=info.model,
+                memory_mib=info.memory_mib,
+                memory_total_mib=info.memory_total_mib,
+                compute_units=info.compute_units,
+                healthy=info.healthy,
+                health_reason="" if info.healthy else "reported unhealthy by the node agent",
+                mig_mode=info.mig_mode,
+                numa_node=info.numa_node,
+                pci_bus_id=info.pci_bus_id,
+            )
+            if old is not None:
+                row.allocated_memory_mib, row.allocated_compute = old.allocated_memory_mib, old.allocated_compute
+                if old.allocated_memory_mib > info.memory_mib:
+                    row.memory_mib, row.memory_total_mib = old.memory_mib, old.memory_total_mib
+                    row.healthy, row.health_reason = False, "reported memory below allocated memory"
+            self.gpus[info.uuid] = row
+        reported = {g.uuid for g in event.gpus}
+        for gpu_uuid, gpu in self.gpus.items():
+            if gpu.node == event.node and gpu_uuid not in reported:
+                gpu.retired = True
+
+    def _reserved(self, event: ReservedEvent) -> None:
+        if event.allocation_id in self.allocations or event.pod_uid in self.live_by_pod:
+            return
+        charges = gpu_charges(event.parts)
+        self.allocations[event.allocation_id] = AllocationRow(
+            pod_uid=event.pod_uid,
+            namespace=event.namespace,
+            pod_name=event.pod_name,
+            owner_kind=event.owner_kind,
+            owner_name=event.owner_name,
+            node=event.node,
+            state=AllocationState.RESERVED,
+            memory_mib=sum(m for m, _ in charges.values()),
+            compute=sum(c for _, c in charges.values()),
+            reason="",
+            reserved_at=event.occurred_at,
+            parts=tuple(event.parts),
+        )
+        self.live_by_pod[event.pod_uid] = event.allocation_id
+        self._charge(charges, +1)
+        for early in self.early.pop(event.allocation_id, []):
+            self._transition(early)
+
+    def _transition(self, event: BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent) -> None:
+        alloc = self.allocations[event.allocation_id]
+        stamp = _STAMP[event.kind]
+        if getattr(alloc, stamp) is None:
+            setattr(alloc, stamp, event.occurred_at)
+        if isinstance(event, AssignedEvent):
+            alloc.assigned_containers.setdefault(event.container, event.occurred_at)
+        new_state = AllocationState(event.kind)
+        if advances(alloc.state, new_state):
+            if isinstance(event, ReleasedEvent | FailedEvent):
+                alloc.reason = event.reason
+            if is_live(alloc.state) and not is_live(new_state):
+                self._charge(gpu_charges(alloc.parts), -1)
+                self.live_by_pod.pop(alloc.pod_uid, None)
+            alloc.state = new_state
+
+    def _charge(self, charges: dict[str, tuple[int, int]], sign: int) -> None:
+        for gpu_uuid, (memory, compute) in charges.items():
+            gpu = self.gpus.get(gpu_uuid)
+            if gpu is not None:
+                gpu.allocated_memory_mib += sign * memory
+                gpu.allocated_compute += sign * compute
+
+    def canonical(self) -> dict[str, Any]:
+        """A plain, order-independent form for comparing two ledgers."""
+        return {
+            "nodes": {name: (n.driver_version, n.cuda_version, n.retired) for name, n in sorted(self.nodes.items())},
+            "gpus": {u: tuple(vars(g).values()) for u, g in sorted(self.gpus.items())},
+            "allocations": {
+                str(a_id): (
+                    a.pod_uid,
+                    a.namespace,
+                    a.pod_name,
+                    a.owner_kind,
+                    a.owner_name,
+                    a.node,
+                    a.state.value,
+                    a.memory_mib,
+                    a.compute,
+                    a.reason,
+                    a.reserved_at,
+                    a.bound_at,
+                    a.assigned_at,
+                    a.ended_at,
+                    tuple(
+                        sorted(
+                            (p.container_index, p.init, p.gpu_uuid, p.container, p.gpu_index, p.memory_mib, p.compute)
+                            for p in a.parts
+                        )
+                    ),
+                    tuple(sorted(a.assigned_containers.items())),
+                )
+                for a_id, a in sorted(self.allocations.items(), key=lambda kv: str(kv[0]))
+            },
+            "quotas": dict(sorted(self.quotas.items())),
+        }
+
+    def copy(self) -> LedgerState:
+        """A deep-enough copy for tests."""
+        return replace(
+            self,
+            nodes={k: replace(v) for k, v in self.nodes.items()},
+            gpus={k: replace(v) for k, v in self.gpus.items()},
+            allocations={
+                k: replace(v, assigned_containers=dict(v.assigned_containers)) for k, v in self.allocations.items()
+            },
+            quotas=dict(self.quotas),
+            live_by_pod=dict(self.live_by_pod),
+            early={k: list(v) for k, v in self.early.items()},
+        )

@@ -1,0 +1,60 @@
+"""Configuration shared by every gpushare command: flags override `GPUSHARE_*` environment variables."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MemoryUnit(StrEnum):
+    """The unit of `aliyun.com/gpu-mem` quantities (gpushare's convention: GiB unless configured)."""
+
+    GIB = "GiB"
+    MIB = "MiB"
+
+    @property
+    def mib(self) -> int:
+        """How many MiB one unit holds."""
+        return 1024 if self is MemoryUnit.GIB else 1
+
+
+class Settings(BaseSettings):
+    """Settings common to all services. Each field is also `GPUSHARE_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="GPUSHARE_", extra="ignore")
+
+    database_url: SecretStr | None = Field(
+        default=None, description="PostgreSQL URL, e.g. postgresql://gpushare@db:5432/gpushare"
+    )
+    nats_url: str | None = Field(default=None, description="NATS URL, e.g. nats://nats:4222")
+    accounting_url: str = Field(default="http://127.0.0.1:8080", description="Where clients reach accounting")
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_format: str = Field(default="json", description="json (one object a line) or text")
+    resource_memory_unit: MemoryUnit = Field(default=MemoryUnit.GIB, description="Unit of aliyun.com/gpu-mem")
+    stream_name: str = Field(default="GPUSHARE", description="JetStream stream holding every event")
+    subject_prefix: str = Field(default="gpushare", description="First token of every event subject")
+    data_dir: Path = Field(default=Path(".gpushare"), description="Where `gpushare up` keeps its data")
+    admin_token: SecretStr | None = Field(default=None, description="Bearer token required by mutating REST endpoints")
+
+    @field_validator("log_level")
+    @classmethod
+    def _upper_level(cls, value: str) -> str:
+        value = value.upper()
+        if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return value
+
+    def require_database_url(self) -> str:
+        """The database URL, or a clear error naming the setting when it is missing."""
+        if self.database_url is None:
+            raise SystemExit("no database configured: set GPUSHARE_DATABASE_URL or pass --database-url")
+        return self.database_url.get_secret_value()
+
+    def require_nats_url(self) -> str:
+        """The NATS URL, or a clear error naming the setting when it is missing."""
+        if not self.nats_url:
+            raise SystemExit("no NATS server configured: set GPUSHARE_NATS_URL or pass --nats-url")
+        return self.nats_url

@@ -1,0 +1,92 @@
+"""The dev control plane schedules pods onto simulated nodes with the real kube-scheduler."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from kubernetes_asyncio import client
+
+from shared.devcluster import ControlPlane, Paths
+from shared.devcluster.nodes import GPU_COUNT, GPU_MEM, create_gpu_node, delete_node
+from shared.devcluster.waits import wait_for_pod_node, wait_for_pods_bound
+
+pytestmark = pytest.mark.e2e
+
+BIND_TIMEOUT = 60.0
+
+
+def _container(name: str = "main") -> dict:
+    return {
+        "name": name,
+        "image": "busybox:1.36",
+        "command": ["sleep", "3600"],
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
+    }
+
+
+async def test_scheduler_binds_pod_and_deployment(control_plane: ControlPlane) -> None:
+    """A plain pod and a 2-replica Deployment get bound to the simulated node."""
+    node_name = f"gpu-node-{uuid.uuid4().hex[:6]}"
+    ns = "default"
+    async with control_plane.api_client() as api:
+        core = client.CoreV1Api(api)
+        apps = client.AppsV1Api(api)
+        node = await create_gpu_node(
+            api, node_name, gpus=[(16, "Tesla-V100"), (16, "Tesla-V100")], labels={"gpushare": "true"}
+        )
+        assert node.status.allocatable[GPU_MEM] == "32"
+        assert node.status.allocatable[GPU_COUNT] == "2"
+        assert not [t for t in (node.spec.taints or []) if t.key.startswith("node.kubernetes.io")]
+
+        pod_name = f"plain-{uuid.uuid4().hex[:6]}"
+        await core.create_namespaced_pod(
+            ns,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod_name, "labels": {"app": pod_name}},
+                "spec": {"containers": [_container()]},
+            },
+        )
+        assert await wait_for_pod_node(api, ns, pod_name, BIND_TIMEOUT) == node_name
+
+        dep_name = f"dep-{uuid.uuid4().hex[:6]}"
+        labels = {"app": dep_name}
+        await apps.create_namespaced_deployment(
+            ns,
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": dep_name},
+                "spec": {
+                    "replicas": 2,
+                    "selector": {"matchLabels": labels},
+                    "template": {"metadata": {"labels": labels}, "spec": {"containers": [_container()]}},
+                },
+            },
+        )
+        pods = await wait_for_pods_bound(api, ns, f"app={dep_name}", 2, BIND_TIMEOUT)
+        assert {p.spec.node_name for p in pods} == {node_name}
+
+        await apps.delete_namespaced_deployment(dep_name, ns)
+        await core.delete_namespaced_pod(pod_name, ns, grace_period_seconds=0)
+        await delete_node(api, node_name)
+
+
+def test_start_stop_leaves_no_processes(control_plane_binaries: Paths) -> None:
+    """A separate ControlPlane stops every process and removes its work dir."""
+    cp = ControlPlane(paths=control_plane_binaries)
+    with cp:
+        pids = cp.pids
+        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"}
+        assert all(cp.running().values())
+        assert cp.kubeconfig_path.is_file()
+        work_dir = cp.work_dir
+    assert not any(cp.running().values())
+    for name, pid in pids.items():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert name
+    assert not work_dir.exists()

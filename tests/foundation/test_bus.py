@@ -1,0 +1,101 @@
+"""The JetStream helpers against a real NATS server: dedup, ack after effect, retries, parking."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.events.bus import EventBus
+from shared.events.catalogue import HealthEvent, QuotaEvent
+from shared.events.consumer import DurableConsumer, PermanentError
+from shared.ledger.idempotency import claim
+
+
+async def _until(predicate, within: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_republishing_the_same_event_id_is_dropped_by_the_stream(bus: EventBus) -> None:
+    event = QuotaEvent(namespace="ml", memory_mib=1024)
+    first = await bus.publish(event)
+    second = await bus.publish(event)
+    assert not first.duplicate and second.duplicate
+    info = await bus.js.stream_info(bus.names.stream)
+    assert info.state.messages == 1
+
+
+async def test_consumer_applies_each_event_once_even_when_delivered_twice(bus: EventBus, engine: AsyncEngine) -> None:
+    applied: list[uuid.UUID] = []
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        async with engine.begin() as conn:
+            if await claim(conn, "test", event.event_id):
+                applied.append(event.event_id)
+
+    consumer = DurableConsumer(bus, "idem", handler, kinds=["quota"])
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    event = QuotaEvent(namespace="ml", memory_mib=1024)
+    await bus.publish(event)
+    # a second message with another msg-id but the same event body: a replayed event
+    await bus.publish_raw(f"{bus.names.prefix}.quota._", event.model_dump_json().encode(), "other-msg-id")
+    await _until(lambda: consumer.applied == 2)
+    stop.set()
+    await task
+    assert applied == [event.event_id]
+
+
+async def test_poison_and_persistently_failing_messages_are_parked_not_looped(bus: EventBus) -> None:
+    seen: list[str] = []
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        seen.append(event.namespace)
+        if event.namespace == "reject":
+            raise PermanentError("namespace reject is not allowed")
+        if event.namespace == "flaky":
+            raise RuntimeError("database unavailable")
+
+    consumer = DurableConsumer(bus, "poison", handler, kinds=["quota"], max_deliver=3, backoff_s=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    await bus.publish_raw(f"{bus.names.prefix}.quota._", b"{not json", "garbage-1")
+    await bus.publish(QuotaEvent(namespace="reject", memory_mib=1))
+    await bus.publish(QuotaEvent(namespace="flaky", memory_mib=1))
+    await bus.publish(QuotaEvent(namespace="fine", memory_mib=1))
+    await _until(lambda: consumer.parked == 3 and consumer.applied == 1)
+    stop.set()
+    await task
+    assert seen.count("flaky") == 3  # bounded redelivery
+    assert seen.count("fine") == 1
+    parked = await bus.js.stream_info(bus.names.parked_stream)
+    assert parked.state.messages == 3
+
+
+async def test_consumer_resumes_where_it_left_off(bus: EventBus) -> None:
+    got: list[str] = []
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        got.append(event.gpu_uuid)
+
+    for i in range(3):
+        await bus.publish(HealthEvent(node="n", gpu_uuid=f"G{i}", healthy=True))
+    first = DurableConsumer(bus, "resume", handler, kinds=["health"])
+    stop = asyncio.Event()
+    task = asyncio.create_task(first.run(stop))
+    await _until(lambda: len(got) == 3)
+    stop.set()
+    await task
+    for i in range(3, 5):
+        await bus.publish(HealthEvent(node="n", gpu_uuid=f"G{i}", healthy=True))
+    second = DurableConsumer(bus, "resume", handler, kinds=["health"])
+    stop = asyncio.Event()
+    task = asyncio.create_task(second.run(stop))
+    await _until(lambda: len(got) == 5)
+    stop.set()
+    await task
+    assert got == ["G0", "G1", "G2", "G3", "G4"]

@@ -1,0 +1,80 @@
+"""The event catalogue: round trips, subjects, and clear refusals of bad messages."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.events.catalogue import (
+    EVENT_KINDS,
+    AllocationPart,
+    EventDecodeError,
+    GpuInfo,
+    InventoryEvent,
+    ReservedEvent,
+    decode_event,
+    encode_event,
+    subject_for,
+)
+
+
+def _reserved() -> ReservedEvent:
+    return ReservedEvent(
+        allocation_id=uuid.uuid4(),
+        pod_uid="uid-1",
+        namespace="ml",
+        pod_name="bert-0",
+        node="gpu-node.example.com",
+        parts=[AllocationPart(container="main", container_index=0, gpu_uuid="GPU-1", gpu_index=0, memory_mib=4096)],
+    )
+
+
+def test_round_trip_keeps_every_field() -> None:
+    event = _reserved()
+    assert decode_event(encode_event(event)) == event
+
+
+def test_subject_is_namespaced_by_kind_and_node_with_safe_tokens() -> None:
+    event = _reserved()
+    assert subject_for("gpushare", event) == "gpushare.reserved.gpu-node_example_com"
+    inv = InventoryEvent(node="n1", gpus=[GpuInfo(uuid="G", index=0, memory_mib=1024, memory_total_mib=1100)])
+    assert subject_for("p", inv) == "p.inventory.n1"
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (json.dumps({"kind": "exploded", "version": 1}).encode(), "unknown event kind"),
+        (json.dumps({"kind": "bound", "version": 7}).encode(), "unsupported bound event version 7"),
+        (json.dumps({"kind": "bound", "version": 1}).encode(), "invalid bound event"),
+    ],
+)
+def test_bad_messages_are_refused_with_a_reason(payload: bytes, message: str) -> None:
+    with pytest.raises(EventDecodeError, match=message):
+        decode_event(payload)
+
+
+def test_negative_and_overflowing_quantities_are_refused() -> None:
+    raw = json.loads(encode_event(_reserved()))
+    raw["parts"][0]["memory_mib"] = -1
+    with pytest.raises(EventDecodeError, match="memory_mib"):
+        decode_event(json.dumps(raw))
+    raw["parts"][0]["memory_mib"] = 10**30
+    with pytest.raises(EventDecodeError, match="memory_mib"):
+        decode_event(json.dumps(raw))
+
+
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_never_escape_as_anything_but_decode_errors(data: bytes) -> None:
+    try:
+        event = decode_event(data)
+    except EventDecodeError as exc:
+        assert str(exc)
+    else:
+        assert event.kind in EVENT_KINDS
