@@ -152,6 +152,23 @@ class ReleasedEvent(_EventBase):
     reason: ShortText = ""
 
 
+class ExchangedEvent(_EventBase):
+    """Two containers on one node swapped their equal-sized GPU shares.
+
+    The node agent learns which pod kubelet really handed a device set to only after Allocate (kubelet's
+    Allocate carries no pod identity). When kubelet admitted another pod than the one the agent expected,
+    and both wait for shares of identical size, the ledger swaps the two shares so that it records what
+    each container really received. Capacity per GPU is unchanged by construction.
+    """
+
+    kind: Literal["exchanged"] = "exchanged"
+    node: Name
+    first_allocation_id: uuid.UUID
+    first_container: Name
+    second_allocation_id: uuid.UUID
+    second_container: Name
+
+
 class UsageSample(BaseModel):
     """What one process group (a container of a pod, when known) used on one GPU."""
 
@@ -212,6 +229,7 @@ Event = Annotated[
     | FailedEvent
     | AssignedEvent
     | ReleasedEvent
+    | ExchangedEvent
     | UsageEvent
     | HealthEvent
     | RefusedEvent
@@ -227,6 +245,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "failed",
     "assigned",
     "released",
+    "exchanged",
     "usage",
     "health",
     "refused",

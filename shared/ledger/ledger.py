@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
+    ExchangedEvent,
     FailedEvent,
     HealthEvent,
     InventoryEvent,
@@ -39,6 +40,7 @@ LedgerEvent = (
     | AssignedEvent
     | ReleasedEvent
     | FailedEvent
+    | ExchangedEvent
 )
 
 
@@ -49,6 +51,8 @@ async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
             return await reservations.reserve(conn, event)
         case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
             return await transitions.apply_transition(conn, event)
+        case ExchangedEvent():
+            return await transitions.apply_exchange(conn, event)
         case InventoryEvent():
             return await inventory.apply_inventory(conn, event)
         case HealthEvent():
@@ -139,6 +143,29 @@ class Ledger:
             await self.record(
                 ReleasedEvent(
                     allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source
+                )
+            )
+        )
+
+    async def exchange(
+        self,
+        node: str,
+        first: tuple[uuid.UUID, str],
+        second: tuple[uuid.UUID, str],
+    ) -> bool:
+        """Swap two containers' equal-sized shares (allocation id, container name each).
+
+        Raises `rules.ExchangeRefused` (and writes nothing) when the shares differ.
+        """
+        return bool(
+            await self.record(
+                ExchangedEvent(
+                    node=node,
+                    first_allocation_id=first[0],
+                    first_container=first[1],
+                    second_allocation_id=second[0],
+                    second_container=second[1],
+                    source=self.source,
                 )
             )
         )

@@ -1,6 +1,6 @@
 """Pure rules of the allocation life cycle (no I/O).
 
-States only move forward: reserved -> bound -> assigned -> released, or reserved/bound -> failed.
+States only move forward: reserved -> bound -> assigned -> released, or reserved -> failed.
 `released` and `failed` are terminal. Applying a transition that is not forward is a no-op, which makes
 every consumer idempotent and lets a replay apply events in any order and reach the same state.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class AllocationState(StrEnum):
@@ -42,7 +42,13 @@ def rank(state: AllocationState | str) -> int:
 
 
 def advances(current: AllocationState | str, new: AllocationState | str) -> bool:
-    """True when moving from `current` to `new` is a forward step (so it should be applied)."""
+    """True when moving from `current` to `new` is a forward step (so it should be applied).
+
+    `failed` means the Binding was never made, so it only follows `reserved`; a pod that is bound
+    ends with `released`.
+    """
+    if AllocationState(new) is AllocationState.FAILED:
+        return AllocationState(current) is AllocationState.RESERVED
     return rank(new) > rank(current)
 
 
@@ -82,3 +88,26 @@ def gpu_charges(parts: Iterable[ChargeablePart]) -> dict[str, tuple[int, int]]:
         a, i = app.get(gpu, [0, 0]), init.get(gpu, [0, 0])
         charges[gpu] = (max(a[0], i[0]), max(a[1], i[1]))
     return charges
+
+
+class ExchangeRefused(Exception):
+    """The two shares cannot be swapped (different shapes, nodes, or states)."""
+
+
+def exchange_plan(first: list[Any], second: list[Any]) -> list[tuple[Any, str, int, str, int]]:
+    """Pure: how to swap the GPUs of two containers' parts, or raise `ExchangeRefused`.
+
+    Parts are paired by GPU index order; each pair must hold the same memory and compute. Returns
+    (part, new_gpu_uuid, new_gpu_index, old_gpu_uuid, old_gpu_index) for every part of both containers.
+    """
+    if not first or not second or len(first) != len(second):
+        raise ExchangeRefused("containers hold a different number of GPU shares")
+    a = sorted(first, key=lambda p: p.gpu_index)
+    b = sorted(second, key=lambda p: p.gpu_index)
+    plan = []
+    for pa, pb in zip(a, b, strict=True):
+        if (pa.memory_mib, pa.compute, pa.init) != (pb.memory_mib, pb.compute, pb.init):
+            raise ExchangeRefused("containers hold shares of different sizes")
+        plan.append((pa, pb.gpu_uuid, pb.gpu_index, pa.gpu_uuid, pa.gpu_index))
+        plan.append((pb, pa.gpu_uuid, pa.gpu_index, pb.gpu_uuid, pb.gpu_index))
+    return plan

@@ -17,6 +17,7 @@ from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
     Event,
+    ExchangedEvent,
     FailedEvent,
     HealthEvent,
     InventoryEvent,
@@ -25,7 +26,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.rules import AllocationState, advances, gpu_charges, is_live
+from shared.ledger.rules import AllocationState, advances, exchange_plan, gpu_charges, is_live
 
 
 @dataclass
@@ -116,6 +117,8 @@ class LedgerState:
                     self.quotas[event.namespace] = (event.memory_mib, event.compute)
             case ReservedEvent():
                 self._reserved(event)
+            case ExchangedEvent():
+                self._exchange(event)
             case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
                 if event.allocation_id not in self.allocations:
                     self.early.setdefault(event.allocation_id, []).append(event)
@@ -192,6 +195,26 @@ class LedgerState:
                 self._charge(gpu_charges(alloc.parts), -1)
                 self.live_by_pod.pop(alloc.pod_uid, None)
             alloc.state = new_state
+
+    def _exchange(self, event: ExchangedEvent) -> None:
+        a = self.allocations.get(event.first_allocation_id)
+        b = self.allocations.get(event.second_allocation_id)
+        if a is None or b is None:
+            return
+        first = [p for p in a.parts if p.container == event.first_container]
+        second = [p for p in b.parts if p.container == event.second_container]
+        plan = exchange_plan(first, second)
+        for alloc in {id(a): a, id(b): b}.values():
+            self._charge(gpu_charges(alloc.parts), -1)
+        moved = {id(part): (new_uuid, new_index) for part, new_uuid, new_index, _, _ in plan}
+        for alloc in {id(a): a, id(b): b}.values():
+            alloc.parts = tuple(
+                p.model_copy(update={"gpu_uuid": moved[id(p)][0], "gpu_index": moved[id(p)][1]})
+                if id(p) in moved
+                else p
+                for p in alloc.parts
+            )
+            self._charge(gpu_charges(alloc.parts), +1)
 
     def _charge(self, charges: dict[str, tuple[int, int]], sign: int) -> None:
         for gpu_uuid, (memory, compute) in charges.items():

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from shared.events.catalogue import AssignedEvent, BoundEvent, FailedEvent, ReleasedEvent
+from shared.events.catalogue import AssignedEvent, BoundEvent, ExchangedEvent, FailedEvent, ReleasedEvent
 from shared.ledger.models import allocation_parts, allocations, gpus
-from shared.ledger.rules import AllocationState, advances, gpu_charges, is_live
+from shared.ledger.rules import AllocationState, ExchangeRefused, advances, exchange_plan, gpu_charges, is_live
 
 TransitionEvent = BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent
 
@@ -93,3 +94,82 @@ async def live_allocation_ids(conn: AsyncConnection, *, node: str | None = None,
     if pod_uid is not None:
         query = query.where(allocations.c.pod_uid == pod_uid)
     return list((await conn.execute(query)).all())
+
+
+async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> bool:
+    """Swap two live containers' equal-sized shares (see `ExchangedEvent`); True when done."""
+    ids = sorted({event.first_allocation_id, event.second_allocation_id}, key=str)
+    rows = {
+        r.id: r
+        for r in (
+            await conn.execute(
+                select(allocations.c.id, allocations.c.state, allocations.c.node)
+                .where(allocations.c.id.in_(ids))
+                .order_by(allocations.c.id)
+                .with_for_update()
+            )
+        ).all()
+    }
+    if len(rows) != len(ids) or any(not is_live(r.state) or r.node != event.node for r in rows.values()):
+        raise ExchangeRefused("both allocations must be live on the event's node")
+    parts = (await conn.execute(select(allocation_parts).where(allocation_parts.c.allocation_id.in_(ids)))).all()
+    first = [p for p in parts if p.allocation_id == event.first_allocation_id and p.container == event.first_container]
+    second = [
+        p for p in parts if p.allocation_id == event.second_allocation_id and p.container == event.second_container
+    ]
+    plan = exchange_plan(first, second)
+    by_alloc = {i: [p for p in parts if p.allocation_id == i] for i in ids}
+    for i in ids:
+        await _give_back(conn, i, event.occurred_at)
+    # move the first container's parts out of the way, then write both sides
+    for part, new_uuid, new_index, old_uuid, _ in plan:
+        await conn.execute(
+            update(allocation_parts)
+            .where(
+                and_(
+                    allocation_parts.c.allocation_id == part.allocation_id,
+                    allocation_parts.c.container_index == part.container_index,
+                    allocation_parts.c.init == part.init,
+                    allocation_parts.c.gpu_uuid == old_uuid,
+                )
+            )
+            .values(gpu_uuid=f"~{new_uuid}", gpu_index=new_index)
+        )
+    await conn.execute(
+        update(allocation_parts)
+        .where(and_(allocation_parts.c.allocation_id.in_(ids), allocation_parts.c.gpu_uuid.like("~%")))
+        .values(gpu_uuid=func.substr(allocation_parts.c.gpu_uuid, 2))
+    )
+    for i in ids:
+        moved = [
+            _Moved(p.gpu_uuid, p.memory_mib, p.compute, p.init)
+            for p in by_alloc[i]
+            if not any(p is q for q, *_ in plan)
+        ] + [_Moved(new_uuid, q.memory_mib, q.compute, q.init) for q, new_uuid, *_ in plan if q.allocation_id == i]
+        for gpu_uuid, (memory, compute) in gpu_charges(moved).items():
+            done = await conn.execute(
+                update(gpus)
+                .where(
+                    and_(
+                        gpus.c.uuid == gpu_uuid,
+                        gpus.c.allocated_memory_mib + memory <= gpus.c.memory_mib,
+                        gpus.c.allocated_compute + compute <= gpus.c.compute_units,
+                    )
+                )
+                .values(
+                    allocated_memory_mib=gpus.c.allocated_memory_mib + memory,
+                    allocated_compute=gpus.c.allocated_compute + compute,
+                )
+                .returning(gpus.c.uuid)
+            )
+            if done.first() is None:
+                raise ExchangeRefused(f"swapping would overcommit GPU {gpu_uuid}")
+    return True
+
+
+@dataclass(frozen=True)
+class _Moved:
+    gpu_uuid: str
+    memory_mib: int
+    compute: int
+    init: bool

@@ -24,12 +24,19 @@ async def _actor(ledger: Ledger, gpus: list[tuple[str, int]], rng: random.Random
         pod_uid = f"pod-{uuid.uuid4()}"
         memory = rng.choice([1024, 2048, 4096])
         parts = tuple(
-            AllocationPart(container="main", container_index=0, gpu_uuid=u, gpu_index=i, memory_mib=memory,
-                           compute=rng.choice([0, 10, 30]))
+            AllocationPart(
+                container="main",
+                container_index=0,
+                gpu_uuid=u,
+                gpu_index=i,
+                memory_mib=memory,
+                compute=rng.choice([0, 10, 30]),
+            )
             for u, i in sorted(chosen)
         )
-        request = ReservationRequest(pod_uid=pod_uid, namespace=rng.choice(["a", "b"]), pod_name=pod_uid,
-                                     node="node-r", parts=parts)
+        request = ReservationRequest(
+            pod_uid=pod_uid, namespace=rng.choice(["a", "b"]), pod_name=pod_uid, node="node-r", parts=parts
+        )
         try:
             result = await ledger.reserve(request)
         except (InsufficientCapacity, QuotaExceeded):

@@ -52,7 +52,8 @@ async def test_racing_reservers_never_overcommit_and_answer_truthfully(engine: A
             assert 0 <= gpu.allocated_compute <= gpu.compute_units
         live_parts = (
             await conn.execute(
-                select(allocation_parts).join(allocations, allocations.c.id == allocation_parts.c.allocation_id)
+                select(allocation_parts)
+                .join(allocations, allocations.c.id == allocation_parts.c.allocation_id)
                 .where(allocations.c.state.in_(("reserved", "bound", "assigned")))
             )
         ).all()

@@ -24,10 +24,17 @@ async def _busy_ledger(engine: AsyncEngine, bus: EventBus, seed: int = 7) -> Led
     ledger = Ledger(engine, prefix=bus.names.prefix, source="test", on_commit=relay.kick)
     rng = random.Random(seed)
     for n in range(3):
-        await ledger.record(InventoryEvent(
-            node=f"node-{n}", driver_version="550.54", cuda_version="12.4",
-            gpus=[GpuInfo(uuid=f"GPU-{n}-{i}", index=i, model="Tesla-T4", memory_mib=15360, memory_total_mib=15360)
-                  for i in range(2)]))
+        await ledger.record(
+            InventoryEvent(
+                node=f"node-{n}",
+                driver_version="550.54",
+                cuda_version="12.4",
+                gpus=[
+                    GpuInfo(uuid=f"GPU-{n}-{i}", index=i, model="Tesla-T4", memory_mib=15360, memory_total_mib=15360)
+                    for i in range(2)
+                ],
+            )
+        )
     await ledger.record(QuotaEvent(namespace="team-a", memory_mib=30 * 1024))
     live: list = []
     for _ in range(60):
@@ -43,10 +50,23 @@ async def _busy_ledger(engine: AsyncEngine, bus: EventBus, seed: int = 7) -> Led
         else:
             n, i = rng.randrange(3), rng.randrange(2)
             req = ReservationRequest(
-                pod_uid=str(uuid.uuid4()), namespace=rng.choice(["team-a", "team-b"]), pod_name="p",
-                node=f"node-{n}", owner_kind="Deployment", owner_name="bert",
-                parts=(AllocationPart(container="main", container_index=0, gpu_uuid=f"GPU-{n}-{i}", gpu_index=i,
-                                      memory_mib=rng.choice([1024, 2048, 4096]), compute=rng.choice([0, 20])),))
+                pod_uid=str(uuid.uuid4()),
+                namespace=rng.choice(["team-a", "team-b"]),
+                pod_name="p",
+                node=f"node-{n}",
+                owner_kind="Deployment",
+                owner_name="bert",
+                parts=(
+                    AllocationPart(
+                        container="main",
+                        container_index=0,
+                        gpu_uuid=f"GPU-{n}-{i}",
+                        gpu_index=i,
+                        memory_mib=rng.choice([1024, 2048, 4096]),
+                        compute=rng.choice([0, 20]),
+                    ),
+                ),
+            )
             try:
                 live.append(await ledger.reserve(req))
             except InsufficientCapacity:
@@ -86,8 +106,62 @@ async def test_cli_rebuild_verifies_against_the_live_ledger(
     engine: AsyncEngine, bus: EventBus, database_url: str, nats_url: str, capsys
 ) -> None:  # type: ignore[no-untyped-def]
     await _busy_ledger(engine, bus, seed=3)
-    args = ["ledger", "rebuild", "--database-url", database_url, "--nats-url", nats_url,
-            "--stream-name", bus.names.stream, "--subject-prefix", bus.names.prefix, "--log-format", "text"]
+    args = [
+        "ledger",
+        "rebuild",
+        "--database-url",
+        database_url,
+        "--nats-url",
+        nats_url,
+        "--stream-name",
+        bus.names.stream,
+        "--subject-prefix",
+        bus.names.prefix,
+        "--log-format",
+        "text",
+    ]
     code = await asyncio.to_thread(gpushare, args)
     assert code == 0
     assert "ledger verified" in capsys.readouterr().err
+
+
+async def test_exchange_swaps_equal_shares_keeps_capacity_and_replays(engine: AsyncEngine, bus: EventBus) -> None:
+    import pytest
+
+    from shared.ledger.rules import ExchangeRefused
+
+    relay = OutboxRelay(engine, bus, poll_s=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    ledger = Ledger(engine, prefix=bus.names.prefix, on_commit=relay.kick)
+    await ledger.record(
+        InventoryEvent(
+            node="n", gpus=[GpuInfo(uuid=f"G{i}", index=i, memory_mib=16384, memory_total_mib=16384) for i in range(2)]
+        )
+    )
+
+    def req(gpu: int, memory: int) -> ReservationRequest:
+        return ReservationRequest(
+            pod_uid=str(uuid.uuid4()),
+            namespace="ns",
+            pod_name="p",
+            node="n",
+            parts=(
+                AllocationPart(container="c", container_index=0, gpu_uuid=f"G{gpu}", gpu_index=gpu, memory_mib=memory),
+            ),
+        )
+
+    a, b, c = await ledger.reserve(req(0, 4096)), await ledger.reserve(req(1, 4096)), await ledger.reserve(req(1, 2048))
+    assert await ledger.exchange("n", (a.allocation_id, "c"), (b.allocation_id, "c"))
+    with pytest.raises(ExchangeRefused, match="different sizes"):
+        await ledger.exchange("n", (a.allocation_id, "c"), (c.allocation_id, "c"))
+    await wait_for_quiet(engine)
+    stop.set()
+    await task
+    async with engine.connect() as conn:
+        live = await load_state(conn)
+    assert live.allocations[a.allocation_id].parts[0].gpu_uuid == "G1"
+    assert live.allocations[b.allocation_id].parts[0].gpu_uuid == "G0"
+    assert (live.gpus["G0"].allocated_memory_mib, live.gpus["G1"].allocated_memory_mib) == (4096, 6144)
+    replayed, _ = await replay_state(bus)
+    assert differences(live, replayed) == []

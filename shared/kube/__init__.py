@@ -1,0 +1,1 @@
+"""Kubernetes client helpers shared by the services."""

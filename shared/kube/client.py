@@ -1,0 +1,37 @@
+"""Kubernetes API clients from a kubeconfig file or the in-cluster service account."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.config.config_exception import ConfigException
+
+
+async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """An `ApiClient` for `kubeconfig` (default: $KUBECONFIG, then in-cluster, then ~/.kube/config).
+
+    Raises `ConfigException` with a message naming what was tried when nothing works.
+    """
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    configuration = client.Configuration()
+    if path:
+        await config.load_kube_config(config_file=path, client_configuration=configuration)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException:
+            default = Path.home() / ".kube" / "config"
+            if not default.exists():
+                raise ConfigException(
+                    "no Kubernetes configuration: set KUBECONFIG, run in a cluster, or create ~/.kube/config"
+                ) from None
+            await config.load_kube_config(config_file=str(default), client_configuration=configuration)
+    # kubernetes_asyncio reads bearer tokens from the `BearerToken` key in some versions and from
+    # `authorization` in others; make both present.
+    token = configuration.api_key.get("authorization") or configuration.api_key.get("BearerToken")
+    if token:
+        configuration.api_key["authorization"] = token
+        configuration.api_key["BearerToken"] = token
+    return client.ApiClient(configuration)
