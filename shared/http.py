@@ -1,0 +1,104 @@
+"""HTTP plumbing every service's FastAPI app shares: health, readiness, metrics, errors, limits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413 before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _too_large(self.max_bytes, scope, send)
+            return
+        seen = 0
+
+        async def limited_receive():  # type: ignore[no-untyped-def]
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _too_large(self.max_bytes, scope, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(limit: int, scope: Scope, send: Send) -> None:
+    log.warning("refused an oversized request body", extra={"path": scope.get("path"), "limit": limit})
+    response = JSONResponse({"error": f"request body larger than {limit} bytes"}, status_code=413)
+    await response(scope, _empty_receive, send)
+
+
+async def _empty_receive() -> dict:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def install_common(
+    app: FastAPI,
+    *,
+    ready: Callable[[], bool] = lambda: True,
+    registry: CollectorRegistry = REGISTRY,
+) -> None:
+    """Add `/healthz`, `/readyz`, `/metrics` and JSON error handlers (4xx with a reason, never a
+    traceback; an unexpected error is logged and answered 500 with a generic JSON body)."""
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> JSONResponse:
+        ok = ready()
+        return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            {"field": ".".join(str(p) for p in err.get("loc", ())), "problem": err.get("msg", "invalid")}
+            for err in exc.errors()[:20]
+        ]
+        log.info("rejected an invalid request", extra={"path": request.url.path, "problems": problems[:5]})
+        return JSONResponse({"error": "invalid request", "details": problems}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error serving %s", request.url.path)
+        return JSONResponse({"error": "internal error; see the service log"}, status_code=500)

@@ -1,0 +1,112 @@
+"""The common shell of a service process: database, bus, outbox relay, ledger, HTTP, clean stop.
+
+    async with ServiceRuntime("binder", settings) as rt:
+        rt.spawn(consumer.run(rt.stop))
+        await rt.serve(app, port=8081)      # returns when SIGTERM / SIGINT arrives
+
+Everything started here is stopped in reverse order on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.events.bus import BusNames, EventBus
+from shared.ledger.db import make_engine
+from shared.ledger.ledger import Ledger
+from shared.ledger.outbox import OutboxRelay
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class ServiceRuntime:
+    """Connections and background tasks of one service process."""
+
+    def __init__(self, name: str, settings: Settings, *, database: bool = True, pool_size: int = 10) -> None:
+        self.name = name
+        self.settings = settings
+        self.database = database
+        self.pool_size = pool_size
+        self.stop = asyncio.Event()
+        self.engine: AsyncEngine | None = None
+        self.bus: EventBus | None = None
+        self.relay: OutboxRelay | None = None
+        self.ledger: Ledger | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def names(self) -> BusNames:
+        """The stream and subject prefix in use."""
+        return BusNames(self.settings.stream_name, self.settings.subject_prefix)
+
+    async def __aenter__(self) -> ServiceRuntime:
+        self.bus = await EventBus.connect(self.settings.require_nats_url(), self.names, name=f"gpushare-{self.name}")
+        if self.database:
+            self.engine = make_engine(self.settings.require_database_url(), pool_size=self.pool_size)
+            self.relay = OutboxRelay(self.engine, self.bus)
+            self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)
+            self.spawn(self.relay.run(self.stop))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        log.info("%s started", self.name, extra={"service": self.name})
+        return self
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("%s: %s received, stopping", self.name, sig.name)
+        self.stop.set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run a background task until the runtime stops; a crash in it is logged and stops the service."""
+        task = asyncio.create_task(coro)
+
+        def _done(t: asyncio.Task[Any]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s: background task failed: %r", self.name, t.exception(), exc_info=t.exception())
+                self.stop.set()
+
+        task.add_done_callback(_done)
+        self._tasks.append(task)
+        return task
+
+    async def serve(self, app: FastAPI | None, *, host: str = "0.0.0.0", port: int | None = None) -> None:
+        """Serve `app` (if given) until the stop event is set."""
+        if app is None or port is None:
+            await self.stop.wait()
+            return
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+        server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        serving = asyncio.create_task(server.serve())
+        log.info("%s listening", self.name, extra={"service": self.name, "host": host, "port": port})
+        stopper = asyncio.create_task(self.stop.wait())
+        await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+        stopper.cancel()
+        self.stop.set()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.relay is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.relay.flush(), 5)
+        for task in reversed(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.bus is not None:
+            await self.bus.close()
+        if self.engine is not None:
+            await self.engine.dispose()
+        log.info("%s stopped", self.name, extra={"service": self.name})
