@@ -94,6 +94,11 @@ def install_common(
         log.info("rejected an invalid request", extra={"path": request.url.path, "problems": problems[:5]})
         return JSONResponse({"error": "invalid request", "details": problems}, status_code=422)
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        log.warning("refused a request nested too deeply", extra={"path": request.url.path})
+        return JSONResponse({"error": "request body is nested too deeply"}, status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)

@@ -80,12 +80,31 @@ class ServiceRuntime:
         self._tasks.append(task)
         return task
 
-    async def serve(self, app: FastAPI | None, *, host: str = "0.0.0.0", port: int | None = None) -> None:
-        """Serve `app` (if given) until the stop event is set."""
+    async def serve(
+        self,
+        app: FastAPI | None,
+        *,
+        host: str = "0.0.0.0",
+        port: int | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
+        """Serve `app` (if given) until the stop event is set; HTTPS when a certificate and key are given."""
         if app is None or port is None:
             await self.stop.wait()
             return
-        config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+            limit_concurrency=1000,
+            timeout_keep_alive=30,
+        )
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         serving = asyncio.create_task(server.serve())
