@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -72,7 +74,8 @@ def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if configured:
         yield configured
         return
-    server = EmbeddedPostgres(Path(tmp_path_factory.mktemp("pg")) / "data", cleanup="delete")
+    # not under pytest's numbered temp dirs: another pytest run may prune those while this one runs
+    server = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="gpushare-pg-")) / "data", cleanup="delete")
     yield server.start()
     server.stop()
 
@@ -93,9 +96,11 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if configured:
         yield configured
         return
-    server = EmbeddedNats(Path(tmp_path_factory.mktemp("nats")))
+    data_dir = Path(tempfile.mkdtemp(prefix="gpushare-nats-"))
+    server = EmbeddedNats(data_dir)
     yield server.start()
     server.stop()
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture
