@@ -1,0 +1,368 @@
+"""The node agent: discovery and inventory, health, the three device plugins, usage and metrics.
+
+agent = NodeAgent(config, backend, ledger=..., bus=...)
+await agent.start()            # inventory recorded, plugins serving and registering
+...                            # background loops run until `agent.stop` is set
+await agent.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.node_agent import labels as node_labels
+from services.node_agent.assigner import Assigner
+from services.node_agent.assignment import PendingContainer, device_id
+from services.node_agent.discovery import GpuBackend, GpuDevice, HealthChange, schedulable_mib
+from services.node_agent.metrics import AgentMetrics
+from services.node_agent.plugin import PluginServer, dp_pb2
+from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
+from services.node_agent.view import allocated_by_gpu, load_containers
+from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+from shared.events.bus import EventBus
+from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, UsageEvent
+from shared.ledger.ledger import Ledger
+from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
+
+RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)
+REFRESH_KINDS = ("reserved", "bound", "released", "exchanged", "failed", "assigned")
+
+
+@dataclass
+class AgentConfig:
+    """What the agent needs to know about its node."""
+
+    node: str
+    unit: MemoryUnit = MemoryUnit.GIB
+    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    mps: bool = False
+    type_label_key: str = "gpu-type"
+    usage_interval_s: float = 5.0
+    inventory_interval_s: float = 30.0
+    view_poll_s: float = 5.0
+    overuse_grace_s: float = 60.0
+    evict_overusers: bool = False
+    proc_root: Path = Path("/proc")
+
+
+@dataclass
+class NodeAgent:
+    """One node's agent. Kubernetes access (`patch_pod`, `patch_node_labels`, `evict_pod`) is optional."""
+
+    config: AgentConfig
+    backend: GpuBackend
+    ledger: Ledger
+    bus: EventBus
+    metrics: AgentMetrics = field(default_factory=AgentMetrics)
+    patch_pod: Callable[[str, str, dict[str, str]], Awaitable[None]] | None = None
+    patch_node_labels: Callable[[str, dict[str, str]], Awaitable[None]] | None = None
+    evict_pod: Callable[[str, str], Awaitable[None]] | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.gpus: list[GpuDevice] = []
+        self.health: dict[str, bool] = {}
+        self.driver = self.cuda = ""
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._view: list[PendingContainer] = []
+        self._view_dirty = asyncio.Event()
+        self.overuse = OveruseTracker(self.config.overuse_grace_s)
+        self.last_usage: UsageEvent | None = None
+        self.assigner = Assigner(
+            ledger=self.ledger,
+            node=self.config.node,
+            unit=self.config.unit,
+            pod_resources_socket=self.config.pod_resources_socket,
+            gpu_memory_mib=lambda: {g.uuid: schedulable_mib(g.memory_total_mib, self.config.unit) for g in self.gpus},
+            gpu_total_mib=lambda: {g.uuid: g.memory_total_mib for g in self.gpus},
+            mps=self.config.mps,
+            patch_pod=self.patch_pod,
+            on_outcome=lambda reason: self.metrics.plugin_outcomes.labels(self.config.node, reason).inc(),
+        )
+        self.plugins = [
+            PluginServer(self.config.device_plugin_dir, r, self, pre_start=(r == RESOURCE_MEM)) for r in RESOURCES
+        ]
+
+    # -- life cycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Discover, record the inventory, label the node, start plugins and loops."""
+        await self.refresh_inventory(force=True)
+        for p in self.plugins:
+            await p.start()
+            self._spawn(p.watch(self.stop))
+        self._spawn(self._health_loop())
+        self._spawn(self._usage_loop())
+        self._spawn(self._inventory_loop())
+        self._spawn(self._view_loop())
+        with contextlib.suppress(Exception):
+            await self._subscribe()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+
+        def _done(t: asyncio.Task[Any]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("node agent task failed: %r", t.exception(), exc_info=t.exception())
+                self.stop.set()
+
+        task.add_done_callback(_done)
+        self._tasks.append(task)
+
+    async def close(self) -> None:
+        """Stop every loop and plugin server."""
+        self.stop.set()
+        self._notify()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for p in self.plugins:
+            await p.stop()
+        if getattr(self, "_sub", None) is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _subscribe(self) -> None:
+        """Core NATS subscription: refresh the allocation view on this node's life-cycle events."""
+        node_token = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.config.node) or "_"
+
+        async def on_msg(msg: Any) -> None:
+            self._view_dirty.set()
+
+        self._sub = await self.bus.nc.subscribe(f"{self.bus.names.prefix}.*.{node_token}", cb=on_msg)
+
+    # -- inventory and health -----------------------------------------------------------------
+    def gpu_infos(self) -> list[GpuInfo]:
+        """The inventory as the ledger wants it."""
+        return [
+            GpuInfo(
+                uuid=g.uuid,
+                index=g.index,
+                model=g.model,
+                memory_mib=schedulable_mib(g.memory_total_mib, self.config.unit),
+                memory_total_mib=g.memory_total_mib,
+                healthy=self.health.get(g.uuid, True),
+                mig_mode=g.mig_mode,
+                numa_node=g.numa_node,
+                pci_bus_id=g.pci_bus_id,
+            )
+            for g in self.gpus
+        ]
+
+    async def refresh_inventory(self, *, force: bool = False) -> bool:
+        """Re-discover; record an InventoryEvent when something changed (or `force`). True if recorded."""
+        gpus = await asyncio.to_thread(self.backend.devices)
+        driver, cuda = await asyncio.to_thread(self.backend.versions)
+        if not force and gpus == self.gpus and (driver, cuda) == (self.driver, self.cuda):
+            return False
+        self.gpus, self.driver, self.cuda = gpus, driver, cuda
+        for g in gpus:
+            self.health.setdefault(g.uuid, True)
+        await self.ledger.record(
+            InventoryEvent(
+                node=self.config.node,
+                gpus=self.gpu_infos(),
+                driver_version=driver,
+                cuda_version=cuda,
+                source="node-agent",
+            )
+        )
+        log.info("inventory recorded", extra={"node": self.config.node, "gpus": len(gpus)})
+        self._notify()
+        await self._label_node()
+        self._update_gpu_metrics()
+        return True
+
+    async def _label_node(self) -> None:
+        if self.patch_node_labels is None:
+            return
+        labels = node_labels.node_labels(
+            self.gpus,
+            self.driver,
+            self.cuda,
+            type_label_key=self.config.type_label_key,
+            schedulable_mib={g.uuid: schedulable_mib(g.memory_total_mib, self.config.unit) for g in self.gpus},
+        )
+        try:
+            await self.patch_node_labels(self.config.node, labels)
+        except Exception as exc:
+            log.warning("could not label node %s: %s", self.config.node, exc)
+
+    async def apply_health(self, change: HealthChange) -> bool:
+        """Record a health change and tell kubelet (ListAndWatch); False when nothing changed."""
+        if change.gpu_uuid not in self.health or self.health[change.gpu_uuid] == change.healthy:
+            return False
+        self.health[change.gpu_uuid] = change.healthy
+        await self.ledger.record(
+            HealthEvent(
+                node=self.config.node,
+                gpu_uuid=change.gpu_uuid,
+                healthy=change.healthy,
+                reason=change.reason,
+                source="node-agent",
+            )
+        )
+        log.warning(
+            "GPU %s is now %s: %s", change.gpu_uuid, "healthy" if change.healthy else "unhealthy", change.reason
+        )
+        self._notify()
+        self._update_gpu_metrics()
+        return True
+
+    async def _health_loop(self) -> None:
+        while not self.stop.is_set():
+            changes = await asyncio.to_thread(self.backend.wait_health, 0.5)
+            for change in changes:
+                await self.apply_health(change)
+
+    async def _inventory_loop(self) -> None:
+        while not await _sleep_or_stop(self.stop, self.config.inventory_interval_s):
+            await self.refresh_inventory()
+
+    # -- device plugin handler ------------------------------------------------------------------
+    def changed(self) -> asyncio.Event:
+        """Set at the next device change."""
+        return self._changed
+
+    def _notify(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
+
+    def device_list(self, resource: str) -> list[Any]:
+        """kubelet devices of a resource: gpu-mem one per unit, gpu-core 100 per GPU, gpu-count one per GPU."""
+        out = []
+        for g in self.gpus:
+            health = "Healthy" if self.health.get(g.uuid, True) else "Unhealthy"
+            topo = dp_pb2.TopologyInfo(nodes=[dp_pb2.NUMANode(ID=g.numa_node)]) if g.numa_node is not None else None
+            if resource == RESOURCE_MEM:
+                n = schedulable_mib(g.memory_total_mib, self.config.unit) // self.config.unit.mib
+                ids = [device_id(g.uuid, j) for j in range(n)]
+            elif resource == RESOURCE_CORE:
+                ids = [f"{g.uuid}-core-{j}" for j in range(100)]
+            else:
+                ids = [g.uuid]
+            out.extend(dp_pb2.Device(ID=i, health=health, topology=topo) for i in ids)
+        return out
+
+    async def preferred(self, resource: str, available: list[str], must: list[str], size: int) -> list[str]:
+        """gpu-mem: the reserved GPU's IDs; other resources: no preference."""
+        if resource != RESOURCE_MEM:
+            return []
+        return await self.assigner.preferred(available, must, size)
+
+    async def allocate(self, resource: str, device_ids: list[str]) -> dict[str, str]:
+        """gpu-mem carries the assignment and the env; gpu-core / gpu-count are counted only."""
+        if resource != RESOURCE_MEM:
+            return {}
+        env = await self.assigner.allocate(device_ids)
+        self._view_dirty.set()
+        return env
+
+    async def prestart(self, resource: str, device_ids: list[str]) -> None:
+        """gpu-mem: confirm the container against kubelet's pod-resources API."""
+        if resource == RESOURCE_MEM:
+            await self.assigner.prestart(device_ids)
+            self._view_dirty.set()
+
+    # -- allocation view, usage, metrics --------------------------------------------------------
+    async def _view_loop(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._view_dirty.wait(), self.config.view_poll_s)
+            self._view_dirty.clear()
+            if self.stop.is_set():
+                return
+            try:
+                self._view = await load_containers(self.ledger.engine, self.config.node)
+            except Exception as exc:
+                log.warning("could not read the ledger: %s", exc)
+                continue
+            self._update_gpu_metrics()
+
+    def _update_gpu_metrics(self) -> None:
+        m, node = self.metrics, self.config.node
+        allocated = allocated_by_gpu(self._view)
+        for g in self.gpus:
+            labels = (node, g.uuid, str(g.index), g.model)
+            m.gpu_total.labels(*labels).set(schedulable_mib(g.memory_total_mib, self.config.unit))
+            m.gpu_allocated.labels(*labels).set(allocated.get(g.uuid, 0))
+            m.gpu_healthy.labels(*labels).set(1 if self.health.get(g.uuid, True) else 0)
+        pods: dict[tuple[str, str], int] = {}
+        for c in self._view:
+            if not c.init:
+                key = (c.namespace, c.pod_name)
+                pods[key] = pods.get(key, 0) + sum(s.memory_mib for s in c.shares)
+        for (ns, pod), mib in pods.items():
+            m.pod_allocated.labels(node, ns, pod).set(mib)
+
+    async def sample_usage(self) -> UsageEvent:
+        """Sample processes, publish a UsageEvent on the bus, update metrics, track over-use."""
+        processes = await asyncio.to_thread(self.backend.processes)
+        utilization = await asyncio.to_thread(self.backend.utilization)
+        view = await load_containers(self.ledger.engine, self.config.node)
+        self._view = view
+        samples = build_samples(processes, utilization, pid_to_pod_uid(self.config.proc_root), view)
+        event = UsageEvent(node=self.config.node, samples=samples, source="node-agent")
+        await self.bus.publish(event)
+        self.last_usage = event
+        m, node = self.metrics, self.config.node
+        used_gpu: dict[str, int] = {}
+        used_pod: dict[tuple[str, str], int] = {}
+        for s in samples:
+            used_gpu[s.gpu_uuid] = used_gpu.get(s.gpu_uuid, 0) + s.used_memory_mib
+            if s.pod_uid:
+                used_pod[(s.namespace, s.pod_name)] = used_pod.get((s.namespace, s.pod_name), 0) + s.used_memory_mib
+        for g in self.gpus:
+            labels = (node, g.uuid, str(g.index), g.model)
+            m.gpu_used.labels(*labels).set(used_gpu.get(g.uuid, 0))
+            m.gpu_util.labels(*labels).set(utilization.get(g.uuid, 0.0))
+        for (ns, pod), mib in used_pod.items():
+            m.pod_used.labels(node, ns, pod).set(mib)
+        self._update_gpu_metrics()
+        for sample, limit in self.overuse.update(samples, allocated_by_pod_gpu(view), time.monotonic()):
+            await self._overuse(sample, limit)
+        over_pods = {p for p, _ in self.overuse.over()}
+        for c in view:
+            m.pod_overuse.labels(node, c.namespace, c.pod_name).set(1 if c.pod_uid in over_pods else 0)
+        return event
+
+    async def _overuse(self, sample: Any, limit: int) -> None:
+        log.warning(
+            "pod %s/%s uses %d MiB on GPU %s but was allocated %d MiB (longer than %.0fs)",
+            sample.namespace,
+            sample.pod_name,
+            sample.used_memory_mib,
+            sample.gpu_uuid,
+            limit,
+            self.config.overuse_grace_s,
+            extra={"reason": "overuse", "pod_uid": sample.pod_uid},
+        )
+        self.metrics.overuse_events.labels(self.config.node, sample.namespace, sample.pod_name).inc()
+        if self.config.evict_overusers and self.evict_pod is not None and sample.pod_name:
+            try:
+                await self.evict_pod(sample.namespace, sample.pod_name)
+                log.warning("evicted over-using pod %s/%s", sample.namespace, sample.pod_name)
+            except Exception as exc:
+                log.error("could not evict %s/%s: %s", sample.namespace, sample.pod_name, exc)
+
+    async def _usage_loop(self) -> None:
+        while not await _sleep_or_stop(self.stop, self.config.usage_interval_s):
+            try:
+                await self.sample_usage()
+            except Exception as exc:
+                log.warning("usage sampling failed: %s", exc)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep `seconds`; True when `stop` was set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+    return stop.is_set()

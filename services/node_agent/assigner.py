@@ -1,0 +1,246 @@
+"""The I/O shell of exact assignment: GetPreferredAllocation, Allocate and PreStartContainer for
+`aliyun.com/gpu-mem`, against the ledger and kubelet's pod-resources API.
+
+Allocate picks the pending container (see `assignment`) and remembers the decision under the device
+set. PreStartContainer asks kubelet which container really holds the devices: the chosen one ->
+`assigned`; another pending container of identical share shape -> the ledger exchanges the two shares
+(so it records what each container really received), then `assigned`; anything else -> refused, and the
+container does not start. No node-wide lock: decisions are in-memory steps without awaits between
+choosing and claiming.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.node_agent import podresources
+from services.node_agent.assignment import (
+    AssignmentError,
+    PendingContainer,
+    container_env,
+    match_container,
+    preferred_devices,
+    units_by_gpu,
+)
+from services.node_agent.view import load_containers
+from shared.annotations import GPU_MEM_ASSIGNED, GPU_MEM_ASSUME_TIME, RESOURCE_MEM
+from shared.ledger.ledger import Ledger
+from shared.ledger.rules import ExchangeRefused
+from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
+
+Key = tuple[uuid.UUID, str]
+PatchPod = Callable[[str, str, dict[str, str]], Awaitable[None]]
+
+
+@dataclass
+class Decision:
+    """Which container an Allocate'd device set was handed to."""
+
+    target: Key
+    confirmed: bool = False
+
+
+class Assigner:
+    """Maps kubelet's device sets to ledger containers on one node."""
+
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        node: str,
+        unit: MemoryUnit,
+        pod_resources_socket: str,
+        gpu_memory_mib: Callable[[], dict[str, int]],
+        gpu_total_mib: Callable[[], dict[str, int]],
+        mps: bool = False,
+        patch_pod: PatchPod | None = None,
+        on_outcome: Callable[[str], None] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.node = node
+        self.unit = unit
+        self.pod_resources_socket = pod_resources_socket
+        self.gpu_memory_mib = gpu_memory_mib
+        self.gpu_total_mib = gpu_total_mib
+        self.mps = mps
+        self.patch_pod = patch_pod
+        self.on_outcome = on_outcome or (lambda _reason: None)
+        self.decisions: dict[frozenset[str], list[Decision]] = {}
+
+    async def containers(self) -> list[PendingContainer]:
+        """A fresh view of the node's live containers; forgets decisions of ended allocations."""
+        view = await load_containers(self.ledger.engine, self.node)
+        live = {c.key for c in view}
+        for key in list(self.decisions):
+            kept = [d for d in self.decisions[key] if d.target in live]
+            if kept:
+                self.decisions[key] = kept
+            else:
+                del self.decisions[key]
+        return view
+
+    def claimed(self) -> set[Key]:
+        """Containers already handed a device set (started or not): never handed a second one."""
+        return {d.target for ds in self.decisions.values() for d in ds}
+
+    async def preferred(self, available: list[str], must: list[str], size: int) -> list[str]:
+        """Device IDs on the GPU(s) of the oldest pending container of `size` units."""
+        view = await self.containers()
+        return preferred_devices(view, self.claimed(), available, must, size, self.unit)
+
+    async def allocate(self, device_ids: list[str]) -> dict[str, str]:
+        """The env for the container this device set is for; AssignmentError when none matches."""
+        view = await self.containers()
+        try:
+            chosen = match_container(view, self.claimed(), device_ids, self.unit)
+        except AssignmentError:
+            self.on_outcome("no_match")
+            raise
+        self.decisions.setdefault(frozenset(device_ids), []).append(Decision(chosen.key))
+        log.info(
+            "Allocate: %d units -> %s/%s container %s",
+            len(device_ids),
+            chosen.namespace,
+            chosen.pod_name,
+            chosen.container,
+            extra={"allocation_id": str(chosen.allocation_id), "gpus": [s.gpu_uuid for s in chosen.shares]},
+        )
+        self.on_outcome("allocated")
+        return container_env(chosen, self.gpu_memory_mib(), self.gpu_total_mib(), self.unit, mps=self.mps)
+
+    async def prestart(self, device_ids: list[str]) -> None:
+        """Confirm (or correct through an exchange) who received `device_ids`; AssignmentError otherwise."""
+        view = await self.containers()
+        by_key = {c.key: c for c in view}
+        try:
+            holders = await podresources.holders(self.pod_resources_socket, RESOURCE_MEM, device_ids)
+        except grpc.aio.AioRpcError as exc:
+            self.on_outcome("pod_resources_unavailable")
+            raise AssignmentError(
+                f"cannot ask kubelet's pod-resources API ({self.pod_resources_socket}) who holds the devices: "
+                f"{exc.code().name} {exc.details()}"
+            ) from None
+        if not holders:
+            self.on_outcome("no_holder")
+            raise AssignmentError(f"kubelet's pod-resources API lists no container holding {len(device_ids)} devices")
+        decisions = self.decisions.get(frozenset(device_ids), [])
+        pending = next((d for d in decisions if not d.confirmed), None)
+        if pending is None:
+            # a restarted container, or the agent restarted between Allocate and PreStart
+            want = units_by_gpu(device_ids)
+            for c in view:
+                if (c.namespace, c.pod_name, c.container) in holders and c.units(self.unit) == want:
+                    await self._confirm(c)
+                    known = self.decisions.setdefault(frozenset(device_ids), [])
+                    if all(d.target != c.key for d in known):
+                        known.append(Decision(c.key, confirmed=True))
+                    return
+            # the agent restarted after Allocate and kubelet admitted another pod than the one whose
+            # GPUs these devices are: the env named the devices' GPUs, so exchange into that
+            for h in view:
+                if (h.namespace, h.pod_name, h.container) not in holders or h.assigned:
+                    continue
+                owner = next(
+                    (
+                        o
+                        for o in sorted(view, key=lambda o: o.reserved_at)
+                        if not o.assigned
+                        and o.key != h.key
+                        and o.units(self.unit) == want
+                        and o.shape() == h.shape()
+                        and o.init == h.init
+                    ),
+                    None,
+                )
+                if owner is not None:
+                    await self._exchange(owner, h)
+                    self.decisions.setdefault(frozenset(device_ids), []).append(Decision(h.key, confirmed=True))
+                    return
+            self.on_outcome("refused")
+            raise AssignmentError(
+                f"kubelet gave these devices to {_names(holders)}, which holds no reservation on exactly these GPUs"
+            )
+        chosen = by_key.get(pending.target)
+        if chosen is None:
+            self.on_outcome("refused")
+            raise AssignmentError("the reservation this device set was allocated for has ended")
+        if (chosen.namespace, chosen.pod_name, chosen.container) in holders:
+            await self._confirm(chosen)
+            pending.confirmed = True
+            return
+        actual = next(
+            (
+                c
+                for c in view
+                if (c.namespace, c.pod_name, c.container) in holders
+                and not c.assigned
+                and c.key != chosen.key
+                and c.shape() == chosen.shape()
+                and c.init == chosen.init
+            ),
+            None,
+        )
+        if actual is None:
+            self.on_outcome("refused")
+            raise AssignmentError(
+                f"kubelet gave the devices meant for {chosen.namespace}/{chosen.pod_name}/{chosen.container} to "
+                f"{_names(holders)}, which has no pending reservation of the same shape on this node"
+            )
+        await self._exchange(chosen, actual)
+        pending.target = actual.key
+        pending.confirmed = True
+
+    def _retarget(self, old: Key, new: Key) -> None:
+        """After an exchange, device sets handed to `old` (not started yet) now belong to `new`."""
+        for ds in self.decisions.values():
+            for d in ds:
+                if not d.confirmed and d.target == old:
+                    d.target = new
+
+    async def _exchange(self, expected: PendingContainer, actual: PendingContainer) -> None:
+        """Swap `expected`'s share (the devices' GPUs) with `actual`'s, then mark `actual` assigned."""
+        try:
+            await self.ledger.exchange(self.node, expected.key, actual.key)
+        except ExchangeRefused as exc:
+            self.on_outcome("refused")
+            raise AssignmentError(f"the ledger refused to exchange the shares: {exc}") from None
+        self._retarget(actual.key, expected.key)
+        log.warning(
+            "kubelet admitted %s/%s/%s where %s/%s/%s was expected; exchanged their equal shares in the ledger",
+            actual.namespace,
+            actual.pod_name,
+            actual.container,
+            expected.namespace,
+            expected.pod_name,
+            expected.container,
+        )
+        self.on_outcome("exchanged")
+        refreshed = {c.key: c for c in await self.containers()}
+        await self._confirm(refreshed.get(actual.key, actual))
+
+    async def _confirm(self, c: PendingContainer) -> None:
+        if not c.assigned:
+            await self.ledger.mark_assigned(
+                c.allocation_id, c.pod_uid, self.node, c.container, [s.gpu_uuid for s in c.shares]
+            )
+            self.on_outcome("assigned")
+            log.info("assigned %s/%s container %s", c.namespace, c.pod_name, c.container)
+            if self.patch_pod is not None:
+                try:
+                    await self.patch_pod(
+                        c.namespace, c.pod_name, {GPU_MEM_ASSIGNED: "true", GPU_MEM_ASSUME_TIME: str(time.time_ns())}
+                    )
+                except Exception as exc:  # the ledger is authoritative; the annotation is for gpushare tools
+                    log.warning("could not annotate pod %s/%s: %s", c.namespace, c.pod_name, exc)
+
+
+def _names(holders: list[tuple]) -> str:
+    return ", ".join(f"{ns}/{pod}/{c}" for ns, pod, c in holders)

@@ -1,0 +1,118 @@
+"""Usage sampling core: host PIDs -> pod UIDs through `/proc/<pid>/cgroup`, samples per pod and GPU,
+and the over-use tracker (a pod using more than it was allocated for longer than a grace period)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.node_agent.assignment import PendingContainer
+from services.node_agent.discovery import ProcessUsage
+from shared.events.catalogue import UsageSample
+
+# cgroupfs: .../pod<uid>/<container>; systemd: ...-pod<uid with _>.slice/...
+_POD_UID = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
+
+
+def pod_uid_from_cgroup(text: str) -> str:
+    """The pod UID named in a `/proc/<pid>/cgroup` file's text ("" when the process is not in a pod)."""
+    for line in text.splitlines():
+        m = _POD_UID.search(line)
+        if m:
+            return m.group(1).replace("_", "-").lower()
+    return ""
+
+
+def pid_to_pod_uid(proc_root: Path) -> Callable[[int], str]:
+    """A lookup reading `<proc_root>/<pid>/cgroup` (unreadable -> "")."""
+
+    def lookup(pid: int) -> str:
+        try:
+            return pod_uid_from_cgroup((proc_root / str(pid) / "cgroup").read_text())
+        except OSError:
+            return ""
+
+    return lookup
+
+
+def build_samples(
+    processes: Iterable[ProcessUsage],
+    utilization: dict[str, float],
+    pod_of_pid: Callable[[int], str],
+    containers: Iterable[PendingContainer],
+) -> list[UsageSample]:
+    """One sample per (GPU, pod) with the memory its processes hold; processes outside pods are summed
+    under an empty pod UID. The container is named when the pod has one container on that GPU."""
+    by_pod: dict[str, list[PendingContainer]] = {}
+    for c in containers:
+        by_pod.setdefault(c.pod_uid, []).append(c)
+    used: dict[tuple[str, str], int] = {}
+    for p in processes:
+        key = (p.gpu_uuid, pod_of_pid(p.pid))
+        used[key] = used.get(key, 0) + p.used_memory_mib
+    samples = []
+    for (gpu, pod_uid), mib in sorted(used.items()):
+        known = by_pod.get(pod_uid, [])
+        on_gpu = [c for c in known if any(s.gpu_uuid == gpu for s in c.shares) and not c.init]
+        samples.append(
+            UsageSample(
+                gpu_uuid=gpu,
+                pod_uid=pod_uid,
+                namespace=known[0].namespace if known else "",
+                pod_name=known[0].pod_name if known else "",
+                container=on_gpu[0].container if len(on_gpu) == 1 else "",
+                used_memory_mib=min(mib, 16 * 1024 * 1024),
+                utilization_pct=min(max(utilization.get(gpu, 0.0), 0.0), 100.0),
+            )
+        )
+    return samples
+
+
+def allocated_by_pod_gpu(containers: Iterable[PendingContainer]) -> dict[tuple[str, str], int]:
+    """(pod UID, GPU UUID) -> MiB allocated to the pod's app containers there."""
+    out: dict[tuple[str, str], int] = {}
+    for c in containers:
+        if c.init:
+            continue
+        for s in c.shares:
+            out[(c.pod_uid, s.gpu_uuid)] = out.get((c.pod_uid, s.gpu_uuid), 0) + s.memory_mib
+    return out
+
+
+@dataclass
+class OveruseTracker:
+    """Remembers since when each (pod, GPU) uses more than allocated; reports episodes past the grace."""
+
+    grace_s: float
+    since: dict[tuple[str, str], float] = field(default_factory=dict)
+    reported: set[tuple[str, str]] = field(default_factory=set)
+
+    def update(
+        self, samples: Iterable[UsageSample], allocated: dict[tuple[str, str], int], now: float
+    ) -> list[tuple[UsageSample, int]]:
+        """Feed one round of samples; returns (sample, allocated MiB) for newly reportable over-users."""
+        over_now = set()
+        fresh = []
+        for s in samples:
+            if not s.pod_uid:
+                continue
+            key = (s.pod_uid, s.gpu_uuid)
+            limit = allocated.get(key)
+            if limit is None or s.used_memory_mib <= limit:
+                continue
+            over_now.add(key)
+            start = self.since.setdefault(key, now)
+            if now - start >= self.grace_s and key not in self.reported:
+                self.reported.add(key)
+                fresh.append((s, limit))
+        for key in list(self.since):
+            if key not in over_now:
+                del self.since[key]
+                self.reported.discard(key)
+        return fresh
+
+    def over(self) -> set[tuple[str, str]]:
+        """(pod, GPU) pairs currently past the grace period."""
+        return set(self.reported)

@@ -1,0 +1,129 @@
+"""A node agent on the fake backend with the real ledger and NATS, and the kubelet stand-in on temp sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.node_agent.agent import RESOURCES, AgentConfig, NodeAgent
+from services.node_agent.discovery import FakeBackend
+from shared.devcluster.kubelet import KubeletStandIn
+from shared.events.bus import EventBus
+from shared.events.catalogue import AllocationPart
+from shared.ledger.ledger import Ledger
+from shared.ledger.models import allocation_parts, allocations
+from shared.ledger.outbox import OutboxRelay
+from shared.ledger.reservations import ReservationRequest
+
+NODE = "gpu-node-1"
+
+
+@dataclass
+class Harness:
+    """Everything a node-agent test touches."""
+
+    agent: NodeAgent
+    kubelet: KubeletStandIn
+    ledger: Ledger
+    backend: FakeBackend
+    bus: EventBus
+    root: Path
+    relay: OutboxRelay
+
+    def gpu(self, index: int) -> str:
+        return self.agent.gpus[index].uuid
+
+    async def reserve(
+        self, name: str, containers: list[tuple[str, list[tuple[int, int]]]], *, init: list[str] | None = None
+    ) -> tuple[dict[str, Any], uuid.UUID]:
+        """Reserve and bind a pod: containers = [(name, [(gpu index, GiB), ...])]; returns (pod dict, id)."""
+        uid = str(uuid.uuid4())
+        parts = []
+        spec: dict[str, list[dict[str, Any]]] = {"containers": [], "initContainers": []}
+        for ci, (cname, shares) in enumerate(containers):
+            is_init = cname in (init or [])
+            for gi, gib in shares:
+                parts.append(
+                    AllocationPart(
+                        container=cname,
+                        container_index=ci,
+                        gpu_uuid=self.gpu(gi),
+                        gpu_index=gi,
+                        memory_mib=gib * 1024,
+                        init=is_init,
+                    )
+                )
+            total = sum(g for _, g in shares)
+            spec["initContainers" if is_init else "containers"].append(
+                {"name": cname, "resources": {"limits": {"aliyun.com/gpu-mem": str(total)}}}
+            )
+        res = await self.ledger.reserve(
+            ReservationRequest(pod_uid=uid, namespace="default", pod_name=name, node=NODE, parts=tuple(parts))
+        )
+        await self.ledger.mark_bound(res.allocation_id, uid, NODE)
+        pod = {"metadata": {"name": name, "namespace": "default", "uid": uid}, "spec": spec}
+        return pod, res.allocation_id
+
+    async def ledger_gpus(self, allocation_id: uuid.UUID, container: str) -> tuple[str, list[str], bool]:
+        """(allocation state, GPU UUIDs of the container's parts, all parts assigned)."""
+        async with self.ledger.engine.connect() as conn:
+            state = (
+                await conn.execute(select(allocations.c.state).where(allocations.c.id == allocation_id))
+            ).scalar_one()
+            rows = (
+                await conn.execute(
+                    select(allocation_parts.c.gpu_uuid, allocation_parts.c.gpu_index, allocation_parts.c.assigned_at)
+                    .where(allocation_parts.c.allocation_id == allocation_id)
+                    .where(allocation_parts.c.container == container)
+                    .order_by(allocation_parts.c.gpu_index)
+                )
+            ).all()
+        return state, [r.gpu_uuid for r in rows], all(r.assigned_at is not None for r in rows)
+
+
+@pytest.fixture
+async def harness(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[Harness]:
+    """Agent with GPUs 2x16GiB T4 + 1x80GiB A100, registered with a running kubelet stand-in."""
+    root = Path(tempfile.mkdtemp(prefix="na-", dir="/tmp"))
+    stop = asyncio.Event()
+    relay = OutboxRelay(engine, bus, poll_s=0.2)
+    relay_task = asyncio.create_task(relay.run(stop))
+    ledger = Ledger(engine, prefix=bus.names.prefix, source="node-agent", on_commit=relay.kick)
+    kubelet = KubeletStandIn(root / "dp", root / "pr.sock")
+    await kubelet.start()
+    backend = FakeBackend(NODE, "2x16GiB:Tesla-T4,1x80GiB:A100")
+    config = AgentConfig(
+        node=NODE,
+        device_plugin_dir=root / "dp",
+        pod_resources_socket=str(root / "pr.sock"),
+        usage_interval_s=3600,
+        view_poll_s=0.5,
+        overuse_grace_s=0.0,
+        proc_root=root / "proc",
+    )
+    agent = NodeAgent(config, backend, ledger=ledger, bus=bus)
+    await agent.start()
+    await kubelet.wait_registered(RESOURCES, timeout_s=30)
+    try:
+        yield Harness(agent, kubelet, ledger, backend, bus, root, relay)
+    finally:
+        await agent.close()
+        await kubelet.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(relay.flush(), 5)
+        stop.set()
+        relay_task.cancel()
+        with contextlib.suppress(BaseException):
+            await relay_task
+        shutil.rmtree(root, ignore_errors=True)

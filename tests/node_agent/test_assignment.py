@@ -1,0 +1,179 @@
+"""Exact assignment over real gRPC with the real ledger: the admission race, multi-container and
+multi-GPU pods, refusals, restarted containers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.devcluster.kubelet import AdmissionError
+from tests.node_agent.conftest import Harness
+
+
+async def _last_event(harness: Harness, kind: str) -> dict:
+    await harness.relay.flush()
+    msg = await harness.bus.js.get_last_msg(harness.bus.names.stream, f"{harness.bus.names.prefix}.{kind}.>")
+    return json.loads(msg.data)
+
+
+async def test_same_size_pods_admitted_in_reverse_order_get_exactly_their_ledger_gpu(harness: Harness) -> None:
+    first, first_id = await harness.reserve("first", [("main", [(0, 4)])])  # older reservation, GPU 0
+    second, second_id = await harness.reserve("second", [("main", [(1, 4)])])  # GPU 1
+    k = harness.kubelet
+
+    env_second = (await k.admit(second))["main"]  # kubelet admits the younger pod first
+    env_first = (await k.admit(first))["main"]
+
+    state1, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    state2, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert (state1, state2) == ("assigned", "assigned") and assigned1 and assigned2
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0]
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0]
+    assert {gpus1[0], gpus2[0]} == {harness.gpu(0), harness.gpu(1)}
+    # the agent preferred the older pod's GPU for the first admission, so the ledger exchanged them
+    assert gpus2 == [harness.gpu(0)] and gpus1 == [harness.gpu(1)]
+    assert env_second["ALIYUN_COM_GPU_MEM_IDX"] == "0" and env_first["ALIYUN_COM_GPU_MEM_IDX"] == "1"
+    # kubelet's device IDs agree with the ledger (so later preferences stay consistent)
+    assert {d.split("-_-")[0] for d in k.assigned(second, "main", "aliyun.com/gpu-mem")} == {gpus2[0]}
+    exchanged = await _last_event(harness, "exchanged")
+    assert {exchanged["first_allocation_id"], exchanged["second_allocation_id"]} == {str(first_id), str(second_id)}
+    assigned = await _last_event(harness, "assigned")
+    assert assigned["allocation_id"] == str(first_id) and assigned["gpu_uuids"] == gpus1
+
+
+async def test_in_order_admission_needs_no_exchange(harness: Harness) -> None:
+    a, a_id = await harness.reserve("a", [("main", [(0, 3)])])
+    b, _b_id = await harness.reserve("b", [("main", [(1, 3)])])
+    env_a = (await harness.kubelet.admit(a))["main"]
+    env_b = (await harness.kubelet.admit(b))["main"]
+    assert env_a["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
+    assert env_b["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(1)
+    assert (await harness.ledger_gpus(a_id, "main"))[1] == [harness.gpu(0)]
+    await harness.relay.flush()
+    with pytest.raises(Exception):  # noqa: B017 - nats raises NotFoundError: no exchange happened
+        await harness.bus.js.get_last_msg(harness.bus.names.stream, f"{harness.bus.names.prefix}.exchanged.>")
+
+
+async def test_multi_container_pod(harness: Harness) -> None:
+    pod, alloc = await harness.reserve("multi", [("web", [(0, 2)]), ("worker", [(2, 10)]), ("side", [(0, 2)])])
+    envs = await harness.kubelet.admit(pod)
+    assert envs["web"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
+    assert envs["worker"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(2)
+    assert envs["side"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
+    assert envs["web"]["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2" and envs["worker"]["ALIYUN_COM_GPU_MEM_CONTAINER"] == "10"
+    assert envs["web"]["ALIYUN_COM_GPU_MEM_POD"] == "14"
+    assert envs["worker"]["ALIYUN_COM_GPU_MEM_DEV"] == "80"
+    assert envs["web"]["GPUSHARE_ALLOCATION_ID"] == str(alloc)
+    assert float(envs["worker"]["GPUSHARE_GPU_MEMORY_FRACTION"]) == pytest.approx(10 / 80, abs=1e-3)
+    for c in ("web", "worker", "side"):
+        state, _, assigned = await harness.ledger_gpus(alloc, c)
+        assert assigned and state == "assigned"
+    assert {envs["web"]["GPUSHARE_CONTAINER"], envs["side"]["GPUSHARE_CONTAINER"]} == {"web", "side"}
+
+
+async def test_multi_gpu_container(harness: Harness) -> None:
+    pod, alloc = await harness.reserve("wide", [("train", [(0, 8), (1, 8)])])
+    env = (await harness.kubelet.admit(pod))["train"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == f"{harness.gpu(0)},{harness.gpu(1)}"
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1"
+    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "16"
+    ids = harness.kubelet.assigned(pod, "train", "aliyun.com/gpu-mem")
+    assert sorted({d.split("-_-")[0] for d in ids}) == sorted([harness.gpu(0), harness.gpu(1)])
+    assert (await harness.ledger_gpus(alloc, "train"))[2]
+
+
+async def test_pod_without_reservation_is_refused_clearly(harness: Harness) -> None:
+    stray = {
+        "metadata": {"name": "stray", "namespace": "default", "uid": "u-stray"},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {"aliyun.com/gpu-mem": "5"}}}]},
+    }
+    with pytest.raises(AdmissionError) as err:
+        await harness.kubelet.admit(stray)
+    assert err.value.call == "Allocate"
+    assert "no container reserved on this node" in err.value.message and "5 GiB" in err.value.message
+    assert harness.kubelet.assigned(stray, "main", "aliyun.com/gpu-mem") == []
+
+
+async def test_prestart_refuses_a_pod_admitted_in_place_of_a_different_shape(harness: Harness) -> None:
+    """kubelet gives the devices chosen for one pod to a pod whose reservation has another shape."""
+    _a, a_id = await harness.reserve("shape-a", [("main", [(0, 4)])])
+    _b, b_id = await harness.reserve("shape-b", [("main", [(1, 2)]), ("other", [(1, 2)])])
+    k = harness.kubelet
+    # Allocate for pod a's shape (4 units on GPU 0) but record the devices as pod b's container
+    ids = [f"{harness.gpu(0)}-_-{j}" for j in range(4)]
+    plugin = k.plugins["aliyun.com/gpu-mem"]
+    await plugin.stub.Allocate(
+        k.dp_pb2.AllocateRequest(container_requests=[k.dp_pb2.ContainerAllocateRequest(devicesIDs=ids)])
+    )
+    from shared.devcluster.kubelet import Assignment
+
+    k.assignments.append(Assignment("default", "shape-b", "", "main", "aliyun.com/gpu-mem", ids))
+    with pytest.raises(AdmissionError) as err:
+        await k._prestart("main", plugin, ids)
+    assert "no pending reservation of the same shape" in err.value.message
+    assert (await harness.ledger_gpus(a_id, "main"))[0] == "bound"
+    assert (await harness.ledger_gpus(b_id, "main"))[0] == "bound"
+
+
+async def test_restarted_container_prestarts_again_idempotently(harness: Harness) -> None:
+    pod, alloc = await harness.reserve("restarts", [("main", [(2, 20)])])
+    env = (await harness.kubelet.admit(pod))["main"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(2)
+    await harness.kubelet.restart_container(pod, "main")
+    await harness.kubelet.restart_container(pod, "main")
+    state, gpus, assigned = await harness.ledger_gpus(alloc, "main")
+    assert state == "assigned" and gpus == [harness.gpu(2)] and assigned
+
+
+async def test_mps_env(harness: Harness) -> None:
+    harness.agent.assigner.mps = True
+    pod, _ = await harness.reserve("mps", [("main", [(2, 20)])])
+    env = (await harness.kubelet.admit(pod))["main"]
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+
+
+async def test_interleaved_admissions_prestart_after_both_allocates(harness: Harness) -> None:
+    """kubelet admits both pods (Allocate) before starting either (PreStart), in reverse order."""
+    first, first_id = await harness.reserve("i-first", [("main", [(0, 5)])])
+    second, second_id = await harness.reserve("i-second", [("main", [(1, 5)])])
+    k = harness.kubelet
+    env_second = (await k.admit(second, start=False))["main"]
+    env_first = (await k.admit(first, start=False))["main"]
+    await k.start_pod(second)
+    await k.start_pod(first)
+    _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert assigned1 and assigned2
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0]
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0]
+    assert gpus1 != gpus2
+
+
+async def test_agent_restart_between_allocate_and_prestart_still_exact(harness: Harness) -> None:
+    """The agent forgets its Allocate decision; PreStart recovers who got what from pod-resources + ledger."""
+    from services.node_agent.agent import RESOURCES, NodeAgent
+    from services.node_agent.discovery import FakeBackend
+
+    first, first_id = await harness.reserve("r-first", [("main", [(0, 6)])])
+    second, second_id = await harness.reserve("r-second", [("main", [(1, 6)])])
+    k = harness.kubelet
+    env_second = (await k.admit(second, start=False))["main"]  # handed GPU 0 (first's reservation)
+    await harness.agent.close()
+    agent = NodeAgent(
+        harness.agent.config, FakeBackend(harness.agent.config.node, harness.backend.spec), ledger=harness.ledger,
+        bus=harness.bus,
+    )  # fmt: skip
+    await agent.start()
+    try:
+        await k.wait_registered(RESOURCES, timeout_s=30, min_count=2)
+        await k.start_pod(second)
+        env_first = (await k.admit(first))["main"]
+    finally:
+        await agent.close()
+    _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert assigned1 and assigned2
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(0)
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0] == harness.gpu(1)

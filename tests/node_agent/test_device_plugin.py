@@ -1,0 +1,82 @@
+"""The device plugins over real gRPC: registration, ListAndWatch with health, kubelet restart."""
+
+from __future__ import annotations
+
+from services.node_agent.agent import RESOURCES
+from services.node_agent.plugin import socket_name
+from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+from tests.node_agent.conftest import Harness
+
+
+async def test_registration_and_device_lists(harness: Harness) -> None:
+    k = harness.kubelet
+    assert set(k.plugins) == set(RESOURCES)
+    mem = k.devices(RESOURCE_MEM)
+    assert len(mem) == 16 + 16 + 80
+    assert all(h == "Healthy" for h in mem.values())
+    assert f"{harness.gpu(2)}-_-79" in mem and f"{harness.gpu(2)}-_-80" not in mem
+    assert len(k.devices(RESOURCE_CORE)) == 300
+    assert sorted(k.devices(RESOURCE_COUNT)) == sorted(harness.gpu(i) for i in range(3))
+    assert k.plugins[RESOURCE_MEM].options.pre_start_required
+    assert k.plugins[RESOURCE_MEM].options.get_preferred_allocation_available
+    assert not k.plugins[RESOURCE_CORE].options.pre_start_required
+    assert (harness.root / "dp" / socket_name(RESOURCE_MEM)).exists()
+
+
+async def test_list_and_watch_reports_health_change_and_recovery(harness: Harness) -> None:
+    k, gpu1 = harness.kubelet, harness.gpu(1)
+
+    def health_of(resource: str, device: str) -> str:
+        return k.devices(resource).get(device, "")
+
+    harness.backend.set_health(gpu1, False, "XID 79 fallen off the bus")
+    await k.wait_for(lambda: health_of(RESOURCE_MEM, f"{gpu1}-_-0") == "Unhealthy", 15)
+    assert health_of(RESOURCE_COUNT, gpu1) == "Unhealthy"
+    assert health_of(RESOURCE_MEM, f"{harness.gpu(0)}-_-0") == "Healthy"
+    from sqlalchemy import select
+
+    from shared.ledger.models import gpus
+
+    async with harness.ledger.engine.connect() as conn:
+        row = (await conn.execute(select(gpus.c.healthy, gpus.c.health_reason).where(gpus.c.uuid == gpu1))).one()
+    assert not row.healthy and "XID 79" in row.health_reason
+
+    harness.backend.set_health(gpu1, True)
+    await k.wait_for(lambda: health_of(RESOURCE_MEM, f"{gpu1}-_-0") == "Healthy", 15)
+    async with harness.ledger.engine.connect() as conn:
+        assert (await conn.execute(select(gpus.c.healthy).where(gpus.c.uuid == gpu1))).scalar_one()
+
+
+async def test_kubelet_restart_leads_to_reregistration(harness: Harness) -> None:
+    k = harness.kubelet
+    before = dict(k.registrations)
+    assert all(before[r] == 1 for r in RESOURCES)
+    await k.restart()
+    await k.wait_registered(RESOURCES, timeout_s=30, min_count=2)
+    assert all(k.registrations[r] == 2 for r in RESOURCES)
+    assert (harness.root / "dp" / socket_name(RESOURCE_MEM)).exists()
+    assert len(k.devices(RESOURCE_MEM)) == 112
+    # the re-registered plugin still allocates
+    pod, _alloc = await harness.reserve("after-restart", [("main", [(0, 2)])])
+    envs = await k.admit(pod)
+    assert envs["main"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
+
+
+async def test_agent_restart_registers_again_with_same_identity(harness: Harness) -> None:
+    from services.node_agent.agent import NodeAgent
+
+    k = harness.kubelet
+    uuids = [g.uuid for g in harness.agent.gpus]
+    await harness.agent.close()
+    second = NodeAgent(
+        harness.agent.config,
+        type(harness.backend)(harness.agent.config.node, harness.backend.spec),
+        ledger=harness.ledger,
+        bus=harness.bus,
+    )
+    await second.start()
+    try:
+        await k.wait_registered(RESOURCES, timeout_s=30, min_count=2)
+        assert [g.uuid for g in second.gpus] == uuids
+    finally:
+        await second.close()
