@@ -1,0 +1,140 @@
+"""The HTTP face of the extender: kube-scheduler's verbs under a configurable prefix, plus inspect."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from services.extender import metrics
+from services.extender.service import ExtenderService
+from services.extender.wire import (
+    WireError,
+    load_json,
+    parse_binding_args,
+    parse_extender_args,
+    parse_preemption_args,
+)
+from shared.http import BodyLimitMiddleware, install_common
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "/gpushare-scheduler"
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a full NodeList of thousands of nodes (nodeCacheCapable: false)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("gpushare")
+    except Exception:
+        return "unknown"
+
+
+def _bad(request: Request, exc: WireError, error_key: bool = True) -> JSONResponse:
+    log.info("rejected a malformed extender request", extra={"path": request.url.path, "problem": str(exc)})
+    body: dict[str, Any] = {"error": str(exc)}
+    if error_key:
+        body["Error"] = str(exc)
+    return JSONResponse(body, status_code=400)
+
+
+def create_app(
+    service: ExtenderService,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app; `service` must be started (and closed) by the caller."""
+    prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
+    app = FastAPI(title="gpushare scheduler extender", version=_version())
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    install_common(app, ready=lambda: service.ready)
+    router = APIRouter(prefix=prefix)
+
+    async def timed(histogram: Any, work: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return await work()
+        finally:
+            histogram.observe(time.perf_counter() - start)
+
+    @router.post("/filter")
+    async def filter_(request: Request) -> Any:
+        async def work() -> Any:
+            try:
+                args = parse_extender_args(load_json(await request.body()))
+            except WireError as exc:
+                return _bad(request, exc)
+            return await service.filter(args)
+
+        return await timed(metrics.FILTER_SECONDS, work)
+
+    @router.post("/prioritize")
+    async def prioritize(request: Request) -> Any:
+        async def work() -> Any:
+            try:
+                args = parse_extender_args(load_json(await request.body()))
+            except WireError as exc:
+                return _bad(request, exc, error_key=False)
+            return service.prioritize(args)
+
+        return await timed(metrics.PRIORITIZE_SECONDS, work)
+
+    @router.post("/bind")
+    async def bind(request: Request) -> Any:
+        async def work() -> Any:
+            try:
+                args = parse_binding_args(load_json(await request.body()))
+            except WireError as exc:
+                metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
+                return _bad(request, exc)
+            try:
+                error = await service.bind(args)
+            except Exception as exc:  # the ledger or bus is away: an answer, not a 500 (a retry finds any reservation)
+                log.exception("bind failed unexpectedly", extra={"pod": f"{args.pod_namespace}/{args.pod_name}"})
+                metrics.BIND_OUTCOMES.labels(reason="failed").inc()
+                error = f"bind failed: {type(exc).__name__}: {exc}"[:2048]
+            if error:
+                log.info(
+                    "bind refused",
+                    extra={"pod": f"{args.pod_namespace}/{args.pod_name}", "node": args.node, "reason": error},
+                )
+            return {"Error": error}
+
+        return await timed(metrics.BIND_SECONDS, work)
+
+    @router.post("/preempt")
+    async def preempt(request: Request) -> Any:
+        async def work() -> Any:
+            try:
+                args = parse_preemption_args(load_json(await request.body()))
+            except WireError as exc:
+                return _bad(request, exc, error_key=False)
+            return service.preempt(args)
+
+        return await timed(metrics.PREEMPT_SECONDS, work)
+
+    @router.get("/inspect")
+    async def inspect_all() -> Any:
+        return service.inspect()
+
+    @router.get("/inspect/{node}")
+    async def inspect_node(node: str) -> Any:
+        found = service.inspect(node)
+        if not found["nodes"]:
+            return JSONResponse({"error": f"node {node} has no gpushare GPUs"}, status_code=404)
+        return found
+
+    app.include_router(router)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    return app

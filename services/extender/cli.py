@@ -1,0 +1,66 @@
+"""`gpushare extender`: the kube-scheduler extender (filter, prioritize, bind, preempt)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from shared.placement import Policy
+from shared.settings import Settings
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add the `extender` subcommand."""
+    p = subparsers.add_parser(
+        "extender",
+        parents=[common],
+        help="run the kube-scheduler extender (filter, prioritize, bind, preempt)",
+        description="Serve kube-scheduler's extender verbs. Placement decisions read an in-memory view of the "
+        "ledger; each bind reserves GPUs in the ledger (authoritative) and waits for the binder's outcome.",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=12345, help="listen port (default 12345)")
+    p.add_argument(
+        "--prefix", default="/gpushare-scheduler", help="URL prefix of the verbs (default /gpushare-scheduler)"
+    )
+    p.add_argument(
+        "--bind-timeout", type=float, default=20.0, help="seconds to wait for the binder's outcome (default 20)"
+    )
+    p.add_argument(
+        "--policy", choices=[x.value for x in Policy], default="binpack", help="default placement policy (binpack)"
+    )
+    p.add_argument("--resync", type=float, default=30.0, help="seconds between full reloads from the ledger (30)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig for reading pods bind has not seen (optional)")
+    p.set_defaults(func=run)
+
+
+async def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    from services.extender.app import create_app
+    from services.extender.service import ExtenderService
+    from shared.runtime import ServiceRuntime
+
+    async with ServiceRuntime("extender", settings) as rt:
+        assert rt.engine is not None and rt.ledger is not None
+        service = ExtenderService(
+            engine=rt.engine,
+            ledger=rt.ledger,
+            bus=rt.bus,
+            unit=settings.resource_memory_unit,
+            policy=Policy(args.policy),
+            bind_timeout_s=args.bind_timeout,
+            resync_s=args.resync,
+            kubeconfig=args.kubeconfig,
+        )
+        await service.start()
+        try:
+            await rt.serve(create_app(service, prefix=args.prefix), host=args.host, port=args.port)
+        finally:
+            await service.close()
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the extender until SIGTERM / SIGINT."""
+    if args.bind_timeout <= 0 or args.resync <= 0:
+        raise SystemExit("--bind-timeout and --resync must be positive")
+    asyncio.run(_serve(args, settings))
+    return 0

@@ -1,0 +1,26 @@
+"""Prometheus metrics of the extender (one set per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+FILTER_SECONDS = Histogram("gpushare_extender_filter_seconds", "Time to answer a filter call", buckets=_BUCKETS)
+PRIORITIZE_SECONDS = Histogram(
+    "gpushare_extender_prioritize_seconds", "Time to answer a prioritize call", buckets=_BUCKETS
+)
+BIND_SECONDS = Histogram("gpushare_extender_bind_seconds", "Time to answer a bind call", buckets=_BUCKETS)
+PREEMPT_SECONDS = Histogram("gpushare_extender_preempt_seconds", "Time to answer a preempt call", buckets=_BUCKETS)
+NODE_DECISIONS = Counter(
+    "gpushare_extender_node_decisions_total",
+    "Filter verdicts per node (reason: fits, full, never_fits, quota)",
+    ["reason"],
+)
+REFUSALS = Counter("gpushare_extender_refusals_total", "Pods for which filter left no node, by main reason", ["reason"])
+BIND_OUTCOMES = Counter(
+    "gpushare_extender_binds_total",
+    "Bind answers by outcome (bound, failed, timeout, no_fit, quota, unknown_pod, invalid)",
+    ["reason"],
+)
+RESYNCS = Counter("gpushare_extender_resyncs_total", "Full reloads of the in-memory view from the ledger", ["reason"])

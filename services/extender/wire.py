@@ -1,0 +1,152 @@
+"""kube-scheduler's extender wire format (PascalCase, nulls for unset pointers), read defensively."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class WireError(ValueError):
+    """A request body that is not what kube-scheduler sends (answered 400 with the reason)."""
+
+
+def load_json(body: bytes) -> dict[str, Any]:
+    """Parse a request body that must be a JSON object."""
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise WireError("body must be a JSON object")
+    return value
+
+
+@dataclass(frozen=True)
+class ExtenderArgs:
+    """`ExtenderArgs`: the pod and the candidate nodes, by name (nodeCacheCapable) or as Node objects."""
+
+    pod: dict[str, Any]
+    node_names: list[str]
+    nodes: list[dict[str, Any]] | None  # the Node objects when sent (nodeCacheCapable: false)
+
+
+def _pod(raw: dict[str, Any]) -> dict[str, Any]:
+    pod = raw.get("Pod", raw.get("pod"))
+    if not isinstance(pod, dict):
+        raise WireError("Pod is missing or not an object")
+    meta = pod.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise WireError("Pod.metadata.name is missing")
+    return pod
+
+
+def parse_extender_args(raw: dict[str, Any]) -> ExtenderArgs:
+    """Read filter / prioritize arguments."""
+    pod = _pod(raw)
+    names = raw.get("NodeNames", raw.get("nodenames"))
+    node_list = raw.get("Nodes", raw.get("nodes"))
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise WireError("NodeNames must be a list of strings")
+        return ExtenderArgs(pod, list(names), None)
+    if node_list is not None:
+        if not isinstance(node_list, dict):
+            raise WireError("Nodes must be a NodeList object")
+        items = node_list.get("items") or []
+        if not isinstance(items, list):
+            raise WireError("Nodes.items must be a list")
+        out_names = []
+        for item in items:
+            name = item.get("metadata", {}).get("name") if isinstance(item, dict) else None
+            if not isinstance(name, str):
+                raise WireError("every node in Nodes.items needs metadata.name")
+            out_names.append(name)
+        return ExtenderArgs(pod, out_names, items)
+    return ExtenderArgs(pod, [], None)
+
+
+def filter_result(
+    args: ExtenderArgs,
+    passed: list[str],
+    failed: dict[str, str],
+    unresolvable: dict[str, str],
+    error: str = "",
+) -> dict[str, Any]:
+    """`ExtenderFilterResult` in the same node mode as the request."""
+    if args.nodes is not None:
+        keep = set(passed)
+        nodes: dict[str, Any] | None = {
+            "metadata": {},
+            "items": [n for n in args.nodes if n["metadata"]["name"] in keep],
+        }
+        names = None
+    else:
+        nodes, names = None, passed
+    return {
+        "Nodes": nodes,
+        "NodeNames": names,
+        "FailedNodes": failed,
+        "FailedAndUnresolvableNodes": unresolvable,
+        "Error": error,
+    }
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    """`ExtenderBindingArgs`."""
+
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+
+def parse_binding_args(raw: dict[str, Any]) -> BindingArgs:
+    """Read bind arguments: all four fields are required non-empty strings."""
+    values = []
+    for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+        value = raw.get(key, raw.get(key.lower()))
+        if not isinstance(value, str) or not value or len(value) > 253:
+            raise WireError(f"{key} must be a non-empty string")
+        values.append(value)
+    return BindingArgs(*values)
+
+
+@dataclass(frozen=True)
+class PreemptionArgs:
+    """`ExtenderPreemptionArgs`: candidate victims per node (UIDs), with their PDB violation counts."""
+
+    pod: dict[str, Any]
+    victims: dict[str, tuple[list[str], int]]
+    meta: bool  # True when the request used NodeNameToMetaVictims
+
+
+def parse_preemption_args(raw: dict[str, Any]) -> PreemptionArgs:
+    """Read preempt arguments from NodeNameToMetaVictims or, failing that, NodeNameToVictims."""
+    pod = _pod(raw)
+    meta = raw.get("NodeNameToMetaVictims")
+    full = raw.get("NodeNameToVictims")
+    source, is_meta = (meta, True) if meta is not None else (full, False)
+    if source is None:
+        return PreemptionArgs(pod, {}, True)
+    if not isinstance(source, dict):
+        raise WireError("NodeNameToMetaVictims / NodeNameToVictims must be an object")
+    victims: dict[str, tuple[list[str], int]] = {}
+    for node, entry in source.items():
+        if not isinstance(entry, dict):
+            raise WireError(f"victims of node {node} must be an object")
+        pods = entry.get("Pods") or []
+        pdb = entry.get("NumPDBViolations") or 0
+        if not isinstance(pods, list) or not isinstance(pdb, int) or isinstance(pdb, bool):
+            raise WireError(f"victims of node {node}: Pods must be a list, NumPDBViolations an integer")
+        uids = []
+        for p in pods:
+            uid = None
+            if isinstance(p, dict):
+                uid = p.get("UID") if is_meta else (p.get("metadata") or {}).get("uid")
+            if not isinstance(uid, str) or not uid:
+                raise WireError(f"a victim on node {node} has no UID")
+            uids.append(uid)
+        victims[node] = (uids, pdb)
+    return PreemptionArgs(pod, victims, is_meta)

@@ -1,0 +1,195 @@
+"""What a pod asks for: per-container GPU shares read from a Kubernetes Pod (as a JSON dict).
+
+Each container (and init container) may request `aliyun.com/gpu-mem` (in the configured unit),
+`aliyun.com/gpu-core` (percent of one GPU's compute, 1..100) and `aliyun.com/gpu-count` (how many
+distinct GPUs; memory and compute are split evenly across them). Limits win over requests, as for
+every extended resource (Kubernetes requires both to be equal when both are set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from shared import annotations as ann
+from shared.placement.hints import HintError, Hints, parse_hints
+from shared.settings import MemoryUnit
+
+MAX_MEMORY_MIB = 16 * 1024 * 1024
+MAX_GPU_COUNT = 64
+MAX_CONTAINERS = 256
+
+
+class DemandError(ValueError):
+    """A pod whose GPU request cannot be satisfied as written (the message says what to fix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerDemand:
+    """One container's request: `count` GPUs, each holding `memory_mib` and `compute` of it."""
+
+    name: str
+    index: int
+    memory_mib: int
+    compute: int = 0
+    count: int = 1
+    init: bool = False
+
+    @property
+    def total_memory_mib(self) -> int:
+        """Memory across all its GPUs."""
+        return self.memory_mib * self.count
+
+    @property
+    def total_compute(self) -> int:
+        """Compute across all its GPUs."""
+        return self.compute * self.count
+
+
+@dataclass(frozen=True)
+class PodDemand:
+    """A pod's GPU request: app containers (run together) and init containers (run one at a time)."""
+
+    uid: str
+    namespace: str
+    name: str
+    containers: tuple[ContainerDemand, ...] = ()
+    init_containers: tuple[ContainerDemand, ...] = ()
+    hints: Hints = field(default_factory=Hints)
+    owner_kind: str = ""
+    owner_name: str = ""
+
+    @property
+    def wants_gpu(self) -> bool:
+        """False for pods that ask for no GPU share at all (they fit everywhere)."""
+        return bool(self.containers or self.init_containers)
+
+    @cached_property
+    def memory_mib(self) -> int:
+        """Kubernetes' effective request: max(sum of app containers, largest init container)."""
+        app = sum(c.total_memory_mib for c in self.containers)
+        return max([app, *(c.total_memory_mib for c in self.init_containers)])
+
+    @cached_property
+    def compute(self) -> int:
+        """Effective compute request, by the same rule."""
+        app = sum(c.total_compute for c in self.containers)
+        return max([app, *(c.total_compute for c in self.init_containers)])
+
+    @cached_property
+    def simple(self) -> bool:
+        """One app container on one GPU, no init containers, no GPU hints: the fast path."""
+        return (
+            len(self.containers) == 1
+            and not self.init_containers
+            and self.containers[0].count == 1
+            and not self.hints.constrains_gpus
+            and self.hints.min_cuda is None
+        )
+
+
+def parse_quantity(value: object, what: str) -> int:
+    """An extended-resource quantity: a non-negative integer (int or decimal string)."""
+    if isinstance(value, bool):
+        raise DemandError(f"{what} must be a whole number, not {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("+").isdigit() and len(value) <= 20:
+        number = int(value.strip())
+    elif isinstance(value, str) and value.strip().startswith("-"):
+        raise DemandError(f"{what} must not be negative: {value!r}")
+    else:
+        raise DemandError(f"{what} must be a whole number, not {value!r}")
+    if number < 0:
+        raise DemandError(f"{what} must not be negative: {value!r}")
+    return number
+
+
+def _resources(container: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    res = container.get("resources") or {}
+    if not isinstance(res, Mapping):
+        raise DemandError(f"{where}: resources must be an object")
+    limits = res.get("limits") or {}
+    requests = res.get("requests") or {}
+    if not isinstance(limits, Mapping) or not isinstance(requests, Mapping):
+        raise DemandError(f"{where}: resources.limits and resources.requests must be objects")
+    merged = dict(requests)
+    merged.update(limits)
+    return merged
+
+
+def parse_container(container: object, index: int, *, init: bool, unit: MemoryUnit) -> ContainerDemand | None:
+    """One container's GPU demand, or None when it asks for no GPU share."""
+    kind = "initContainer" if init else "container"
+    if not isinstance(container, Mapping):
+        raise DemandError(f"{kind} {index} must be an object")
+    name = container.get("name") or f"{kind}-{index}"
+    if not isinstance(name, str):
+        raise DemandError(f"{kind} {index}: name must be a string")
+    where = f"{kind} {name}"
+    res = _resources(container, where)
+    if not any(k in res for k in (ann.RESOURCE_MEM, ann.RESOURCE_CORE, ann.RESOURCE_COUNT)):
+        return None
+    mem_units = parse_quantity(res.get(ann.RESOURCE_MEM, 0), f"{where}: {ann.RESOURCE_MEM}")
+    core = parse_quantity(res.get(ann.RESOURCE_CORE, 0), f"{where}: {ann.RESOURCE_CORE}")
+    count = parse_quantity(res.get(ann.RESOURCE_COUNT, 1), f"{where}: {ann.RESOURCE_COUNT}")
+    if mem_units > MAX_MEMORY_MIB // unit.mib:
+        raise DemandError(f"{where}: {ann.RESOURCE_MEM} {mem_units} {unit.value} is more than any GPU has")
+    memory = mem_units * unit.mib
+    if core > 100 * MAX_GPU_COUNT:
+        raise DemandError(f"{where}: {ann.RESOURCE_CORE} {core} is out of range (1..100 per GPU)")
+    if not 1 <= count <= MAX_GPU_COUNT:
+        raise DemandError(f"{where}: {ann.RESOURCE_COUNT} must be 1..{MAX_GPU_COUNT}, not {count}")
+    if memory == 0 and core == 0:
+        if ann.RESOURCE_COUNT in res and ann.RESOURCE_MEM not in res and ann.RESOURCE_CORE not in res:
+            raise DemandError(f"{where}: {ann.RESOURCE_COUNT} needs {ann.RESOURCE_MEM} (memory per pod share)")
+        return None
+    if mem_units % count or core % count:
+        raise DemandError(
+            f"{where}: {mem_units} {unit.value} and {core}% compute cannot be split evenly across {count} GPUs"
+        )
+    per_core = core // count
+    if per_core > 100:
+        raise DemandError(f"{where}: {ann.RESOURCE_CORE} {core} over {count} GPU(s) is more than 100% of a GPU")
+    return ContainerDemand(name, index, (mem_units // count) * unit.mib, per_core, count, init)
+
+
+def parse_pod(pod: object, unit: MemoryUnit = MemoryUnit.GIB) -> PodDemand:
+    """The GPU demand of a Kubernetes Pod given as a JSON dict; raises DemandError naming the problem."""
+    if not isinstance(pod, Mapping):
+        raise DemandError("the pod must be a JSON object")
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
+        raise DemandError("pod metadata and spec must be objects")
+    uid, namespace, name = meta.get("uid") or "", meta.get("namespace") or "default", meta.get("name") or ""
+    if not all(isinstance(v, str) for v in (uid, namespace, name)):
+        raise DemandError("pod metadata uid, namespace and name must be strings")
+    try:
+        hints = parse_hints(meta.get("annotations") or {})
+    except HintError as exc:
+        raise DemandError(str(exc)) from None
+    lists = []
+    for key in ("containers", "initContainers"):
+        items = spec.get(key) or []
+        if not isinstance(items, list):
+            raise DemandError(f"spec.{key} must be a list")
+        if len(items) > MAX_CONTAINERS:
+            raise DemandError(f"spec.{key} has more than {MAX_CONTAINERS} entries")
+        lists.append(items)
+    containers = tuple(
+        d for i, c in enumerate(lists[0]) if (d := parse_container(c, i, init=False, unit=unit)) is not None
+    )
+    inits = tuple(d for i, c in enumerate(lists[1]) if (d := parse_container(c, i, init=True, unit=unit)) is not None)
+    owner_kind = owner_name = ""
+    owners = meta.get("ownerReferences") or []
+    if isinstance(owners, list):
+        ref = next((o for o in owners if isinstance(o, Mapping) and o.get("controller")), None)
+        ref = ref or next((o for o in owners if isinstance(o, Mapping)), None)
+        if ref is not None:
+            owner_kind, owner_name = str(ref.get("kind") or "")[:64], str(ref.get("name") or "")[:253]
+    return PodDemand(uid, namespace, name, containers, inits, hints, owner_kind, owner_name)
