@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     )
     p.add_argument("--resync", type=float, default=30.0, help="seconds between full reloads from the ledger (30)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig for reading pods bind has not seen (optional)")
+    p.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (for enableHTTPS)")
+    p.add_argument("--tls-key", default=None, help="private key of --tls-cert")
     p.set_defaults(func=run)
 
 
@@ -53,7 +55,13 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
         )
         await service.start()
         try:
-            await rt.serve(create_app(service, prefix=args.prefix), host=args.host, port=args.port)
+            await rt.serve(
+                create_app(service, prefix=args.prefix),
+                host=args.host,
+                port=args.port,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+            )
         finally:
             await service.close()
 
@@ -62,5 +70,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run the extender until SIGTERM / SIGINT."""
     if args.bind_timeout <= 0 or args.resync <= 0:
         raise SystemExit("--bind-timeout and --resync must be positive")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
     asyncio.run(_serve(args, settings))
     return 0
