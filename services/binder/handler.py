@@ -1,0 +1,143 @@
+"""The consumer side of binding: one `reserved` event in, a Binding and a bound/failed ledger write out.
+
+Order of effects, chosen so a crash or an error at any point leaves nothing stale:
+1. read the allocation's state (skip unless `reserved`: duplicates and allocations the extender gave up on);
+2. GET the pod and decide (`decide.py`): gone / replaced / bound elsewhere -> `mark_failed`;
+3. POST the Binding with every annotation inside it (one API write: the annotations exist iff the pod is bound);
+4. `mark_bound` (the outbox publishes `bound`; the extender waits for it); the consumer acks after this.
+A crash between 3 and 4 is repaired on redelivery: step 2 finds the pod on the reserved node and marks it
+bound. 429/5xx/connection errors are retried with backoff, then raised so the message is redelivered later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from services.binder import reads
+from services.binder.decide import Action, Decision, decide
+from services.binder.metrics import BinderMetrics
+from shared.annotations import binding_annotations
+from shared.events.catalogue import Event, ReservedEvent
+from shared.kube.binding import create_binding
+from shared.kube.pods import get_pod
+from shared.kube.raw import status_message
+from shared.kube.retry import RetryPolicy, call_with_retry
+from shared.ledger.ledger import Ledger
+from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
+
+MAX_CONFLICT_ROUNDS = 3
+
+
+class BindHandler:
+    """Handles `reserved` events (idempotent; safe to run with concurrency)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        api: client.ApiClient,
+        *,
+        unit: MemoryUnit,
+        metrics: BinderMetrics,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        self.ledger = ledger
+        self.api = api
+        self.unit = unit
+        self.metrics = metrics
+        self.retry = retry
+        self._locks: dict[uuid.UUID, tuple[asyncio.Lock, int]] = {}
+
+    async def __call__(self, event: Event) -> None:
+        if not isinstance(event, ReservedEvent):
+            return
+        key = event.allocation_id
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:  # a redelivery overlapping the first delivery waits, then sees `bound`
+                await self._handle(event)
+        finally:
+            lock, users = self._locks[key]
+            if users <= 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    async def _kube(self, fn, what: str):  # type: ignore[no-untyped-def]
+        return await call_with_retry(
+            fn, policy=self.retry, what=what, on_retry=lambda _: self.metrics.kube_retries.inc()
+        )
+
+    async def _handle(self, event: ReservedEvent) -> None:
+        started = time.monotonic()
+        ns, name = event.namespace, event.pod_name
+        state = await reads.allocation_state(self.ledger.engine, event.allocation_id)
+        if state != "reserved":
+            self._finish(decide(state=state, pod=None, pod_uid=event.pod_uid, node=event.node), event, started)
+            return
+        for _ in range(MAX_CONFLICT_ROUNDS):
+            pod = await self._kube(lambda: get_pod(self.api, ns, name), f"GET pod {ns}/{name}")
+            decision = decide(state="reserved", pod=pod, pod_uid=event.pod_uid, node=event.node)
+            if decision.action is not Action.BIND:
+                await self._apply(decision, event, started)
+                return
+            try:
+                await self._kube(lambda: self._bind(event), f"bind {ns}/{name} to {event.node}")
+            except ApiException as exc:
+                if exc.status == 404:
+                    await self._apply(Decision(Action.FAIL, "failed_pod_gone", "pod no longer exists"), event, started)
+                    return
+                if exc.status == 409:
+                    log.info("binding %s/%s: conflict (%s); reading the pod again", ns, name, status_message(exc))
+                    continue
+                if exc.status in (400, 422):
+                    reason = f"API server refused the binding: {status_message(exc)}"
+                    await self._apply(Decision(Action.FAIL, "failed_refused", reason), event, started)
+                    return
+                raise
+            await self._apply(decision, event, started)
+            return
+        raise RuntimeError(f"binding {ns}/{name} kept conflicting; will retry on redelivery")
+
+    async def _bind(self, event: ReservedEvent) -> None:
+        memory = await reads.gpu_memory(self.ledger.engine, sorted({p.gpu_uuid for p in event.parts}))
+        annotations = binding_annotations(event.allocation_id, event.node, list(event.parts), memory, self.unit)
+        await create_binding(
+            self.api, event.namespace, event.pod_name, event.node, uid=event.pod_uid, annotations=annotations
+        )
+
+    async def _apply(self, decision: Decision, event: ReservedEvent, started: float) -> None:
+        if decision.action in (Action.BIND, Action.MARK_BOUND):
+            await self.ledger.mark_bound(event.allocation_id, event.pod_uid, event.node)
+        elif decision.action is Action.FAIL:
+            await self.ledger.mark_failed(event.allocation_id, event.pod_uid, event.node, decision.reason)
+        self._finish(decision, event, started)
+
+    def _finish(self, decision: Decision, event: ReservedEvent, started: float) -> None:
+        self.metrics.bindings.labels(reason=decision.outcome).inc()
+        if decision.action is not Action.SKIP:
+            self.metrics.bind_seconds.observe(time.monotonic() - started)
+        level = logging.WARNING if decision.action is Action.FAIL else logging.INFO
+        log.log(
+            level,
+            "%s/%s: %s (%s)",
+            event.namespace,
+            event.pod_name,
+            decision.outcome,
+            decision.reason,
+            extra={
+                "namespace": event.namespace,
+                "pod": event.pod_name,
+                "node": event.node,
+                "allocation_id": str(event.allocation_id),
+                "reason": decision.outcome,
+            },
+        )

@@ -1,0 +1,123 @@
+"""Following pods and nodes: give GPU shares back as soon as a pod ends, retire deleted nodes.
+
+Only pods that can hold GPU shares matter (they carry `gpushare.io/allocation` or gpushare's
+`ALIYUN_COM_GPU_MEM_IDX`, or request an `aliyun.com/` resource); all others are dropped before any I/O.
+A release is a no-op in the ledger when the pod has no live allocation, so a repeated event is harmless;
+a small memory of recently released UIDs spares the database the repeats of a terminating pod's updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+from kubernetes_asyncio import client
+
+from services.binder import reads
+from services.binder.metrics import BinderMetrics
+from shared.annotations import ALLOCATION, GPU_MEM_IDX
+from shared.kube import pods
+from shared.kube.pods import Pod
+from shared.kube.watching import DELETED, SYNCED, WatchEvent, watch_objects
+from shared.ledger.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+REMEMBERED_RELEASES = 10_000
+
+
+def is_gpu_pod(pod: Pod) -> bool:
+    """True when the pod may hold GPU shares (annotated by us or by gpushare, or asks for aliyun.com/*)."""
+    ann = pods.annotations(pod)
+    return ALLOCATION in ann or GPU_MEM_IDX in ann or pods.requests_resource_prefix(pod, "aliyun.com/")
+
+
+def release_reason(event_type: str, pod: Pod) -> str | None:
+    """Why a pod's allocation should end now (pure), or None while it lives."""
+    if event_type == DELETED:
+        return "pod deleted"
+    if pods.is_terminated(pod):
+        return f"pod {pods.phase(pod).lower()}"
+    if pods.is_terminating(pod):
+        return "pod terminating"
+    return None
+
+
+class Lifecycle:
+    """Pod and node watches that release allocations and retire nodes."""
+
+    def __init__(self, ledger: Ledger, api: client.ApiClient, *, metrics: BinderMetrics) -> None:
+        self.ledger = ledger
+        self.api = api
+        self.metrics = metrics
+        self.pods_synced = asyncio.Event()
+        self.nodes_synced = asyncio.Event()
+        self._released: OrderedDict[str, None] = OrderedDict()
+
+    async def watch_pods(self, stop: asyncio.Event) -> None:
+        """Follow every pod in the cluster until `stop`."""
+        core = client.CoreV1Api(self.api)
+        async for event in watch_objects(core.list_pod_for_all_namespaces, what="pods", stop=stop):
+            if event.type == SYNCED:
+                self.pods_synced.set()
+                continue
+            try:
+                await self.on_pod(event)
+            except Exception as exc:  # the ledger may be briefly away; reconciliation catches up
+                log.warning("could not process a %s pod event for %s: %r", event.type, pods.pod_key(event.object), exc)
+
+    async def watch_nodes(self, stop: asyncio.Event) -> None:
+        """Follow every node until `stop`."""
+        core = client.CoreV1Api(self.api)
+        async for event in watch_objects(core.list_node, what="nodes", stop=stop):
+            if event.type == SYNCED:
+                self.nodes_synced.set()
+                continue
+            try:
+                await self.on_node(event)
+            except Exception as exc:
+                log.warning("could not process a %s node event: %r", event.type, exc)
+
+    async def on_pod(self, event: WatchEvent) -> int:
+        """Release the pod's allocation if it ended; returns how many allocations ended."""
+        pod = event.object
+        if not is_gpu_pod(pod):
+            return 0
+        reason = release_reason(event.type, pod)
+        uid = pods.pod_uid(pod)
+        if reason is None or not uid or uid in self._released:
+            return 0
+        released = await self.ledger.release_pod(uid, reason)
+        self._remember(uid)
+        if released:
+            self.metrics.released.labels(reason=reason.replace(" ", "_")).inc(released)
+            log.info(
+                "released %d allocation(s) of %s: %s",
+                released,
+                pods.pod_key(pod),
+                reason,
+                extra={"pod": pods.pod_key(pod), "pod_uid": uid, "reason": reason},
+            )
+        return released
+
+    async def on_node(self, event: WatchEvent) -> int:
+        """Retire a deleted node in the ledger; returns how many allocations ended."""
+        if event.type != DELETED:
+            return 0
+        name = str((event.object.get("metadata") or {}).get("name") or "")
+        if not name or not await reads.active_node(self.ledger.engine, name):
+            return 0
+        released = await self.ledger.retire_node(name, "node deleted")
+        self.metrics.nodes_retired.inc()
+        if released:
+            self.metrics.released.labels(reason="node_deleted").inc(released)
+        log.warning(
+            "node %s deleted: retired its GPUs, released %d allocation(s)", name, released, extra={"node": name}
+        )
+        return released
+
+    def _remember(self, uid: str) -> None:
+        self._released[uid] = None
+        while len(self._released) > REMEMBERED_RELEASES:
+            self._released.popitem(last=False)

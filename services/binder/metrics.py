@@ -1,0 +1,66 @@
+"""The binder's Prometheus metrics, on a registry of its own (one per Binder instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class BinderMetrics:
+    """Counters and histograms the binder exports on /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.bindings = Counter(
+            "gpushare_binder_bindings_total",
+            "Reservations handled, by outcome (reason): bound, already_bound, failed_*, skipped_*",
+            ["reason"],
+            registry=r,
+        )
+        self.bind_seconds = Histogram(
+            "gpushare_binder_bind_seconds",
+            "Time from taking a reservation to its bound/failed ledger write",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.kube_retries = Counter(
+            "gpushare_binder_kube_retries_total",
+            "Kubernetes API calls retried after 429/5xx/connection errors",
+            registry=r,
+        )
+        self.released = Counter(
+            "gpushare_binder_released_total",
+            "Allocations released because their pod ended, vanished or its node was deleted",
+            ["reason"],
+            registry=r,
+        )
+        self.adopted = Counter(
+            "gpushare_binder_adopted_total",
+            "Running pods with allocation annotations imported into the ledger by reconciliation",
+            registry=r,
+        )
+        self.conflicts = Counter(
+            "gpushare_binder_conflicts_total",
+            "Pods whose claimed GPU shares the ledger cannot hold (or cannot read), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.reconciliations = Counter(
+            "gpushare_binder_reconciliations_total", "Completed reconciliation passes", registry=r
+        )
+        self.reconcile_seconds = Histogram(
+            "gpushare_binder_reconcile_seconds",
+            "Duration of one reconciliation pass",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.nodes_retired = Counter(
+            "gpushare_binder_nodes_retired_total", "Nodes retired in the ledger after their deletion", registry=r
+        )
+        self.open_conflicts = Gauge(
+            "gpushare_binder_open_conflicts", "Conflicts found by the last reconciliation pass", registry=r
+        )
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (tests and logs), 0 when absent."""
+        return self.registry.get_sample_value(name, labels or None) or 0.0

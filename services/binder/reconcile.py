@@ -1,0 +1,320 @@
+"""Keeping the ledger true to the cluster: release orphans, adopt annotated pods, report conflicts.
+
+Each pass reads the ledger's live allocations *first*, then lists the pods: an allocation made after the
+snapshot cannot be mistaken for an orphan, and a pod bound after it is adopted through `Ledger.reserve`,
+which returns the existing allocation instead of creating a second (one live allocation per pod UID).
+A `reserved` allocation younger than the grace period is never released (its Binding may be in flight);
+an older one whose pod lives is handed to the bind handler (its event may sit unacked with a crashed binder).
+
+Adoption is also the migration path from Aliyun gpushare: a bound pod with `ALIYUN_COM_GPU_MEM_IDX` (and
+no `gpushare.io/allocation`) is charged on the GPU with that index on its node, for its containers'
+`aliyun.com/gpu-mem` in the configured unit. If the ledger cannot hold what the pods claim, that is a
+conflict: logged as an error and counted, never dropped silently, and tried again next pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kubernetes_asyncio import client
+
+from services.binder import reads
+from services.binder.lifecycle import is_gpu_pod
+from services.binder.metrics import BinderMetrics
+from services.binder.reads import LiveAllocation
+from shared.annotations import ALLOCATION, GPU_MEM_IDX, GPU_MEM_POD, RESOURCE_MEM, parse_allocation
+from shared.events.catalogue import AllocationPart, ReservedEvent
+from shared.kube import pods
+from shared.kube.pods import Pod, list_pods
+from shared.ledger.ledger import Ledger
+from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, ReservationError, ReservationRequest
+from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
+
+
+def stale_reservations(
+    live: list[LiveAllocation], pods_by_uid: dict[str, Pod], *, now: datetime, grace_s: float
+) -> list[LiveAllocation]:
+    """`reserved` allocations older than the grace period whose pod still lives (pure).
+
+    Their `reserved` event is still unacked somewhere (a binder crashed holding it, and JetStream waits
+    out the ack deadline before redelivering) or was lost: binding them now catches up at once.
+    """
+    return [
+        a
+        for a in live
+        if a.state == "reserved"
+        and (now - a.reserved_at).total_seconds() >= grace_s
+        and a.pod_uid in pods_by_uid
+        and not pods.is_finished(pods_by_uid[a.pod_uid])
+    ]
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A live allocation whose pod is gone or finished."""
+
+    allocation: LiveAllocation
+    reason: str
+
+
+class AdoptionError(ValueError):
+    """A pod's annotations cannot be turned into a ledger allocation (the message says why)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class ReconcileReport:
+    """What one pass did."""
+
+    released: int = 0
+    adopted: int = 0
+    rebound: int = 0
+    conflicts: list[str] = field(default_factory=list)
+
+
+def find_orphans(
+    live: list[LiveAllocation], pods_by_uid: dict[str, Pod], *, now: datetime, grace_s: float
+) -> list[Orphan]:
+    """Live allocations to release (pure): pod missing (by UID), terminated or terminating."""
+    out = []
+    for alloc in live:
+        pod = pods_by_uid.get(alloc.pod_uid)
+        if pod is None:
+            if alloc.state == "reserved" and (now - alloc.reserved_at).total_seconds() < grace_s:
+                continue
+            out.append(Orphan(alloc, "pod no longer exists"))
+        elif pods.is_terminated(pod):
+            out.append(Orphan(alloc, f"pod {pods.phase(pod).lower()}"))
+        elif pods.is_terminating(pod):
+            out.append(Orphan(alloc, "pod terminating"))
+    return out
+
+
+def adoption_candidates(all_pods: list[Pod], live_uids: set[str]) -> list[Pod]:
+    """Bound, live pods carrying allocation annotations that the ledger does not know, oldest first (pure).
+
+    Oldest first: when pods claim more than a GPU holds, the pod that was there first keeps its share.
+    """
+    out = []
+    for pod in all_pods:
+        ann = pods.annotations(pod)
+        if not (ALLOCATION in ann or GPU_MEM_IDX in ann):
+            continue
+        if not pods.node_name(pod) or pods.is_finished(pod) or pods.pod_uid(pod) in live_uids:
+            continue
+        out.append(pod)
+    return sorted(out, key=lambda p: (str(pods.metadata(p).get("creationTimestamp") or ""), pods.pod_key(p)))
+
+
+def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: MemoryUnit) -> ReservationRequest:
+    """The reservation that records what a bound pod's annotations claim (pure). Raises `AdoptionError`."""
+    meta = pods.metadata(pod)
+    node = pods.node_name(pod)
+    kind, owner_name = pods.owner(pod)
+    ann = pods.annotations(pod)
+    base = {
+        "pod_uid": pods.pod_uid(pod),
+        "namespace": str(meta.get("namespace") or ""),
+        "pod_name": str(meta.get("name") or ""),
+        "node": node,
+        "owner_kind": kind,
+        "owner_name": owner_name,
+    }
+    if ALLOCATION in ann:
+        try:
+            allocation_id, annotated_node, parts = parse_allocation(ann[ALLOCATION])
+        except ValueError as exc:
+            raise AdoptionError("unreadable", str(exc)) from None
+        if annotated_node != node:
+            raise AdoptionError("wrong_node", f"annotation names node {annotated_node} but the pod is on {node}")
+        known = {gpu_uuid for gpu_uuid, _ in gpus_on_node.values()}
+        unknown = sorted({p.gpu_uuid for p in parts} - known)
+        if unknown:
+            raise AdoptionError("unknown_gpu", f"GPU(s) {', '.join(unknown)} are not on {node} in the ledger")
+        return ReservationRequest(parts=tuple(parts), allocation_id=allocation_id, **base)
+
+    raw_index = ann[GPU_MEM_IDX].strip()
+    try:
+        index = int(raw_index)
+    except ValueError:
+        raise AdoptionError("unreadable", f"{GPU_MEM_IDX}={raw_index!r} is not one GPU index") from None
+    if index not in gpus_on_node:
+        raise AdoptionError("unknown_gpu", f"no GPU with index {index} on {node} in the ledger")
+    gpu_uuid = gpus_on_node[index][0]
+    amounts = pods.container_amounts(pod, RESOURCE_MEM)
+    if not amounts:
+        try:
+            total = int(ann.get(GPU_MEM_POD, "0"))
+        except ValueError:
+            total = 0
+        if total <= 0:
+            raise AdoptionError("unreadable", f"no {RESOURCE_MEM} request and no {GPU_MEM_POD} annotation")
+        first = ((pod.get("spec") or {}).get("containers") or [{}])[0]
+        amounts = [(str(first.get("name") or "c0"), 0, False, total)]
+    parts = tuple(
+        AllocationPart(
+            container=name,
+            container_index=i,
+            gpu_uuid=gpu_uuid,
+            gpu_index=index,
+            memory_mib=amount * unit.mib,
+            init=init,
+        )
+        for name, i, init, amount in amounts
+    )
+    return ReservationRequest(parts=parts, **base)
+
+
+class Reconciler:
+    """Compares the ledger with the cluster at start and every `interval_s`."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        api: client.ApiClient,
+        *,
+        unit: MemoryUnit,
+        metrics: BinderMetrics,
+        grace_s: float = 30.0,
+        rebind: Callable[[ReservedEvent], Awaitable[None]] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.rebind = rebind
+        self.api = api
+        self.unit = unit
+        self.metrics = metrics
+        self.grace_s = grace_s
+        self.passes = 0
+
+    async def run(self, stop: asyncio.Event, interval_s: float) -> None:
+        """Reconcile now and then every `interval_s` until `stop` (a failed pass is logged and retried)."""
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reconciliation failed: %r; next pass in %.0fs", exc, interval_s)
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except TimeoutError:
+                pass
+
+    async def run_once(self) -> ReconcileReport:
+        """One pass: release orphans, adopt unknown annotated pods, count conflicts."""
+        started = time.monotonic()
+        engine = self.ledger.engine
+        live = await reads.live_allocations(engine)  # the ledger first, then the cluster (see module doc)
+        all_pods, _ = await list_pods(self.api)
+        gpu_pods = [p for p in all_pods if is_gpu_pod(p)]
+        by_uid = {pods.pod_uid(p): p for p in all_pods}
+        report = ReconcileReport()
+
+        for orphan in find_orphans(live, by_uid, now=datetime.now(UTC), grace_s=self.grace_s):
+            a = orphan.allocation
+            if await self.ledger.release(a.id, a.pod_uid, a.node, orphan.reason):
+                report.released += 1
+                self.metrics.released.labels(reason="reconciled").inc()
+                log.info(
+                    "reconciliation released %s/%s on %s: %s",
+                    a.namespace,
+                    a.pod_name,
+                    a.node,
+                    orphan.reason,
+                    extra={"namespace": a.namespace, "pod": a.pod_name, "node": a.node, "reason": orphan.reason},
+                )
+
+        if self.rebind is not None:
+            for a in stale_reservations(live, by_uid, now=datetime.now(UTC), grace_s=self.grace_s):
+                parts = await reads.reservation_parts(engine, a.id)
+                event = ReservedEvent(
+                    allocation_id=a.id,
+                    pod_uid=a.pod_uid,
+                    namespace=a.namespace,
+                    pod_name=a.pod_name,
+                    node=a.node,
+                    parts=parts,
+                    source="binder-reconcile",
+                )
+                try:
+                    await self.rebind(event)
+                    report.rebound += 1
+                except Exception as exc:  # the consumer's redelivery will try again
+                    log.warning("reconciliation could not bind %s/%s: %r", a.namespace, a.pod_name, exc)
+
+        gpu_cache: dict[str, dict[int, tuple[str, int]]] = {}
+        for pod in adoption_candidates(gpu_pods, {a.pod_uid for a in live}):
+            await self._adopt(pod, gpu_cache, report)
+
+        self.passes += 1
+        self.metrics.reconciliations.inc()
+        self.metrics.open_conflicts.set(len(report.conflicts))
+        self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+        log.log(
+            logging.ERROR if report.conflicts else logging.INFO,
+            "reconciliation: %d released, %d adopted, %d stale reservation(s) handled, %d conflict(s)",
+            report.released,
+            report.adopted,
+            report.rebound,
+            len(report.conflicts),
+            extra={"released": report.released, "adopted": report.adopted, "conflicts": len(report.conflicts)},
+        )
+        return report
+
+    async def _adopt(self, pod: Pod, gpu_cache: dict[str, dict[int, tuple[str, int]]], report: ReconcileReport) -> None:
+        node = pods.node_name(pod)
+        if node not in gpu_cache:
+            gpu_cache[node] = await reads.gpus_by_index(self.ledger.engine, node)
+        try:
+            request = adoption_request(pod, gpu_cache[node], self.unit)
+            if await reads.allocation_exists(self.ledger.engine, request.allocation_id):
+                # the annotated allocation ended in the ledger (e.g. failed) but the pod runs: record it anew
+                request = dataclasses.replace(request, allocation_id=uuid.uuid4())
+            result = await self.ledger.reserve(request)
+        except AdoptionError as exc:
+            self._conflict(pod, exc.kind, str(exc), report)
+            return
+        except InsufficientCapacity as exc:
+            self._conflict(pod, "capacity", f"GPU {exc.gpu_uuid} cannot hold it: {exc}", report)
+            return
+        except QuotaExceeded as exc:
+            self._conflict(pod, "quota", str(exc), report)
+            return
+        except ReservationError as exc:
+            self._conflict(pod, "ledger", str(exc), report)
+            return
+        if not result.created:
+            return  # the pod got its allocation meanwhile (bound by us since the snapshot)
+        await self.ledger.mark_bound(result.allocation_id, result.pod_uid, result.node)
+        report.adopted += 1
+        self.metrics.adopted.inc()
+        log.warning(
+            "adopted %s on %s into the ledger (%d MiB)",
+            pods.pod_key(pod),
+            node,
+            sum(p.memory_mib for p in result.parts),
+            extra={"pod": pods.pod_key(pod), "node": node, "allocation_id": str(result.allocation_id)},
+        )
+
+    def _conflict(self, pod: Pod, kind: str, message: str, report: ReconcileReport) -> None:
+        report.conflicts.append(f"{pods.pod_key(pod)}: {message}")
+        self.metrics.conflicts.labels(reason=kind).inc()
+        log.error(
+            "CONFLICT: pod %s on %s claims GPU shares the ledger cannot record: %s",
+            pods.pod_key(pod),
+            pods.node_name(pod),
+            message,
+            extra={"pod": pods.pod_key(pod), "node": pods.node_name(pod), "reason": kind},
+        )

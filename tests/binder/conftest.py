@@ -1,0 +1,299 @@
+"""Fixtures for the binder tests: a real control plane per module, real Postgres and NATS, simulated nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client import ApiClient
+from kubernetes_asyncio.client.exceptions import ApiException
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.binder.service import Binder, BinderConfig
+from shared.devcluster import ControlPlane, ControlPlaneUnavailable, ensure_binaries
+from shared.devcluster.nodes import create_gpu_node, delete_node, set_node_status, untaint_not_ready
+from shared.events.bus import EventBus
+from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent
+from shared.kube.retry import RetryPolicy
+from shared.ledger.ledger import Ledger
+from shared.ledger.models import allocations, gpus
+from shared.ledger.outbox import OutboxRelay
+from shared.ledger.reservations import Reservation, ReservationRequest
+
+GIB = 1024
+SCHEDULER_NONE = "nobody"  # no scheduler serves this name: pods wait for the binder
+
+
+def _unavailable(msg: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def control_plane() -> Iterator[ControlPlane]:
+    """A control plane of this module's own (skipped when the binaries are missing, failed under CI)."""
+    try:
+        paths = ensure_binaries()
+    except ControlPlaneUnavailable as exc:
+        _unavailable(f"Kubernetes control plane unavailable: {exc.reason}")
+    cp = ControlPlane(paths=paths)
+    try:
+        cp.start()
+    except ControlPlaneUnavailable as exc:
+        _unavailable(f"Kubernetes control plane failed to start: {exc.reason}")
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture
+async def kube(control_plane: ControlPlane) -> AsyncIterator[ApiClient]:
+    """An API client for the module's cluster."""
+    async with control_plane.api_client() as api:
+        yield api
+
+
+@pytest.fixture
+async def relay(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[OutboxRelay]:
+    """The outbox relay every ledger of the test kicks."""
+    r = OutboxRelay(engine, bus, poll_s=0.2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.run(stop))
+    yield r
+    stop.set()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+@pytest.fixture
+def ledger(engine: AsyncEngine, bus: EventBus, relay: OutboxRelay) -> Ledger:
+    """The test's (the extender's stand-in) ledger."""
+    return Ledger(engine, prefix=bus.names.prefix, source="test", on_commit=relay.kick)
+
+
+@dataclass
+class Node:
+    """A simulated node, in the cluster and in the ledger."""
+
+    name: str
+    gpus: list[str]
+    memory_mib: int
+
+
+@dataclass
+class Cluster:
+    """Pods and nodes of one test (removed afterwards)."""
+
+    api: ApiClient
+    namespace: str = "default"
+    pods: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    async def node(self, ledger: Ledger, gpus_gib: tuple[int, ...] = (16, 16)) -> Node:
+        """Create a node with GPUs of the given sizes in the cluster and in the ledger."""
+        name = f"gpu-{uuid.uuid4().hex[:8]}"
+        spec = [(g, "Tesla-V100") for g in gpus_gib]
+        try:
+            await create_gpu_node(self.api, name, gpus=spec)
+        except ApiException as exc:
+            # untaint_not_ready's JSON-patch `test` of resourceVersion loses races with the TTL controller
+            if exc.status != 422:
+                raise
+            for _ in range(5):
+                try:
+                    await untaint_not_ready(self.api, name)
+                    break
+                except ApiException as again:
+                    if again.status != 422:
+                        raise
+                    await asyncio.sleep(0.1)
+            await set_node_status(self.api, name, spec)
+        self.nodes.append(name)
+        infos = [
+            GpuInfo(uuid=f"GPU-{name}-{i}", index=i, model="Tesla-V100", memory_mib=g * GIB, memory_total_mib=g * GIB)
+            for i, g in enumerate(gpus_gib)
+        ]
+        await ledger.record(InventoryEvent(node=name, gpus=infos))
+        return Node(name, [g.uuid for g in infos], gpus_gib[0] * GIB)
+
+    async def pod(
+        self,
+        *,
+        gib: int = 2,
+        node_name: str | None = None,
+        annotations: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> client.V1Pod:
+        """Create a pod asking for `gib` of aliyun.com/gpu-mem that no scheduler will place."""
+        name = name or f"p-{uuid.uuid4().hex[:8]}"
+        spec: dict[str, Any] = {
+            "schedulerName": SCHEDULER_NONE,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "busybox:1.36",
+                    "command": ["sleep", "3600"],
+                    "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)}},
+                }
+            ],
+        }
+        if node_name:
+            spec["nodeName"] = node_name
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "annotations": annotations or {}},
+            "spec": spec,
+        }
+        self.pods.append(name)
+        return await self.core.create_namespaced_pod(self.namespace, body)
+
+    async def read(self, name: str) -> client.V1Pod | None:
+        try:
+            return await self.core.read_namespaced_pod(name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def delete_pod(self, name: str, *, grace: int | None = 0) -> None:
+        with contextlib.suppress(ApiException):
+            await self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace)
+
+    async def cleanup(self) -> None:
+        for name in self.pods:
+            await self.delete_pod(name, grace=0)
+        for name in self.nodes:
+            await delete_node(self.api, name)
+
+
+@pytest.fixture
+async def cluster(kube: ApiClient) -> AsyncIterator[Cluster]:
+    """Tracks what a test creates in the cluster and removes it afterwards."""
+    c = Cluster(kube)
+    yield c
+    await c.cleanup()
+
+
+def request_for(
+    pod: client.V1Pod, node: Node, *, gib: int = 2, gpu: int = 0, uid: str | None = None
+) -> ReservationRequest:
+    """A one-container reservation on one GPU of `node` (what the extender would reserve)."""
+    return ReservationRequest(
+        pod_uid=uid or pod.metadata.uid,
+        namespace=pod.metadata.namespace,
+        pod_name=pod.metadata.name,
+        node=node.name,
+        parts=(
+            AllocationPart(
+                container="main", container_index=0, gpu_uuid=node.gpus[gpu], gpu_index=gpu, memory_mib=gib * GIB
+            ),
+        ),
+    )
+
+
+@pytest.fixture
+async def start_binder(
+    engine: AsyncEngine, bus: EventBus, relay: OutboxRelay, kube: ApiClient
+) -> AsyncIterator[Callable[..., Awaitable[Binder]]]:
+    """Start in-process binders (stopped at teardown)."""
+    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def _start(**overrides: Any) -> Binder:
+        config = BinderConfig(
+            concurrency=4, reconcile_interval_s=3600, retry=RetryPolicy(attempts=4, base_s=0.1, max_s=1.0), **overrides
+        )
+        ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
+        binder = Binder(ledger, bus, kube, config)
+        stop = asyncio.Event()
+        running.append((stop, asyncio.create_task(binder.run(stop))))
+        await wait_for(lambda: _ready(binder), what="binder ready", within=30)
+        return binder
+
+    yield _start
+    for stop, task in running:
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def _ready(binder: Binder) -> bool:
+    return binder.ready()
+
+
+async def wait_for(fn: Callable[[], Awaitable[Any]], *, what: str, within: float = 20.0, interval: float = 0.1) -> Any:
+    """Poll `fn` until it returns something truthy."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        value = await fn()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {within:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def allocation(engine: AsyncEngine, allocation_id: uuid.UUID) -> Any:
+    """The allocation row."""
+    async with engine.connect() as conn:
+        return (await conn.execute(select(allocations).where(allocations.c.id == allocation_id))).first()
+
+
+async def state_becomes(engine: AsyncEngine, res: Reservation, *states: str, within: float = 20.0) -> Any:
+    """Wait until the allocation reaches one of `states`; returns the row."""
+
+    async def check() -> Any:
+        row = await allocation(engine, res.allocation_id)
+        return row if row is not None and row.state in states else None
+
+    return await wait_for(check, what=f"allocation {res.allocation_id} to become {'/'.join(states)}", within=within)
+
+
+async def gpu_usage(engine: AsyncEngine, node: Node) -> dict[str, int]:
+    """Allocated MiB per GPU UUID of the node."""
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(select(gpus.c.uuid, gpus.c.allocated_memory_mib).where(gpus.c.node == node.name))
+        ).all()
+    return {r.uuid: int(r.allocated_memory_mib) for r in rows}
+
+
+async def stream_events(bus: EventBus, kind: str) -> list[Any]:
+    """Every event of one kind now in the test's stream."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from shared.events.catalogue import decode_event
+
+    durable = f"t{uuid.uuid4().hex[:10]}"
+    sub = await bus.js.pull_subscribe(bus.names.subject(kind, ">"), durable=durable, stream=bus.names.stream)
+    out = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=0.5)
+            except (NatsTimeout, TimeoutError):
+                break
+            for m in msgs:
+                out.append(decode_event(m.data))
+                await m.ack()
+    finally:
+        await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await bus.js.delete_consumer(bus.names.stream, durable)
+    return out

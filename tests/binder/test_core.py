@@ -1,0 +1,192 @@
+"""The binder's pure parts and the shared Kubernetes helpers that need no server."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import aiohttp
+import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from services.binder.decide import Action, decide
+from services.binder.lifecycle import is_gpu_pod, release_reason
+from services.binder.reads import LiveAllocation
+from services.binder.reconcile import (
+    AdoptionError,
+    adoption_candidates,
+    adoption_request,
+    find_orphans,
+    stale_reservations,
+)
+from shared.annotations import GPU_MEM_IDX, GPU_MEM_POD
+from shared.kube import pods
+from shared.kube.binding import binding_body
+from shared.kube.retry import RetryPolicy, call_with_retry, is_retryable
+from shared.kube.watching import Gone, WatchEvent, parse_line
+from shared.settings import MemoryUnit
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def pod(
+    uid: str = "u1",
+    node: str = "",
+    phase: str = "Pending",
+    deleting: bool = False,
+    ann: dict | None = None,
+    gib: int = 2,
+) -> dict:
+    meta: dict = {"name": f"p-{uid}", "namespace": "ns", "uid": uid, "annotations": ann or {}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    meta["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "controller": True}]
+    return {
+        "metadata": meta,
+        "spec": {
+            "nodeName": node or None,
+            "containers": [
+                {"name": "side"},
+                {"name": "main", "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)}}},
+            ],
+        },
+        "status": {"phase": phase},
+    }
+
+
+@pytest.mark.parametrize(
+    ("state", "the_pod", "action", "outcome"),
+    [
+        (None, pod(), Action.SKIP, "skipped_unknown"),
+        ("bound", pod(), Action.SKIP, "skipped_already_done"),
+        ("failed", pod(), Action.SKIP, "skipped_ended"),
+        ("reserved", None, Action.FAIL, "failed_pod_gone"),
+        ("reserved", pod(uid="other"), Action.FAIL, "failed_uid_changed"),
+        ("reserved", pod(node="n1"), Action.MARK_BOUND, "already_bound"),
+        ("reserved", pod(node="n2"), Action.FAIL, "failed_bound_elsewhere"),
+        ("reserved", pod(deleting=True), Action.FAIL, "failed_terminating"),
+        ("reserved", pod(phase="Failed"), Action.FAIL, "failed_terminated"),
+        ("reserved", pod(), Action.BIND, "bound"),
+    ],
+)
+def test_decide(state, the_pod, action, outcome) -> None:
+    decision = decide(state=state, pod=the_pod, pod_uid="u1", node="n1")
+    assert (decision.action, decision.outcome) == (action, outcome)
+
+
+def test_pod_helpers() -> None:
+    p = pod(node="n1", phase="Succeeded")
+    assert pods.owner(p) == ("ReplicaSet", "rs")
+    assert pods.is_terminated(p) and pods.is_finished(p) and not pods.is_terminating(p)
+    assert pods.container_amounts(p, "aliyun.com/gpu-mem") == [("main", 1, False, 2)]
+    assert pods.requests_resource_prefix(p) and is_gpu_pod(p)
+    plain = {"metadata": {"uid": "x"}, "spec": {"containers": [{"name": "c"}]}}
+    assert not is_gpu_pod(plain)
+    assert is_gpu_pod({"metadata": {"annotations": {GPU_MEM_IDX: "0"}}, "spec": {}})
+    assert release_reason("DELETED", pod()) == "pod deleted"
+    assert release_reason("MODIFIED", pod(phase="Failed")) == "pod failed"
+    assert release_reason("MODIFIED", pod(deleting=True)) == "pod terminating"
+    assert release_reason("MODIFIED", pod(node="n")) is None
+
+
+def test_binding_body_carries_uid_and_annotations() -> None:
+    body = binding_body("ns", "p", "n1", uid="u1", annotations={"a": "b"})
+    assert body["metadata"] == {"name": "p", "namespace": "ns", "uid": "u1", "annotations": {"a": "b"}}
+    assert body["target"] == {"apiVersion": "v1", "kind": "Node", "name": "n1"}
+
+
+def test_parse_watch_lines() -> None:
+    event = parse_line(json.dumps({"type": "ADDED", "object": {"metadata": {"resourceVersion": "7"}}}).encode())
+    assert event == WatchEvent("ADDED", {"metadata": {"resourceVersion": "7"}})
+    assert parse_line(b'{"type":"BOOKMARK","object":{"metadata":{"resourceVersion":"9"}}}') == "9"
+    assert parse_line(b"  \n") is None
+    with pytest.raises(Gone):
+        parse_line(b'{"type":"ERROR","object":{"code":410,"message":"too old"}}')
+    with pytest.raises(ApiException):
+        parse_line(b'{"type":"ERROR","object":{"code":500,"message":"boom"}}')
+
+
+def test_retryable_errors() -> None:
+    assert is_retryable(ApiException(status=429)) and is_retryable(ApiException(status=503))
+    assert is_retryable(aiohttp.ClientConnectionError()) and is_retryable(TimeoutError())
+    assert not is_retryable(ApiException(status=409)) and not is_retryable(ValueError())
+    assert RetryPolicy(attempts=4, base_s=0.1, max_s=0.3).delays() == [0.1, 0.2, 0.3]
+
+
+async def test_call_with_retry_retries_transient_then_gives_up() -> None:
+    calls = []
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ApiException(status=503)
+        return "ok"
+
+    policy = RetryPolicy(attempts=3, base_s=0.01, max_s=0.02)
+    assert await call_with_retry(flaky, policy=policy) == "ok" and len(calls) == 3
+
+    async def down() -> None:
+        raise ApiException(status=500)
+
+    with pytest.raises(ApiException):
+        await call_with_retry(down, policy=policy)
+
+    async def conflict() -> None:
+        calls.append(1)
+        raise ApiException(status=409)
+
+    calls.clear()
+    with pytest.raises(ApiException):
+        await call_with_retry(conflict, policy=policy)
+    assert len(calls) == 1  # answers are not retried
+
+
+def _alloc(uid: str, state: str, age_s: float) -> LiveAllocation:
+    return LiveAllocation(uuid.uuid4(), uid, "ns", f"p-{uid}", "n1", state, NOW - timedelta(seconds=age_s))
+
+
+def test_orphans_and_stale_reservations() -> None:
+    live = [
+        _alloc("gone-young", "reserved", 5),
+        _alloc("gone-old", "reserved", 50),
+        _alloc("gone-bound", "bound", 1),
+        _alloc("done", "assigned", 100),
+        _alloc("alive", "bound", 100),
+        _alloc("waiting", "reserved", 50),
+        _alloc("fresh", "reserved", 1),
+    ]
+    by_uid = {
+        "done": pod(uid="done", node="n1", phase="Succeeded"),
+        "alive": pod(uid="alive", node="n1", phase="Running"),
+        "waiting": pod(uid="waiting"),
+        "fresh": pod(uid="fresh"),
+    }
+    orphans = {o.allocation.pod_uid: o.reason for o in find_orphans(live, by_uid, now=NOW, grace_s=30)}
+    assert orphans == {
+        "gone-old": "pod no longer exists",
+        "gone-bound": "pod no longer exists",
+        "done": "pod succeeded",
+    }
+    assert [a.pod_uid for a in stale_reservations(live, by_uid, now=NOW, grace_s=30)] == ["waiting"]
+
+
+def test_adoption_of_gpushare_pods() -> None:
+    gpus = {0: ("GPU-a", 16 * 1024), 1: ("GPU-b", 16 * 1024)}
+    legacy = pod(uid="l", node="n1", phase="Running", ann={GPU_MEM_IDX: "1", GPU_MEM_POD: "2"}, gib=2)
+    request = adoption_request(legacy, gpus, MemoryUnit.GIB)
+    assert request.node == "n1" and (request.owner_kind, request.owner_name) == ("ReplicaSet", "rs")
+    assert [(p.container, p.container_index, p.gpu_uuid, p.memory_mib) for p in request.parts] == [
+        ("main", 1, "GPU-b", 2048)
+    ]
+    in_mib = adoption_request(legacy, gpus, MemoryUnit.MIB)
+    assert in_mib.parts[0].memory_mib == 2
+    with pytest.raises(AdoptionError, match="no GPU with index 3"):
+        adoption_request(pod(uid="x", node="n1", ann={GPU_MEM_IDX: "3"}), gpus, MemoryUnit.GIB)
+    with pytest.raises(AdoptionError):
+        adoption_request(pod(uid="x", node="n1", ann={GPU_MEM_IDX: "0,1"}), gpus, MemoryUnit.GIB)
+    candidates = adoption_candidates(
+        [legacy, pod(uid="unbound", ann={GPU_MEM_IDX: "0"}), pod(uid="known", node="n1", ann={GPU_MEM_IDX: "0"})],
+        {"known"},
+    )
+    assert [pods.pod_uid(p) for p in candidates] == ["l"]
