@@ -90,19 +90,30 @@ async def create_gpu_node(
     return await set_node_status(api_client, name, gpus, cpu=cpu, memory=memory, pods=pods)
 
 
-async def untaint_not_ready(api_client: ApiClient, name: str) -> None:
-    """Remove the ``node.kubernetes.io/not-ready`` taint added at creation."""
+async def untaint_not_ready(api_client: ApiClient, name: str, *, attempts: int = 10) -> None:
+    """Remove the ``node.kubernetes.io/not-ready`` taint added at creation.
+
+    The patch is guarded by the resourceVersion it read (so it cannot drop a taint someone added
+    meanwhile); when another writer got there first, read again and retry.
+    """
     core = client.CoreV1Api(api_client)
-    node = await core.read_node(name)
-    taints = node.spec.taints or []
-    keep = [api_client.sanitize_for_serialization(t) for t in taints if t.key != NOT_READY_TAINT]
-    if len(keep) == len(taints):
-        return
-    patch = [
-        {"op": "test", "path": "/metadata/resourceVersion", "value": node.metadata.resource_version},
-        {"op": "replace", "path": "/spec/taints", "value": keep},
-    ]
-    await core.patch_node(name, patch)
+    for attempt in range(attempts):
+        node = await core.read_node(name)
+        taints = node.spec.taints or []
+        keep = [api_client.sanitize_for_serialization(t) for t in taints if t.key != NOT_READY_TAINT]
+        if len(keep) == len(taints):
+            return
+        patch = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": node.metadata.resource_version},
+            {"op": "replace", "path": "/spec/taints", "value": keep},
+        ]
+        try:
+            await core.patch_node(name, patch)
+            return
+        except client.exceptions.ApiException as exc:
+            if exc.status not in (409, 422) or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.05 * (attempt + 1))
 
 
 async def set_node_status(
