@@ -50,7 +50,12 @@ class ServiceRuntime:
         return BusNames(self.settings.stream_name, self.settings.subject_prefix)
 
     async def __aenter__(self) -> ServiceRuntime:
-        self.bus = await EventBus.connect(self.settings.require_nats_url(), self.names, name=f"gpushare-{self.name}")
+        self.bus = await EventBus.connect(
+            self.settings.require_nats_url(),
+            self.names,
+            name=f"gpushare-{self.name}",
+            replicas=self.settings.stream_replicas,
+        )
         if self.database:
             self.engine = make_engine(self.settings.require_database_url(), pool_size=self.pool_size)
             self.relay = OutboxRelay(self.engine, self.bus)

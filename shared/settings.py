@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     resource_memory_unit: MemoryUnit = Field(default=MemoryUnit.GIB, description="Unit of aliyun.com/gpu-mem")
     stream_name: str = Field(default="GPUSHARE", description="JetStream stream holding every event")
     subject_prefix: str = Field(default="gpushare", description="First token of every event subject")
+    stream_replicas: int = Field(default=1, ge=1, le=5, description="JetStream replicas of the event stream")
     data_dir: Path = Field(default=Path(".gpushare"), description="Where `gpushare up` keeps its data")
     admin_token: SecretStr | None = Field(default=None, description="Bearer token required by mutating REST endpoints")
 

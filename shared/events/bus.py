@@ -43,14 +43,18 @@ class BusNames:
 class EventBus:
     """A NATS connection with JetStream, bound to the project's stream names."""
 
-    def __init__(self, nc: Client, names: BusNames) -> None:
+    def __init__(self, nc: Client, names: BusNames, *, replicas: int = 1) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.names = names
+        self.replicas = replicas
 
     @classmethod
-    async def connect(cls, url: str, names: BusNames | None = None, *, name: str = "gpushare") -> EventBus:
-        """Connect (reconnecting forever on loss) and make sure the streams exist."""
+    async def connect(
+        cls, url: str, names: BusNames | None = None, *, name: str = "gpushare", replicas: int = 1
+    ) -> EventBus:
+        """Connect (reconnecting forever on loss) and make sure the streams exist (with `replicas`
+        copies each when created here; a 3-server NATS cluster wants 3)."""
 
         async def _disconnected() -> None:
             log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
@@ -71,7 +75,7 @@ class EventBus:
             reconnected_cb=_reconnected,
             error_cb=_error,
         )
-        bus = cls(nc, names or BusNames())
+        bus = cls(nc, names or BusNames(), replicas=replicas)
         await bus.ensure_streams()
         return bus
 
@@ -91,6 +95,7 @@ class EventBus:
                         retention=RetentionPolicy.LIMITS,
                         storage=StorageType.FILE,
                         duplicate_window=DEDUP_WINDOW_S,
+                        num_replicas=self.replicas,
                     )
                 )
                 log.info("created JetStream stream", extra={"stream": stream, "subjects": subjects})

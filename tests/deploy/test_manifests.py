@@ -1,0 +1,277 @@
+"""The kustomizations render, validate against the Kubernetes schemas offline, and say what the docs promise."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from shared.embedded import nats_server_binary
+from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, find, key, pod_spec, unavailable
+
+# Kinds without a schema in kubernetes-validate (CRDs): checked by hand below.
+CRD_KINDS = {"ServiceMonitor"}
+# Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
+SCHEMA_VERSIONS = ("1.25.0", "latest")
+GPUSHARE_WORKLOADS = {
+    ("Deployment", "gpushare-extender"),
+    ("Deployment", "gpushare-binder"),
+    ("Deployment", "gpushare-accounting"),
+    ("DaemonSet", "gpushare-node-agent"),
+    ("Job", "gpushare-migrate"),
+}
+
+
+def _validator() -> Any:
+    try:
+        import kubernetes_validate
+    except ImportError:
+        unavailable("kubernetes-validate is not installed (pip install 'kubernetes-validate>=1.37')")
+    return kubernetes_validate
+
+
+def _subcommands() -> set[str]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return set(action.choices)
+
+
+def parse_cli(args: list[str], where: str) -> None:
+    """Fail unless `gpushare ARGS` parses with the CLI as it is now (subcommand and every flag)."""
+    commands = _subcommands()
+    assert args and args[0] in commands, (
+        f"{where} runs `gpushare {args[0] if args else ''}`; CLI has {sorted(commands)}"
+    )
+    try:
+        build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{where}: `gpushare {' '.join(args)}` does not parse (see the usage message above)")
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_renders_into_one_namespace(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    objects = rendered[name]
+    assert len({(*key(o), o["metadata"].get("namespace", "")) for o in objects}) == len(objects), "duplicates"
+    allowed = {NAMESPACE, "kube-system"} if name == "overlays/second-scheduler" else {NAMESPACE}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    for obj in objects:
+        ns = obj["metadata"].get("namespace")
+        if obj["kind"] in cluster_scoped:
+            assert ns is None, key(obj)
+        else:
+            assert ns in allowed, f"{key(obj)} in namespace {ns!r}"
+    for obj in objects:
+        for container in (pod_spec(obj) or {}).get("containers", []):
+            assert container["image"] != "gpushare", f"{key(obj)}: image not rewritten by `images:`"
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_validates_against_kubernetes_schemas(
+    rendered: dict[str, list[dict[str, Any]]], name: str, version: str
+) -> None:
+    kv = _validator()
+    target = kv.latest_version() if version == "latest" else version
+    checked = 0
+    for obj in rendered[name]:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kv.validate(obj, target, strict=True)
+        except kv.ValidationError as exc:
+            pytest.fail(f"{name}: {key(obj)} invalid for Kubernetes {target}: {exc.message}")
+        checked += 1
+    assert checked >= 20
+
+
+def test_a_broken_object_fails_validation() -> None:
+    kv = _validator()
+    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}, "spec": {"replicass": 2}}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, "1.25.0", strict=True)
+
+
+def test_service_monitor_scrapes_every_metrics_port(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["base"]
+    monitor = find(objects, "ServiceMonitor", "gpushare")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+    expected = {
+        "gpushare-extender": 12345,
+        "gpushare-binder": 8081,
+        "gpushare-accounting": 8080,
+        "gpushare-node-agent": 9119,
+    }
+    for name, number in expected.items():
+        svc = find(objects, "Service", name)
+        assert selector.items() <= svc["metadata"]["labels"].items(), name
+        assert any(p["port"] == number and p["name"] in ports for p in svc["spec"]["ports"]), name
+
+
+def test_dashboard_is_valid_grafana_json_over_gpushare_metrics(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    cm = find(rendered["base"], "ConfigMap", "gpushare-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["gpushare-dashboard.json"])
+    assert dashboard["title"] and dashboard["panels"]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 8
+    names = {m for e in exprs for m in re.findall(r"\bgpushare_[a-z0-9_]+", e)}
+    assert names and all(re.search(r"\bgpushare_", e) for e in exprs)
+    # Every metric the dashboard plots is one the services define.
+    sources = "\n".join(p.read_text() for p in (K8S.parent / "services").rglob("*.py"))
+    defined = set(re.findall(r"[\"'](gpushare_[a-z0-9_]+)[\"']", sources))
+    stem = lambda n: re.sub(r"_(bucket|sum|count|total|created)$", "", n)  # noqa: E731
+    defined_stems = {stem(n) for n in defined}
+    missing = sorted(n for n in names if n not in defined and stem(n) not in defined_stems)
+    assert not missing, f"dashboard plots metrics no service defines: {missing}"
+
+
+def test_gpushare_containers_run_cli_subcommands_that_exist(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    seen = set()
+    for name in KUSTOMIZATIONS:
+        for obj in rendered[name]:
+            if key(obj) not in GPUSHARE_WORKLOADS:
+                continue
+            for container in pod_spec(obj)["containers"]:
+                parse_cli(container["args"], f"{name}: {key(obj)}")
+                seen.add(container["args"][0])
+    assert {"migrate"} <= seen
+
+
+def test_hardened_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for obj in rendered["overlays/second-scheduler"]:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        for container in spec["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, key(obj)
+            assert sc["allowPrivilegeEscalation"] is False, key(obj)
+            assert sc["capabilities"]["drop"] == ["ALL"], key(obj)
+            assert not sc.get("privileged"), key(obj)
+            assert "memory" in container["resources"]["limits"], key(obj)
+            if obj["kind"] != "Job":
+                assert "readinessProbe" in container and "livenessProbe" in container, key(obj)
+            if key(obj) in GPUSHARE_WORKLOADS:
+                mounts = {m["mountPath"] for m in container["volumeMounts"]}
+                assert "/tmp" in mounts, f"{key(obj)}: no writable /tmp"
+        if key(obj) != ("DaemonSet", "gpushare-node-agent"):
+            assert spec["securityContext"]["runAsNonRoot"] is True, key(obj)
+            assert spec["securityContext"]["runAsUser"] != 0, key(obj)
+
+
+def test_extender_is_highly_available(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["base"]
+    dep = find(objects, "Deployment", "gpushare-extender")
+    assert dep["spec"]["replicas"] >= 2
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "gpushare-extender"
+    assert spec["affinity"]["podAntiAffinity"]
+    container = spec["containers"][0]
+    assert container["args"] == ["extender", "--port", "12345"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    pdb = find(objects, "PodDisruptionBudget", "gpushare-extender")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert pdb["spec"]["minAvailable"] >= 1
+    svc = find(objects, "Service", "gpushare-extender")
+    assert svc["spec"]["ports"][0]["port"] == 12345
+
+
+def test_node_agent_daemonset(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    ds = find(rendered["base"], "DaemonSet", "gpushare-node-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpushare": "true"}
+    assert spec["hostPID"] is True
+    assert {t["key"] for t in spec["tolerations"]} >= {"nvidia.com/gpu", "gpushare"}
+    paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert paths == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"}
+    container = spec["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    args = container["args"]
+    assert args[:3] == ["node-agent", "--node", "$(NODE_NAME)"]
+    assert args[args.index("--pod-resources-socket") + 1] == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert args[args.index("--metrics-port") + 1] == "9119"
+
+
+def test_nats_is_a_three_server_jetstream_cluster(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["base"]
+    sts = find(objects, "StatefulSet", "nats")
+    assert sts["spec"]["replicas"] == 3
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    conf = find(objects, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    assert "jetstream" in conf and "store_dir: /data" in conf
+    routes = re.findall(r"nats://(nats-\d)\.nats-headless:6222", conf)
+    assert routes == ["nats-0", "nats-1", "nats-2"]
+    assert find(objects, "Service", "nats-headless")["spec"]["clusterIP"] == "None"
+    assert find(objects, "ConfigMap", "gpushare-config")["data"]["GPUSHARE_NATS_URL"] == "nats://nats:4222"
+
+
+def test_managed_postgres_overlay_has_no_database(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    base = {key(o) for o in rendered["base"]}
+    objects = rendered["overlays/managed-postgres"]
+    managed = {key(o) for o in objects}
+    removed = {("StatefulSet", "postgres"), ("Service", "postgres"), ("NetworkPolicy", "postgres")}
+    assert removed <= base
+    assert base - managed == removed
+    assert managed <= base
+    secret = find(objects, "Secret", "gpushare-database")
+    assert set(secret["stringData"]) == {"url"} and "@postgres:" not in secret["stringData"]["url"]
+    # Every workload still finds the Secret (an old kustomize blanks references to deleted objects).
+    for obj in objects:
+        for container in (pod_spec(obj) or {}).get("containers", []):
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref is not None:
+                    assert ref["name"] in {"gpushare-database", "gpushare-admin"}, key(obj)
+
+
+def test_gpushare_compat_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["overlays/gpushare-compat"]
+    svc = find(objects, "Service", "gpushare-extender")
+    assert svc["spec"]["type"] == "NodePort"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 12345, "targetPort": "http", "nodePort": 32766}]
+    spec = find(objects, "Deployment", "gpushare-extender")["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["affinity"]["podAntiAffinity"], "the base's anti-affinity survives the patch"
+
+
+def test_second_scheduler_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["overlays/second-scheduler"]
+    dep = find(objects, "Deployment", "gpushare-scheduler")
+    assert dep["metadata"]["namespace"] == NAMESPACE
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"].startswith("registry.k8s.io/kube-scheduler:v1.")
+    assert "--config=/etc/gpushare-scheduler/config.yaml" in container["command"]
+    cm = find(objects, "ConfigMap", "gpushare-scheduler-config")
+    assert cm["metadata"]["namespace"] == NAMESPACE
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["profiles"] == [{"schedulerName": "gpushare-scheduler"}]
+    assert config["leaderElection"]["resourceName"] == "gpushare-scheduler"
+    (ext,) = config["extenders"]
+    assert ext["urlPrefix"] == "http://gpushare-extender.gpushare-system.svc:12345/gpushare-scheduler"
+    base = {key(o) for o in rendered["base"]}
+    assert base < {key(o) for o in objects}
+
+
+def test_nats_config_is_accepted_by_nats_server(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    conf = tmp_path / "nats.conf"
+    conf.write_text(find(rendered["base"], "ConfigMap", "nats-config")["data"]["nats.conf"])
+    env = {**os.environ, "POD_NAME": "nats-0"}
+    cmd = [nats_server_binary(), "-t", "-c", str(conf)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    conf.write_text(conf.read_text() + "\njetstream {\n")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode != 0, "nats-server -t accepts a broken file: the check above proves nothing"

@@ -1,0 +1,150 @@
+"""The kube-scheduler configurations shipped in k8s/scheduler/: the v1beta1 file and the legacy Policy are
+loaded by a real kube-scheduler 1.20; v1beta3 and v1 carry the same extender stanza."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from shared.devcluster import ControlPlane, Paths
+from tests.deploy.tools import K8S
+
+SCHEDULER = K8S / "scheduler"
+EXPECTED_EXTENDER = {
+    "filterVerb": "filter",
+    "prioritizeVerb": "prioritize",
+    "bindVerb": "bind",
+    "preemptVerb": "preempt",
+    "nodeCacheCapable": True,
+    "ignorable": False,
+    "managedResources": [
+        {"name": "aliyun.com/gpu-mem", "ignoredByScheduler": True},
+        {"name": "aliyun.com/gpu-core", "ignoredByScheduler": True},
+        {"name": "aliyun.com/gpu-count", "ignoredByScheduler": True},
+    ],
+}
+EXTENDER_FIELDS = {
+    "urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS", "tlsConfig",
+    "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable",
+}  # fmt: skip
+CONFIGS = {
+    "kube-scheduler-config.v1beta1.yaml": "kubescheduler.config.k8s.io/v1beta1",
+    "kube-scheduler-config.v1beta3.yaml": "kubescheduler.config.k8s.io/v1beta3",
+    "kube-scheduler-config.v1.yaml": "kubescheduler.config.k8s.io/v1",
+    "compose/kube-scheduler-config.yaml": "kubescheduler.config.k8s.io/v1",
+    "second-scheduler/gpushare-scheduler-config.yaml": "kubescheduler.config.k8s.io/v1",
+}
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: unused}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+"""
+
+
+def _extender(config: dict[str, Any]) -> dict[str, Any]:
+    (ext,) = config["extenders"]
+    return ext
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_config_wires_all_verbs(name: str) -> None:
+    config = yaml.safe_load((SCHEDULER / name).read_text())
+    assert config["apiVersion"] == CONFIGS[name]
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    ext = _extender(config)
+    assert set(ext) <= EXTENDER_FIELDS, set(ext) - EXTENDER_FIELDS
+    assert {k: ext[k] for k in EXPECTED_EXTENDER} == EXPECTED_EXTENDER
+    assert ext["httpTimeout"] == "30s" and ext["enableHTTPS"] is False and ext["weight"] >= 1
+    assert ext["urlPrefix"].endswith(":12345/gpushare-scheduler") or ext["urlPrefix"].endswith(
+        ":32766/gpushare-scheduler"
+    )
+
+
+def test_default_scheduler_configs_agree() -> None:
+    versions = [yaml.safe_load((SCHEDULER / n).read_text()) for n in CONFIGS if n.startswith("kube-scheduler-config")]
+    assert len({json.dumps({k: v for k, v in c.items() if k != "apiVersion"}, sort_keys=True) for c in versions}) == 1
+
+
+def test_policy_matches_and_spells_the_legacy_way() -> None:
+    policy = json.loads((SCHEDULER / "scheduler-policy-config.json").read_text())
+    assert (policy["kind"], policy["apiVersion"]) == ("Policy", "v1")
+    ext = _extender(policy)
+    v1beta1 = _extender(yaml.safe_load((SCHEDULER / "kube-scheduler-config.v1beta1.yaml").read_text()))
+    assert ext["httpTimeout"] == 30 * 10**9, "Policy gives httpTimeout in nanoseconds"
+    assert ext["enableHttps"] is False and "enableHTTPS" not in ext
+    same = {k: v for k, v in v1beta1.items() if k not in {"httpTimeout", "enableHTTPS"}}
+    assert {k: ext[k] for k in same} == same
+
+
+def _write_config(tmp_path: Path, text: str) -> list[str]:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
+    config = tmp_path / "config.yaml"
+    config.write_text(text.replace("/etc/kubernetes/scheduler.conf", str(kubeconfig)))
+    return ["--config", str(config), "--write-config-to", str(tmp_path / "out.yaml")]
+
+
+def _load(binaries: Paths, tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    cmd = [str(binaries.kube_scheduler), *_write_config(tmp_path, text)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_kube_scheduler_1_20_loads_the_v1beta1_config(k8s_binaries: Paths, tmp_path: Path) -> None:
+    proc = _load(k8s_binaries, tmp_path, (SCHEDULER / "kube-scheduler-config.v1beta1.yaml").read_text())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = yaml.safe_load((tmp_path / "out.yaml").read_text())
+    ext = _extender(loaded)
+    expected = {k: v for k, v in EXPECTED_EXTENDER.items() if v is not False}  # false is omitted on output
+    assert {k: ext.get(k) for k in expected} == expected
+    assert ext["httpTimeout"] == "30s"
+
+
+@pytest.mark.parametrize(("old", "new"), [("nodeCacheCapable", "nodeCacheCapabel"), ("30s", "30x")])
+def test_kube_scheduler_rejects_a_broken_config(k8s_binaries: Paths, tmp_path: Path, old: str, new: str) -> None:
+    text = (SCHEDULER / "kube-scheduler-config.v1beta1.yaml").read_text().replace(old, new)
+    proc = _load(k8s_binaries, tmp_path, text)
+    assert proc.returncode != 0
+    assert new in proc.stderr
+
+
+def _run_with_policy(cp: ControlPlane, binaries: Paths, policy: Path, log: Path) -> tuple[int | None, str]:
+    cmd = [
+        str(binaries.kube_scheduler), f"--kubeconfig={cp.kubeconfig_path}", f"--policy-config-file={policy}",
+        "--use-legacy-policy-config=true", "--leader-elect=false", "--port=0", "--secure-port=0", "--v=2",
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and proc.poll() is None:
+                if "Creating scheduler from configuration" in log.read_text() or "extender" in log.read_text():
+                    time.sleep(1.0)
+                    break
+                time.sleep(0.2)
+            return proc.poll(), log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=10)
+
+
+def test_kube_scheduler_1_20_runs_with_the_legacy_policy(
+    apiserver: ControlPlane, k8s_binaries: Paths, tmp_path: Path
+) -> None:
+    code, log = _run_with_policy(
+        apiserver, k8s_binaries, SCHEDULER / "scheduler-policy-config.json", tmp_path / "good.log"
+    )
+    assert code is None, f"kube-scheduler exited {code}:\n{log[-2000:]}"
+    assert "gpushare-scheduler" in log or "Creating scheduler from configuration" in log, log[-2000:]
+    broken = tmp_path / "broken.json"
+    broken.write_text((SCHEDULER / "scheduler-policy-config.json").read_text().replace("30000000000", '"30s"'))
+    code, log = _run_with_policy(apiserver, k8s_binaries, broken, tmp_path / "broken.log")
+    assert code not in (None, 0), f"a broken policy should stop kube-scheduler:\n{log[-2000:]}"

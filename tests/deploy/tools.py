@@ -1,0 +1,96 @@
+"""Helpers for the deployment checks: find (or install) kubectl, render kustomizations, load objects.
+
+Tools the checks need are installed here, idempotently: kubectl comes from any `kubectl` on PATH, else
+Debian's `kubernetes-client` package (`apt-get install`, root only). When a tool cannot be had the check
+skips with the reason, or fails under `CI=true`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+# Every kustomization an operator may apply (the second scheduler's own directory is applied through its overlay).
+KUSTOMIZATIONS = ("base", "overlays/managed-postgres", "overlays/gpushare-compat", "overlays/second-scheduler")
+NAMESPACE = "gpushare-system"
+
+
+def in_ci() -> bool:
+    """True when running under CI (`CI=true`): missing tools fail instead of skipping."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def unavailable(reason: str) -> None:
+    """Skip with `reason`, or fail under CI."""
+    if in_ci():
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def _apt_install(package: str) -> str | None:
+    """`apt-get install -y package` (updating the lists once if needed); None on success, else the error."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return "apt-get is not available as root"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if first.returncode == 0:
+        return None
+    subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, check=False)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    return None if second.returncode == 0 else second.stderr.strip()[-500:]
+
+
+def ensure_kubectl() -> str:
+    """Path of a kubectl with `kustomize` (installing Debian's kubernetes-client when none is on PATH)."""
+    found = shutil.which("kubectl")
+    if found is None:
+        error = _apt_install("kubernetes-client")
+        found = shutil.which("kubectl")
+        if found is None:
+            unavailable(f"kubectl unavailable and `apt-get install kubernetes-client` failed: {error}")
+    assert found is not None
+    return found
+
+
+def load_all(text: str) -> list[dict[str, Any]]:
+    """Every non-empty YAML document in `text`."""
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def render(kubectl: str, kustomization: str) -> list[dict[str, Any]]:
+    """`kubectl kustomize k8s/<kustomization>` as a list of objects (fails the test with kubectl's error)."""
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(K8S / kustomization)], capture_output=True, text=True, timeout=120, check=False
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"kubectl kustomize k8s/{kustomization} failed:\n{proc.stderr}")
+    return load_all(proc.stdout)
+
+
+def key(obj: dict[str, Any]) -> tuple[str, str]:
+    """`(kind, name)` of an object."""
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    """The object of that kind and name (fails the test when absent)."""
+    for obj in objects:
+        if key(obj) == (kind, name):
+            return obj
+    pytest.fail(f"{kind}/{name} not rendered; have {sorted(key(o) for o in objects)}")
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod template's spec of a workload, or None for other kinds."""
+    if obj["kind"] in {"Deployment", "StatefulSet", "DaemonSet", "Job"}:
+        return obj["spec"]["template"]["spec"]
+    return None
