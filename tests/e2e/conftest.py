@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from shared.devcluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
+
+ADMIN_TOKEN = "e2e-admin-token"
 
 
 def _binaries_or_skip() -> Paths:
@@ -42,3 +47,85 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole gpushare stack (services as subprocesses, kubelet stand-ins, simulated nodes) on its own control
+# plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster.
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    request: pytest.FixtureRequest,
+    control_plane_binaries: Paths,
+    pg_server_url: str,
+    nats_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """A started `services.stack.Stack` with its own database, stream and control plane (module scope)."""
+    from services.stack.stack import MODE_LOCAL, Stack, StackConfig
+    from tests.conftest import create_database, drop_database
+
+    tag = uuid.uuid4().hex[:8]
+    db_name = f"gpushare_e2e_{tag}"
+    database_url = await asyncio.to_thread(create_database, pg_server_url, db_name)
+    config = StackConfig(
+        data_dir=tmp_path_factory.mktemp(f"stack-{request.module.__name__.rsplit('.', 1)[-1]}"),
+        nodes=getattr(request.module, "STACK_NODES", 1),
+        gpus=getattr(request.module, "STACK_GPUS", "1x16GiB:Tesla-T4"),
+        node_prefix=f"e2e-{tag[:4]}",
+        extender_port=0,
+        binder_port=0,
+        accounting_port=0,
+        bind_timeout=20.0,
+        database_url=database_url,
+        nats_url=nats_url,
+        stream_name=f"GPUSHARE_E{tag}",
+        subject_prefix=f"gse{tag}",
+        log_format="json",
+        log_level="INFO",
+        admin_token=ADMIN_TOKEN,
+        scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
+        control_plane_paths=control_plane_binaries,
+        progress=lambda m: logging.getLogger("e2e.stack").info(m),
+    )
+    st = Stack(config)
+    try:
+        await st.start()
+    except BaseException:
+        await asyncio.to_thread(drop_database, pg_server_url, db_name)
+        raise
+    if st.mode != MODE_LOCAL:
+        await st.stop()
+        msg = f"the stack did not get the local control plane: {st.mode_reason}"
+        if _ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    try:
+        yield st
+    finally:
+        dead = st.check_alive()
+        await st.stop()
+        await asyncio.to_thread(drop_database, pg_server_url, db_name)
+        assert not dead, f"service processes died during the tests: {dead}"
+
+
+@pytest.fixture
+async def api(stack):
+    """The stack's kubernetes_asyncio ApiClient."""
+    return await stack.api_client()
+
+
+@pytest.fixture
+async def namespace(api, request: pytest.FixtureRequest):
+    """A fresh namespace per test; its pods are deleted (and the ledger released) afterwards."""
+    from tests.e2e import helpers
+
+    name = f"t-{request.node.name[:30].replace('_', '-').lower().strip('-')}-{uuid.uuid4().hex[:5]}"
+    await helpers.create_namespace(api, name)
+    yield name
+    await helpers.delete_all_pods(api, name)

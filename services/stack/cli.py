@@ -1,0 +1,138 @@
+"""`gpushare up`: the whole stack locally with one command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from services.stack import spec
+from services.stack.stack import MODE_SIMULATOR, Stack, StackConfig
+from shared.settings import Settings
+
+log = logging.getLogger("gpushare.up")
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add the `up` subcommand."""
+    p = subparsers.add_parser(
+        "up",
+        parents=[common],
+        help="run everything locally: control plane, Postgres, NATS, the four services, simulated GPU nodes, a demo",
+        description="Start a complete local gpushare: embedded PostgreSQL and NATS (unless GPUSHARE_DATABASE_URL / "
+        "GPUSHARE_NATS_URL name servers), a local Kubernetes 1.20 control plane whose kube-scheduler calls the "
+        "extender (or the cluster in KUBECONFIG), the extender, binder, accounting, one node agent and kubelet "
+        "stand-in per simulated GPU node, and a demo workload. Runs until Ctrl-C, then stops everything. Where "
+        "no control plane can be had it says why and schedules the demo with a kube-scheduler simulator.",
+    )
+    p.add_argument("--data-dir", type=Path, default=None, help="where data and logs live (default .gpushare)")
+    p.add_argument("--nodes", type=int, default=2, help="simulated GPU nodes (default 2)")
+    p.add_argument(
+        "--gpus", default=spec.DEFAULT_GPUS, help=f"GPUs per node, COUNTxMEM:MODEL[,...] (default {spec.DEFAULT_GPUS})"
+    )
+    p.add_argument("--no-demo", dest="demo", action="store_false", help="do not submit the demo workload")
+    p.add_argument("--simulate", action="store_true", help="skip the control plane; use the scheduler simulator")
+    p.add_argument(
+        "--ignore-kubeconfig", action="store_true", help="start the local control plane even when KUBECONFIG is set"
+    )
+    p.add_argument("--extender-port", type=int, default=12345, help="extender port (default 12345; busy: any free)")
+    p.add_argument("--binder-port", type=int, default=8081, help="binder port (default 8081; busy: any free)")
+    p.add_argument("--accounting-port", type=int, default=8080, help="accounting port (default 8080; busy: any free)")
+    p.add_argument("--bind-timeout", type=float, default=30.0, help="extender's wait for a Binding, seconds")
+    p.add_argument("--demo-timeout", type=float, default=120.0, help="how long to wait for the demo's placement")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop once the demo is placed (for scripts)")
+    p.set_defaults(func=run)
+
+
+def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
+    """The stack configuration from flags, settings and the environment."""
+    spec.parse_gpus(args.gpus)  # fail early on a bad spec
+    if args.nodes < 1 or args.nodes > 64:
+        raise SystemExit("--nodes must be between 1 and 64")
+    kubeconfig = None if args.ignore_kubeconfig or args.simulate else os.environ.get("KUBECONFIG") or None
+    return StackConfig(
+        data_dir=args.data_dir or settings.data_dir,
+        nodes=args.nodes,
+        gpus=args.gpus,
+        extender_port=args.extender_port,
+        binder_port=args.binder_port,
+        accounting_port=args.accounting_port,
+        bind_timeout=args.bind_timeout,
+        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+        nats_url=settings.nats_url,
+        stream_name=settings.stream_name,
+        subject_prefix=settings.subject_prefix,
+        log_format=settings.log_format,
+        log_level=settings.log_level,
+        memory_unit=str(settings.resource_memory_unit),
+        admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
+        kubeconfig=kubeconfig,
+        simulate=args.simulate,
+    )
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Entry point of `gpushare up`."""
+    try:
+        config = config_from(args, settings)
+    except ValueError as exc:
+        raise SystemExit(f"gpushare up: {exc}") from None
+    return asyncio.run(_up(config, demo=args.demo, demo_timeout=args.demo_timeout, once=args.exit_after_demo))
+
+
+async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: bool) -> int:
+    from services.stack.demo_run import inspect_output, placement_lines, run_demo
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise here
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    stack = Stack(config)
+    code = 0
+    try:
+        starting = asyncio.create_task(stack.start())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 130
+        stopper.cancel()
+        starting.result()
+        if demo:
+            pairs = await run_demo(stack, demo_timeout)
+            print("\nDemo placement:")
+            print("\n".join(placement_lines(pairs)))
+            if any(not n for _, n in pairs):
+                code = 1 if once else 0
+        print("\n" + (await inspect_output(stack)).rstrip())
+        print(f"\nDashboard:  {stack.accounting_url}/ui")
+        if stack.kubeconfig:
+            print(f"kubectl:    export KUBECONFIG={stack.kubeconfig}")
+            print("            kubectl get pods -A -o wide")
+        if stack.mode == MODE_SIMULATOR:
+            print(f"Mode:       {stack.mode} ({stack.mode_reason})")
+        print("\nListening:")
+        print("\n".join(spec.summary_lines(stack.listens())))
+        if once:
+            return code
+        print("\ngpushare is up. Press Ctrl-C to stop.", flush=True)
+        while not stop.is_set():
+            dead = stack.check_alive()
+            if dead:
+                for name in dead:
+                    log.error("%s exited; see %s", name, stack.processes[name].log_path, extra={"service": name})
+                return 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 2.0)
+        return 0
+    finally:
+        print("\n==> stopping everything", flush=True)
+        await stack.stop()
+        print("==> stopped", flush=True)

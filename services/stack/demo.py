@@ -1,0 +1,91 @@
+"""The demo workload, shaped like the classic gpushare example: BERT training (4 GiB) and ResNet inference (2 GiB)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client import ApiClient
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from shared.annotations import RESOURCE_MEM
+
+DEMO_NAMESPACE = "gpushare-demo"
+
+
+def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: list[str]) -> dict[str, Any]:
+    """A Deployment whose pods each ask for `gpu_mem` units of `aliyun.com/gpu-mem`."""
+    labels = {"app": name, "gpushare.io/demo": "true"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": name,
+                            "image": image,
+                            "command": command,
+                            "resources": {"limits": {RESOURCE_MEM: str(gpu_mem)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def demo_deployments(training_replicas: int = 2, inference_replicas: int = 4) -> list[dict[str, Any]]:
+    """BERT training with 4 GiB pods and ResNet inference with 2 GiB pods."""
+    return [
+        deployment(
+            "bert-training",
+            replicas=training_replicas,
+            gpu_mem=4,
+            image="nvcr.io/nvidia/pytorch:23.10-py3",
+            command=["python", "run_squad.py", "--model", "bert-base-uncased"],
+        ),
+        deployment(
+            "resnet-inference",
+            replicas=inference_replicas,
+            gpu_mem=2,
+            image="nvcr.io/nvidia/tritonserver:23.10-py3",
+            command=["tritonserver", "--model-repository=/models/resnet50"],
+        ),
+    ]
+
+
+def demo_pod_count(deployments: list[dict[str, Any]]) -> int:
+    """How many pods the demo Deployments ask for."""
+    return sum(int(d["spec"]["replicas"]) for d in deployments)
+
+
+async def ensure_namespace(api: ApiClient, name: str) -> None:
+    """Create the namespace unless it exists."""
+    try:
+        await client.CoreV1Api(api).create_namespace(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+        )
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+async def submit_demo(api: ApiClient, namespace: str = DEMO_NAMESPACE) -> list[dict[str, Any]]:
+    """Create (or replace) the demo Deployments; returns them."""
+    await ensure_namespace(api, namespace)
+    apps = client.AppsV1Api(api)
+    deployments = demo_deployments()
+    for dep in deployments:
+        try:
+            await apps.create_namespaced_deployment(namespace, dep)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            await apps.replace_namespaced_deployment(dep["metadata"]["name"], namespace, dep)
+    return deployments

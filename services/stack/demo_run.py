@@ -1,0 +1,108 @@
+"""Running the demo on a started stack: submit, wait for placement, show the inspect table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Any
+
+from services.stack.demo import DEMO_NAMESPACE, demo_deployments, demo_pod_count, submit_demo
+from services.stack.simulator import SchedulerSimulator, pods_of_deployments
+from services.stack.stack import MODE_SIMULATOR, Stack
+
+log = logging.getLogger(__name__)
+
+
+async def run_demo(stack: Stack, timeout_s: float = 120.0) -> list[tuple[str, str]]:
+    """Place the demo workload; returns `(pod, node)` pairs (node "" when still pending)."""
+    if stack.mode == MODE_SIMULATOR:
+        return await _simulated_demo(stack)
+    from kubernetes_asyncio import client
+
+    api = await stack.api_client()
+    deployments = await submit_demo(api)
+    want = demo_pod_count(deployments)
+    stack.progress(f"submitted the demo: {', '.join(d['metadata']['name'] for d in deployments)} ({want} pods)")
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + timeout_s
+    pairs: list[tuple[str, str]] = []
+    while True:
+        pods = (await core.list_namespaced_pod(DEMO_NAMESPACE, label_selector="gpushare.io/demo=true")).items
+        live = [p for p in pods if p.metadata.deletion_timestamp is None]
+        pairs = sorted((p.metadata.name, p.spec.node_name or "") for p in live)
+        bound = sum(1 for _, n in pairs if n)
+        if bound >= want:
+            stack.progress(f"all {want} demo pods placed")
+            return pairs
+        if time.monotonic() > deadline:
+            stack.progress(f"only {bound}/{want} demo pods placed after {timeout_s:.0f}s (see the logs)")
+            return pairs
+        await asyncio.sleep(0.5)
+
+
+async def _simulated_demo(stack: Stack) -> list[tuple[str, str]]:
+    from shared.events.bus import BusNames, EventBus
+    from shared.ledger.db import make_engine
+    from shared.ledger.ledger import Ledger
+    from shared.ledger.outbox import OutboxRelay
+
+    c = stack.config
+    bus = await EventBus.connect(stack.nats_url, BusNames(c.stream_name, c.subject_prefix), name="gpushare-simulator")
+    engine = make_engine(stack.database_url, pool_size=2)
+    relay = OutboxRelay(engine, bus)
+    stop = asyncio.Event()
+    relay_task = asyncio.create_task(relay.run(stop))
+    ledger = Ledger(engine, prefix=c.subject_prefix, source="simulator", on_commit=relay.kick)
+    sim = SchedulerSimulator(stack.extender_url, stack.node_names, ledger=ledger)
+    try:
+        pods = pods_of_deployments(demo_deployments(), DEMO_NAMESPACE)
+        stack.progress(f"scheduling {len(pods)} demo pods through the extender (simulated kube-scheduler)")
+        placements = await sim.run(pods)
+        await asyncio.wait_for(relay.flush(), 10)
+    finally:
+        await sim.close()
+        stop.set()
+        relay_task.cancel()
+        await asyncio.gather(relay_task, return_exceptions=True)
+        await bus.close()
+        await engine.dispose()
+    return sorted((p.name, p.node or "") for p in placements)
+
+
+async def inspect_output(stack: Stack, *extra: str) -> str:
+    """`gpushare inspect` against the stack's accounting (its stdout, or why it failed)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "inspect",
+        *extra,
+        "--accounting-url",
+        stack.accounting_url,
+        "--log-format",
+        "text",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        return f"(gpushare inspect failed with {proc.returncode}: {err.decode(errors='replace').strip()[-500:]})"
+    return out.decode(errors="replace")
+
+
+def placement_lines(pairs: list[tuple[str, str]]) -> list[str]:
+    """`pod -> node` lines."""
+    width = max((len(p) for p, _ in pairs), default=0)
+    return [f"  {p.ljust(width)}  -> {n or 'Pending'}" for p, n in pairs]
+
+
+def describe(stack: Stack) -> dict[str, Any]:
+    """Machine-readable summary of where everything is."""
+    return {
+        "mode": stack.mode,
+        "kubeconfig": stack.kubeconfig,
+        "dashboard": f"{stack.accounting_url}/ui",
+        "listens": dict(stack.listens()),
+    }

@@ -1,0 +1,129 @@
+"""The kubelet side of one simulated node: `shared.devcluster.kubelet.KubeletStandIn` plus a pod watch.
+
+`KubeletStandIn` plays kubelet's device-plugin side (Registration on `kubelet.sock`, ListAndWatch, Allocate,
+PreStartContainer, the pod-resources API) but admits only the pods it is handed. `NodeKubelet` hands it the
+pods the scheduler bound to its node, in creation order, like kubelet's pod admission, and forgets deleted
+pods, so the whole path API -> kube-scheduler -> extender -> ledger -> binder -> Binding -> node agent ->
+container environment runs. Each container's environment is kept for `container_env`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client import ApiClient
+
+from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+
+log = logging.getLogger(__name__)
+
+GPU_RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)
+MAX_ATTEMPTS = 20
+
+
+def gpu_resources_of(pod: dict[str, Any]) -> set[str]:
+    """The gpushare resources a pod's containers limit."""
+    spec = pod.get("spec") or {}
+    out: set[str] = set()
+    for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
+        limits = (c.get("resources") or {}).get("limits") or {}
+        out |= {r for r in limits if r in GPU_RESOURCES}
+    return out
+
+
+class NodeKubelet:
+    """Admits the pods bound to `node` through a `KubeletStandIn`; `envs` holds each container's env."""
+
+    def __init__(
+        self,
+        api: ApiClient,
+        node: str,
+        device_plugin_dir: Path,
+        pod_resources_socket: Path,
+        *,
+        interval: float = 0.5,
+    ) -> None:
+        from shared.devcluster.kubelet import KubeletStandIn
+
+        self.api = api
+        self.node = node
+        self.interval = interval
+        self.standin = KubeletStandIn(device_plugin_dir, pod_resources_socket)
+        self.envs: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+        self.errors: dict[tuple[str, str], str] = {}
+        self._attempts: dict[str, int] = {}
+        self._admitted: dict[str, dict[str, Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> NodeKubelet:
+        """Serve the kubelet sockets and begin admitting pods."""
+        await self.standin.start()
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def stop(self) -> None:
+        """Stop watching and stop the stand-in's servers."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.standin.stop()
+
+    def container_env(self, namespace: str, pod: str, container: str) -> dict[str, str] | None:
+        """The env the node agent returned for a container (None until admitted)."""
+        return (self.envs.get((namespace, pod)) or {}).get(container)
+
+    async def _loop(self) -> None:
+        core = client.CoreV1Api(self.api)
+        while True:
+            try:
+                pods = await core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node}")
+                await self._sync([self.api.sanitize_for_serialization(p) for p in pods.items])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the apiserver may be restarting; try again
+                log.warning("kubelet stand-in sync failed: %s", exc, extra={"node": self.node})
+            await asyncio.sleep(self.interval)
+
+    async def _sync(self, pods: list[dict[str, Any]]) -> None:
+        live = {p["metadata"]["uid"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
+        for uid in [u for u in self._admitted if u not in live]:
+            pod = self._admitted.pop(uid)
+            self.standin.remove_pod(pod)
+            self.envs.pop((pod["metadata"]["namespace"], pod["metadata"]["name"]), None)
+            log.info("pod ended", extra={"node": self.node, "pod": pod["metadata"]["name"]})
+        for uid, pod in sorted(live.items(), key=lambda kv: kv[1]["metadata"].get("creationTimestamp") or ""):
+            if uid in self._admitted or self._attempts.get(uid, 0) >= MAX_ATTEMPTS:
+                continue
+            wanted = gpu_resources_of(pod)
+            if not wanted <= set(self.standin.plugins):
+                continue  # kubelet would not admit before the device plugins registered
+            await self._admit(uid, pod)
+
+    async def _admit(self, uid: str, pod: dict[str, Any]) -> None:
+        from shared.devcluster.kubelet import AdmissionError
+
+        meta = pod["metadata"]
+        key = (meta["namespace"], meta["name"])
+        try:
+            envs = await self.standin.admit(pod)
+        except AdmissionError as exc:
+            self._attempts[uid] = self._attempts.get(uid, 0) + 1
+            self.errors[key] = str(exc)
+            log.warning("admission failed: %s", exc, extra={"node": self.node, "pod": meta["name"]})
+            return
+        self._admitted[uid] = pod
+        self.envs[key] = envs
+        self.errors.pop(key, None)
+        log.info("pod admitted", extra={"node": self.node, "namespace": key[0], "pod": key[1]})
+
+
+async def start_kubelet(api: ApiClient, node: str, device_plugin_dir: Path, pod_resources_socket: Path) -> NodeKubelet:
+    """Start the kubelet side of `node`."""
+    return await NodeKubelet(api, node, device_plugin_dir, pod_resources_socket).start()

@@ -1,0 +1,175 @@
+"""Pure helpers of `gpushare up`: GPU specs, service command lines, where things listen."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_GPU_ENTRY = re.compile(
+    r"^\s*(?:(?P<count>\d+)\s*x\s*)?(?P<mem>\d+)\s*(?P<unit>GiB|MiB|G|M)?\s*(?::\s*(?P<model>[\w.\-]+))?\s*$"
+)
+
+DEFAULT_GPUS = "1x16GiB:Tesla-T4"
+EXTENDER_PREFIX = "/gpushare-scheduler"
+
+
+@dataclass(frozen=True)
+class GpuModelSpec:
+    """`count` GPUs of `memory_mib` each, all of one model."""
+
+    count: int
+    memory_mib: int
+    model: str
+
+
+def parse_gpus(spec: str) -> list[GpuModelSpec]:
+    """Parse `"1x16GiB:Tesla-T4,2x24GiB:A10"`; raises ValueError naming the bad entry."""
+    out: list[GpuModelSpec] = []
+    for entry in spec.split(","):
+        m = _GPU_ENTRY.match(entry)
+        if not m:
+            raise ValueError(
+                f"bad GPU spec {entry.strip()!r}: expected COUNTxMEM[GiB|MiB]:MODEL, e.g. 1x16GiB:Tesla-T4"
+            )
+        count = int(m["count"] or 1)
+        mem = int(m["mem"])
+        mib = mem if (m["unit"] or "GiB").startswith("M") else mem * 1024
+        if count < 1 or count > 16 or mib < 1:
+            raise ValueError(f"bad GPU spec {entry.strip()!r}: 1..16 GPUs of at least 1 MiB")
+        out.append(GpuModelSpec(count, mib, m["model"] or "Tesla-T4"))
+    return out
+
+
+def node_gpus(spec: str, unit_mib: int = 1024) -> list[tuple[int, str]]:
+    """`(memory in resource units, model)` per GPU, as `shared.devcluster.nodes.create_gpu_node` takes them."""
+    return [(g.memory_mib // unit_mib, g.model) for g in parse_gpus(spec) for _ in range(g.count)]
+
+
+def node_names(prefix: str, count: int) -> list[str]:
+    """Names of the simulated nodes: `gpu-node-1`, `gpu-node-2`, ..."""
+    return [f"{prefix}-{i}" for i in range(1, count + 1)]
+
+
+@dataclass(frozen=True)
+class CommonFlags:
+    """The common flags every service subprocess gets (so it depends only on the CLI contract)."""
+
+    database_url: str
+    nats_url: str
+    stream_name: str = "GPUSHARE"
+    subject_prefix: str = "gpushare"
+    log_format: str = "json"
+    log_level: str = "INFO"
+    memory_unit: str = "GiB"
+    accounting_url: str | None = None
+
+    def argv(self) -> list[str]:
+        """The flags as arguments."""
+        args = [
+            "--database-url",
+            self.database_url,
+            "--nats-url",
+            self.nats_url,
+            "--stream-name",
+            self.stream_name,
+            "--subject-prefix",
+            self.subject_prefix,
+            "--log-format",
+            self.log_format,
+            "--log-level",
+            self.log_level,
+            "--memory-unit",
+            self.memory_unit,
+        ]
+        if self.accounting_url:
+            args += ["--accounting-url", self.accounting_url]
+        return args
+
+
+@dataclass(frozen=True)
+class ServiceCommand:
+    """One service subprocess: its name, argv, and the URL that says it is ready."""
+
+    name: str
+    argv: list[str]
+    ready_url: str | None
+    listens: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def gpushare_argv(subcommand: str, *args: str, common: CommonFlags | None = None) -> list[str]:
+    """`python -m services.cli SUBCOMMAND ARGS COMMON-FLAGS` with this interpreter."""
+    return [sys.executable, "-m", "services.cli", subcommand, *args, *(common.argv() if common else [])]
+
+
+def extender_command(common: CommonFlags, port: int, bind_timeout: float) -> ServiceCommand:
+    """The scheduler extender (kube-scheduler calls it at http://127.0.0.1:PORT/gpushare-scheduler)."""
+    argv = gpushare_argv(
+        "extender",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefix",
+        EXTENDER_PREFIX,
+        "--bind-timeout",
+        f"{bind_timeout:g}",
+        common=common,
+    )
+    return ServiceCommand(
+        "extender", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}{EXTENDER_PREFIX}"
+    )
+
+
+def binder_command(common: CommonFlags, port: int, kubeconfig: str) -> ServiceCommand:
+    """The binder (creates Bindings for reserved pods)."""
+    argv = gpushare_argv(
+        "binder", "--host", "127.0.0.1", "--port", str(port), "--kubeconfig", kubeconfig, common=common
+    )
+    return ServiceCommand("binder", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
+
+
+def accounting_command(common: CommonFlags, port: int, admin_token: str | None) -> ServiceCommand:
+    """Accounting (REST /v1, dashboard /ui)."""
+    argv = gpushare_argv("accounting", "--host", "127.0.0.1", "--port", str(port), common=common)
+    env = {"GPUSHARE_ADMIN_TOKEN": admin_token} if admin_token else {}
+    return ServiceCommand("accounting", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}", env)
+
+
+def node_agent_command(
+    common: CommonFlags,
+    *,
+    node: str,
+    gpus: str,
+    device_plugin_dir: str,
+    pod_resources_socket: str,
+    metrics_port: int,
+    kubeconfig: str | None,
+) -> ServiceCommand:
+    """One node agent in fake-GPU mode."""
+    args = [
+        "--node",
+        node,
+        "--fake-gpus",
+        gpus,
+        "--device-plugin-dir",
+        device_plugin_dir,
+        "--pod-resources-socket",
+        pod_resources_socket,
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    if kubeconfig:
+        args += ["--kubeconfig", kubeconfig]
+    argv = gpushare_argv("node-agent", *args, common=common)
+    return ServiceCommand(
+        f"node-agent-{node}", argv, f"http://127.0.0.1:{metrics_port}/healthz", f"http://127.0.0.1:{metrics_port}"
+    )
+
+
+def summary_lines(listens: Sequence[tuple[str, str]]) -> list[str]:
+    """Aligned `name  where` lines."""
+    width = max((len(n) for n, _ in listens), default=0)
+    return [f"  {n.ljust(width)}  {w}" for n, w in listens]

@@ -1,0 +1,420 @@
+"""The orchestration behind `gpushare up` (and the e2e fixtures): everything started in order, stopped in reverse.
+
+    stack = Stack(StackConfig(data_dir=Path(".gpushare")))
+    await stack.start()          # stores, migrations, control plane, services, simulated nodes
+    ...
+    await stack.stop()
+
+Services run as subprocesses of `python -m services.cli <service>` with the common flags, so the stack depends
+only on the command-line contract. The kubelet stand-ins (one per simulated node) run in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from services.stack import spec
+from services.stack.processes import ServiceProcess
+from shared.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+MODE_LOCAL = "local control plane"
+MODE_EXTERNAL = "existing cluster (KUBECONFIG)"
+MODE_SIMULATOR = "scheduler simulator"
+
+
+def _print_progress(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+def port_or_free(preferred: int) -> int:
+    """`preferred` when nobody listens there (0: any free port), else a free one."""
+    if preferred:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", preferred))
+                return preferred
+            except OSError:
+                pass
+    return free_port()
+
+
+@dataclass
+class StackConfig:
+    """Everything `gpushare up` can be told."""
+
+    data_dir: Path = Path(".gpushare")
+    nodes: int = 2
+    gpus: str = spec.DEFAULT_GPUS
+    node_prefix: str = "gpu-node"
+    extender_port: int = 12345
+    binder_port: int = 8081
+    accounting_port: int = 8080
+    bind_timeout: float = 30.0
+    database_url: str | None = None
+    nats_url: str | None = None
+    stream_name: str = "GPUSHARE"
+    subject_prefix: str = "gpushare"
+    log_format: str = "json"
+    log_level: str = "INFO"
+    memory_unit: str = "GiB"
+    admin_token: str | None = None
+    kubeconfig: str | None = None
+    simulate: bool = False
+    scheduler_extra: dict[str, Any] | None = None
+    control_plane_paths: Any = None
+    node_labels: dict[str, str] = field(default_factory=dict)
+    ready_timeout: float = 90.0
+    progress: Progress = _print_progress
+
+
+class Stack:
+    """Stores, control plane, services and simulated nodes of one local gpushare installation."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.data_dir = Path(config.data_dir).resolve()
+        self.log_dir = self.data_dir / "logs"
+        self._t0 = time.monotonic()
+        self.mode = MODE_LOCAL
+        self.mode_reason = ""
+        self.database_url = config.database_url or ""
+        self.nats_url = config.nats_url or ""
+        self.kubeconfig: str | None = config.kubeconfig
+        self.control_plane: Any = None
+        self.node_names = spec.node_names(config.node_prefix, config.nodes)
+        self.processes: dict[str, ServiceProcess] = {}
+        self.kubelets: dict[str, Any] = {}
+        self.missing: list[str] = []
+        self.extender_url = ""
+        self.binder_url = ""
+        self.accounting_url = ""
+        self._pg: EmbeddedPostgres | None = None
+        self._nats: EmbeddedNats | None = None
+        self._api: Any = None
+        self._heartbeat: Any = None
+        self._socket_dir: Path | None = None
+        self._stopped = False
+
+    def progress(self, msg: str) -> None:
+        """One progress line, with the seconds since the stack began starting."""
+        self.config.progress(f"[{time.monotonic() - self._t0:5.1f}s] {msg}")
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> Stack:
+        """Bring everything up; on any failure, stop what started and re-raise."""
+        self._t0 = t0 = time.monotonic()
+        try:
+            await self._start_stores()
+            await self._start_services_and_cluster()
+        except BaseException:
+            await self.stop()
+            raise
+        self.progress(f"stack up in {time.monotonic() - t0:.1f}s ({self.mode})")
+        return self
+
+    async def _start_stores(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.database_url:
+            self.progress(f"starting embedded PostgreSQL in {self.data_dir / 'postgres'}")
+            self._pg = EmbeddedPostgres(self.data_dir / "postgres", cleanup="stop")
+            server_url = await asyncio.to_thread(self._pg.start)
+            self.database_url = await _ensure_database(server_url, "gpushare")
+        if not self.nats_url:
+            self.progress(f"starting embedded NATS (JetStream in {self.data_dir / 'nats'})")
+            self._nats = EmbeddedNats(self.data_dir / "nats", log_file=self.log_dir / "nats-server.log")
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.nats_url = await asyncio.to_thread(self._nats.start)
+        from shared.ledger import migrate
+
+        self.progress("migrating the ledger schema")
+        await asyncio.to_thread(migrate.upgrade, self.database_url)
+
+    def _common(self) -> spec.CommonFlags:
+        c = self.config
+        return spec.CommonFlags(
+            database_url=self.database_url,
+            nats_url=self.nats_url,
+            stream_name=c.stream_name,
+            subject_prefix=c.subject_prefix,
+            log_format=c.log_format,
+            log_level=c.log_level,
+            memory_unit=c.memory_unit,
+            accounting_url=self.accounting_url or None,
+        )
+
+    def _spawn(self, command: spec.ServiceCommand) -> ServiceProcess | None:
+        subcommand = command.argv[3]
+        if subcommand not in available_subcommands():
+            self.missing.append(subcommand)
+            self.progress(f"WARNING: `gpushare {subcommand}` is not installed here; running without it")
+            return None
+        proc = ServiceProcess(command, self.log_dir)
+        proc.start()
+        self.processes[command.name] = proc
+        return proc
+
+    async def _start_services_and_cluster(self) -> None:
+        c = self.config
+        ext_port = port_or_free(c.extender_port)
+        acc_port = port_or_free(c.accounting_port)
+        self.extender_url = f"http://127.0.0.1:{ext_port}{spec.EXTENDER_PREFIX}"
+        self.accounting_url = f"http://127.0.0.1:{acc_port}"
+        self.progress("starting extender and accounting")
+        first = [
+            self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout)),
+            self._spawn(spec.accounting_command(self._common(), acc_port, c.admin_token)),
+        ]
+        cluster = asyncio.create_task(self._obtain_cluster())
+        await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
+        await cluster
+        if self.mode == MODE_SIMULATOR:
+            await self._record_simulated_inventory()
+            return
+        await self._create_nodes()
+        bnd_port = port_or_free(c.binder_port)
+        self.binder_url = f"http://127.0.0.1:{bnd_port}"
+        self.progress("starting binder")
+        rest = [self._spawn(spec.binder_command(self._common(), bnd_port, str(self.kubeconfig)))]
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="gpushare-up-"))
+        for node in self.node_names:
+            rest.append(await self._start_node(node))
+        self.progress(f"waiting for binder and {len(self.node_names)} node agent(s)")
+        await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
+
+    async def _obtain_cluster(self) -> None:
+        c = self.config
+        if c.kubeconfig:
+            self.mode = MODE_EXTERNAL
+            self.progress(f"using the cluster in KUBECONFIG={c.kubeconfig}")
+            self.progress(
+                f"note: its kube-scheduler must call the extender at {self.extender_url} "
+                "(see k8s/ for the scheduler configuration)"
+            )
+            return
+        if c.simulate:
+            self._use_simulator("asked for with --simulate")
+            return
+        from shared.devcluster import ControlPlane, ControlPlaneUnavailable, ExtenderConfig
+
+        cp = ControlPlane(
+            extender=ExtenderConfig(url_prefix=self.extender_url, http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s"),
+            scheduler_extra=c.scheduler_extra,
+            work_dir=self.data_dir / "cluster",
+            paths=c.control_plane_paths,
+            progress=lambda m: self.progress(f"control plane: {m}"),
+        )
+        self.progress("starting the local Kubernetes control plane (built once on first use, ~8 min)")
+        try:
+            await asyncio.to_thread(cp.start)
+        except ControlPlaneUnavailable as exc:
+            self._use_simulator(f"the local control plane is unavailable: {exc.reason}")
+            return
+        self.control_plane = cp
+        self.kubeconfig = str(cp.kubeconfig_path)
+
+    def _use_simulator(self, reason: str) -> None:
+        self.mode = MODE_SIMULATOR
+        self.mode_reason = reason
+        self.progress(f"{reason}; running the scheduler simulator instead of kube-scheduler")
+
+    async def api_client(self) -> Any:
+        """A kubernetes_asyncio ApiClient for the stack's cluster (owned by the stack)."""
+        if self._api is None:
+            if self.control_plane is not None:
+                self._api = self.control_plane.api_client()
+            else:
+                from shared.kube.client import api_client
+
+                self._api = await api_client(self.kubeconfig)
+        return self._api
+
+    async def _create_nodes(self) -> None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        from shared.devcluster.nodes import NodeHeartbeat, create_gpu_node, delete_node
+
+        api = await self.api_client()
+        unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
+        gpus = spec.node_gpus(self.config.gpus, unit_mib)
+        for node in self.node_names:
+            self.progress(f"creating simulated node {node} with GPUs {self.config.gpus}")
+            try:
+                await create_gpu_node(
+                    api, node, gpus=gpus, labels={"gpushare.io/simulated": "true", **self.config.node_labels}
+                )
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                await delete_node(api, node)
+                await create_gpu_node(
+                    api, node, gpus=gpus, labels={"gpushare.io/simulated": "true", **self.config.node_labels}
+                )
+        core = client.CoreV1Api(api)
+        for i, node in enumerate(self.node_names, start=1):
+            # an address for `inspect`'s IPADDRESS column (loopback: nothing listens there for the node)
+            addresses = [{"type": "InternalIP", "address": f"127.0.1.{i}"}, {"type": "Hostname", "address": node}]
+            await core.patch_node_status(node, {"status": {"addresses": addresses}})
+        self._heartbeat = NodeHeartbeat(api, self.node_names, interval=10.0).start()
+
+    async def _start_node(self, node: str) -> ServiceProcess | None:
+        """The kubelet stand-in (in this process) first, then the node agent that registers with it."""
+        assert self._socket_dir is not None
+        base = self._socket_dir / node
+        dp_dir = base / "dp"
+        dp_dir.mkdir(parents=True, exist_ok=True)
+        pr_socket = base / "pod-resources.sock"
+        if "node-agent" not in available_subcommands():
+            self.missing.append("node-agent")
+            self.progress("WARNING: `gpushare node-agent` is not installed here; pods bind but get no devices")
+            return None
+        self.kubelets[node] = await self._start_kubelet(node, dp_dir, pr_socket)
+        command = spec.node_agent_command(
+            self._common(),
+            node=node,
+            gpus=self.config.gpus,
+            device_plugin_dir=str(dp_dir),
+            pod_resources_socket=str(pr_socket),
+            metrics_port=free_port(),
+            kubeconfig=self.kubeconfig,
+        )
+        return self._spawn(command)
+
+    async def _start_kubelet(self, node: str, dp_dir: Path, pr_socket: Path) -> Any:
+        from services.stack.kubelets import start_kubelet
+
+        return await start_kubelet(await self.api_client(), node, dp_dir, pr_socket)
+
+    async def _record_simulated_inventory(self) -> None:
+        """Without a cluster there are no node agents: put the simulated GPUs in the ledger (and the stream)."""
+        from shared.events.bus import BusNames, EventBus
+        from shared.events.catalogue import GpuInfo, InventoryEvent
+        from shared.ledger.db import make_engine
+        from shared.ledger.ledger import Ledger
+        from shared.ledger.outbox import OutboxRelay
+
+        unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
+        names = BusNames(self.config.stream_name, self.config.subject_prefix)
+        bus = await EventBus.connect(self.nats_url, names, name="gpushare-up")
+        engine = make_engine(self.database_url, pool_size=2)
+        try:
+            relay = OutboxRelay(engine, bus)
+            ledger = Ledger(engine, prefix=names.prefix, source="gpushare-up")
+            for node in self.node_names:
+                gpus = [
+                    GpuInfo(
+                        uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}.{i}.gpushare.sim')}",
+                        index=i,
+                        model=model,
+                        memory_mib=mem * unit_mib,
+                        memory_total_mib=mem * unit_mib,
+                    )
+                    for i, (mem, model) in enumerate(spec.node_gpus(self.config.gpus, unit_mib))
+                ]
+                await ledger.record(InventoryEvent(node=node, gpus=gpus, source="gpushare-up"))
+            await asyncio.wait_for(relay.flush(), 10)
+            self.progress(f"recorded the simulated GPUs of {len(self.node_names)} node(s) in the ledger")
+        finally:
+            await bus.close()
+            await engine.dispose()
+
+    # ------------------------------------------------------------------ info
+    def listens(self) -> list[tuple[str, str]]:
+        """Where each piece listens."""
+        out = []
+        if self.control_plane is not None:
+            out.append(("kube-apiserver", self.control_plane.server_url))
+        elif self.kubeconfig:
+            out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
+        out += [(name, proc.command.listens) for name, proc in self.processes.items()]
+        out.append(("postgres", _redact(self.database_url)))
+        out.append(("nats", self.nats_url))
+        out.append(("logs", str(self.log_dir)))
+        return out
+
+    def check_alive(self) -> list[str]:
+        """Names of service processes that have exited."""
+        return [name for name, proc in self.processes.items() if not proc.alive()]
+
+    # ------------------------------------------------------------------ stop
+    async def stop(self) -> None:
+        """Stop everything in reverse order; safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
+        procs = list(self.processes.values())
+        # node agents first (kubelet outlives its device plugins), then the kubelet stand-ins, then the binder,
+        # then extender and accounting
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs if p.name.startswith("node-agent")))
+        for node, kubelet in list(self.kubelets.items()):
+            with contextlib.suppress(Exception):
+                await kubelet.stop()
+            self.kubelets.pop(node, None)
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs if p.name == "binder"))
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+        if self._api is not None:
+            with contextlib.suppress(Exception):
+                await self._api.close()
+        if self.control_plane is not None:
+            await asyncio.to_thread(self.control_plane.stop)
+        if self._nats is not None:
+            await asyncio.to_thread(self._nats.stop)
+        if self._pg is not None:
+            await asyncio.to_thread(self._pg.stop)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+@functools.cache
+def available_subcommands() -> frozenset[str]:
+    """The `gpushare` subcommands this installation has."""
+    from services.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return frozenset(action.choices)
+    return frozenset()
+
+
+def _redact(url: str) -> str:
+    """A URL without its password."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}@{host}"
+    return url
+
+
+async def _ensure_database(server_url: str, name: str) -> str:
+    """Create database `name` on the server unless it exists; returns its URL."""
+    conn = await asyncpg.connect(server_url)
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if not exists:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return with_database(server_url, name)

@@ -1,0 +1,91 @@
+"""The classic gpushare scenario through the real kube-scheduler: one node, one 16 GiB GPU shared by seven pods.
+
+API -> kube-scheduler -> extender (filter, bind) -> ledger -> binder -> Binding -> node agent (via the kubelet
+stand-in's Allocate) -> container environment. Then the GPU is full: the next pod stays Pending with a reason
+that accounting shows, and deleting one pod lets it in.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e import helpers as h
+
+pytestmark = pytest.mark.e2e
+
+STACK_NODES = 1
+STACK_GPUS = "1x16GiB:Tesla-T4"
+
+TRAIN = "bert-train"
+INFER = [f"resnet-infer-{i}" for i in range(6)]
+WAITER = "resnet-infer-waiting"
+
+
+async def test_seven_pods_fill_one_gpu_then_the_next_waits(stack, api, namespace) -> None:
+    node = stack.node_names[0]
+    await h.create_pod(api, namespace, h.gpu_pod(TRAIN, [4]))
+    for name in INFER:
+        await h.create_pod(api, namespace, h.gpu_pod(name, [2]))
+
+    placed = await h.wait_bound(api, namespace, [TRAIN, *INFER])
+    assert set(placed.values()) == {node}
+
+    # The ledger holds exactly one GPU share per pod, all on the single GPU, 16 GiB in total.
+    allocs = await h.wait_ledger(stack.database_url, namespace, [TRAIN, *INFER])
+    (gpu,) = await h.gpu_rows(stack.database_url, node)
+    assert gpu["allocated_memory_mib"] == 16 * 1024 == gpu["memory_mib"]
+    assert allocs[TRAIN]["memory_mib"] == 4 * 1024
+    assert all(allocs[n]["memory_mib"] == 2 * 1024 for n in INFER)
+    assert {p["gpu_uuid"] for a in allocs.values() for p in a["parts"]} == {gpu["uuid"]}
+
+    # Every container got the GPU the ledger holds for it, with its own share, from the node agent.
+    for name in [TRAIN, *INFER]:
+        env = await h.container_env(stack, node, namespace, name, "c0")
+        assert env["NVIDIA_VISIBLE_DEVICES"] == allocs[name]["parts"][0]["gpu_uuid"], (name, env)
+        assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == str(allocs[name]["memory_mib"] // 1024), (name, env)
+        assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+        assert env["ALIYUN_COM_GPU_MEM_DEV"] == "16"
+
+    # The GPU is full: the next 2 GiB pod is refused, and accounting says why.
+    await h.create_pod(api, namespace, h.gpu_pod(WAITER, [2]))
+    assert await h.stays_pending(api, namespace, WAITER, 5.0)
+
+    async def refused() -> dict | None:
+        view = await h.accounting_pod(stack, namespace, WAITER)
+        return view if view and view.get("status") == "pending" and view.get("pending") else None
+
+    view = await h.poll(refused, 30, what=f"accounting to show why {WAITER} is pending")
+    reasons = view["pending"]["reasons"]
+    assert node in reasons, view
+    assert view["pending"]["summary"]
+    cond = await h.scheduled_condition(api, namespace, WAITER)
+    assert cond.startswith("False:Unschedulable"), cond
+
+    # Deleting one inference pod frees 2 GiB; kube-scheduler retries the waiting pod and it gets them.
+    await h.delete_pod(api, namespace, INFER[0])
+    await h.wait_released(stack.database_url, namespace, INFER[0])
+    await h.nudge_scheduler(api, stack.node_names)
+    placed = await h.wait_bound(api, namespace, [WAITER], timeout_s=90)
+    assert placed[WAITER] == node
+    allocs = await h.wait_ledger(stack.database_url, namespace, [WAITER])
+    env = await h.container_env(stack, node, namespace, WAITER, "c0")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == allocs[WAITER]["parts"][0]["gpu_uuid"] == gpu["uuid"]
+    (gpu_after,) = await h.gpu_rows(stack.database_url, node)
+    assert gpu_after["allocated_memory_mib"] == 16 * 1024
+
+    # `gpushare inspect` agrees with the cluster: the node's GPU is fully allocated by exactly these pods.
+    await check_inspect(stack, api, namespace, node, [TRAIN, *INFER[1:], WAITER])
+
+
+async def check_inspect(stack, api, namespace: str, node: str, pods: list[str]) -> None:
+    """`gpushare inspect` (table and -d) against the pods actually bound in the cluster."""
+    table = await h.inspect(stack)
+    lines = [line for line in table.splitlines() if line.startswith(node)]
+    assert lines, table
+    assert "16/16" in lines[0], table
+    detail = await h.inspect(stack, "-d", node)
+    bound_in_cluster = [p for p in pods if await h.pod_node(api, namespace, p) == node]
+    assert sorted(bound_in_cluster) == sorted(pods)
+    for pod in pods:
+        assert pod in detail, (pod, detail)
+    assert INFER[0] not in detail, detail

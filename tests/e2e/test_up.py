@@ -1,0 +1,100 @@
+"""`gpushare up` as users run it: the scheduler simulator, and the whole stack on the local control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shared.devcluster import Paths
+from tests.conftest import create_database, drop_database
+
+pytestmark = pytest.mark.e2e
+
+
+async def _up(tmp_path: Path, database_url: str, nats_url: str, *args: str, limit_s: float = 240) -> tuple[int, str]:
+    tag = uuid.uuid4().hex[:8]
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG",) and not k.startswith("GPUSHARE_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--database-url",
+        database_url,
+        "--nats-url",
+        nats_url,
+        "--stream-name",
+        f"GPUSHARE_U{tag}",
+        "--subject-prefix",
+        f"gsu{tag}",
+        "--extender-port",
+        "0",
+        "--binder-port",
+        "0",
+        "--accounting-port",
+        "0",
+        "--exit-after-demo",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), limit_s)
+    except TimeoutError:
+        proc.terminate()
+        out, _ = await proc.communicate()
+        raise AssertionError(f"gpushare up did not finish in {limit_s}s:\n{out.decode()[-5000:]}") from None
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+@pytest.fixture
+def up_database(pg_server_url: str):
+    name = f"gpushare_up_{uuid.uuid4().hex[:8]}"
+    yield create_database(pg_server_url, name)
+    drop_database(pg_server_url, name)
+
+
+def _placements(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^\s+((?:bert-training|resnet-inference)-\S+)\s+-> (\S+)$", out, re.M))
+
+
+async def test_up_help() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "up", "--help", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    for flag in ("--data-dir", "--nodes", "--gpus", "--no-demo", "--simulate", "--database-url"):
+        assert flag in out.decode()
+
+
+async def test_up_simulator_places_the_demo(tmp_path: Path, up_database: str, nats_url: str) -> None:
+    code, out = await _up(tmp_path, up_database, nats_url, "--simulate", "--nodes", "2", limit_s=120)
+    assert code == 0, out[-5000:]
+    placed = _placements(out)
+    assert len(placed) == 6, out[-5000:]
+    assert set(placed.values()) <= {"gpu-node-1", "gpu-node-2"}, placed
+    assert "scheduler simulator" in out
+    assert "Dashboard:  http://127.0.0.1:" in out
+    assert "16/32" in out, out[-3000:]  # inspect: 2x4 + 4x2 GiB of 2x16 GiB
+
+
+async def test_up_runs_the_demo_on_the_local_control_plane(
+    tmp_path: Path, up_database: str, nats_url: str, control_plane_binaries: Paths
+) -> None:
+    code, out = await _up(tmp_path, up_database, nats_url, "--nodes", "2", "--bind-timeout", "20", limit_s=240)
+    assert code == 0, out[-5000:]
+    placed = _placements(out)
+    assert len(placed) == 6 and "Pending" not in placed.values(), out[-5000:]
+    assert "export KUBECONFIG=" in out
+    assert "16/32" in out, out[-3000:]
+    assert "==> stopped" in out
