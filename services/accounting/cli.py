@@ -1,0 +1,35 @@
+"""`gpushare accounting` (the service) and `gpushare inspect` (its command-line client)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from shared.settings import Settings
+
+from . import inspect_cli
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Entry point of `gpushare accounting`."""
+    from .service import serve
+
+    asyncio.run(serve(settings, host=args.host, port=args.port))
+    return 0
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Add the `accounting` and `inspect` subcommands."""
+    p = subparsers.add_parser(
+        "accounting",
+        parents=[common],
+        help="run accounting: projections, REST API (/v1, /docs), dashboard (/ui), metrics",
+        description="Consume every event into read models and serve the REST API under /v1 (OpenAPI at /docs), "
+        "the dashboard at /ui and Prometheus metrics at /metrics. Quota writes need "
+        "GPUSHARE_ADMIN_TOKEN as a bearer token.",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
+    p.set_defaults(func=run)
+    inspect_cli.register(subparsers, common)

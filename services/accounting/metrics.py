@@ -1,0 +1,150 @@
+"""Accounting's Prometheus metrics: ledger gauges computed on scrape, latencies observed from events."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from . import queries
+
+MIB = 1024 * 1024
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def reason_label(text: str) -> str:
+    """A bounded-cardinality label for a refusal reason: numbers become N, at most 100 characters."""
+    return re.sub(r"\d+(\.\d+)?", "N", text.strip())[:100] or "unknown"
+
+
+@dataclass
+class Snapshot:
+    """Gauge values read from the ledger and projections."""
+
+    nodes: list[dict] = field(default_factory=list)
+    namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)
+    quotas: list[dict] = field(default_factory=list)
+    pending_by_reason: dict[str, int] = field(default_factory=dict)
+    pod_ratios: list[tuple[str, str, float]] = field(default_factory=list)
+
+
+class LedgerCollector(Collector):
+    """Yields gauges from the latest snapshot (refreshed before each scrape)."""
+
+    def __init__(self) -> None:
+        self.snapshot = Snapshot()
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.snapshot
+        node_total = GaugeMetricFamily(
+            "gpushare_node_gpu_memory_bytes", "Schedulable GPU memory of a node", labels=["node"]
+        )
+        node_alloc = GaugeMetricFamily(
+            "gpushare_node_gpu_memory_allocated_bytes", "GPU memory allocated on a node", labels=["node"]
+        )
+        node_gpus = GaugeMetricFamily("gpushare_node_gpus", "GPUs of a node in the ledger", labels=["node"])
+        gpu_labels = ["node", "gpu", "gpu_index", "model"]
+        gpu_total = GaugeMetricFamily("gpushare_gpu_memory_bytes", "Schedulable memory of a GPU", labels=gpu_labels)
+        gpu_alloc = GaugeMetricFamily(
+            "gpushare_gpu_memory_allocated_bytes", "Memory of a GPU held by live allocations", labels=gpu_labels
+        )
+        gpu_used = GaugeMetricFamily(
+            "gpushare_gpu_memory_used_bytes", "Memory of a GPU in use at its latest usage sample", labels=gpu_labels
+        )
+        for n in s.nodes:
+            node_total.add_metric([n["name"]], n["memory_mib"] * MIB)
+            node_alloc.add_metric([n["name"]], n["allocated_memory_mib"] * MIB)
+            node_gpus.add_metric([n["name"]], n["gpu_count"])
+            for g in n["gpus"]:
+                labels = [n["name"], g["uuid"], str(g["index"]), g["model"]]
+                gpu_total.add_metric(labels, g["memory_mib"] * MIB)
+                gpu_alloc.add_metric(labels, g["allocated_memory_mib"] * MIB)
+                if g["used_memory_mib"] is not None:
+                    gpu_used.add_metric(labels, g["used_memory_mib"] * MIB)
+        ns_alloc = GaugeMetricFamily(
+            "gpushare_namespace_gpu_memory_allocated_bytes", "GPU memory a namespace holds", labels=["namespace"]
+        )
+        for ns, (mem, _compute) in sorted(s.namespaces.items()):
+            ns_alloc.add_metric([ns], mem * MIB)
+        ns_quota = GaugeMetricFamily(
+            "gpushare_namespace_gpu_memory_quota_bytes", "A namespace's GPU memory quota", labels=["namespace"]
+        )
+        for q in s.quotas:
+            if q["memory_mib"] is not None:
+                ns_quota.add_metric([q["namespace"]], q["memory_mib"] * MIB)
+        pending = GaugeMetricFamily(
+            "gpushare_pending_pods", "Pods the extender could not place, by reason", labels=["reason"]
+        )
+        for reason, count in sorted(s.pending_by_reason.items()):
+            pending.add_metric([reason], count)
+        ratio = GaugeMetricFamily(
+            "gpushare_pod_gpu_memory_usage_ratio",
+            "Used / allocated GPU memory of a pod at its latest usage sample (for HPA through a metrics adapter)",
+            labels=["namespace", "pod"],
+        )
+        for ns, pod, value in s.pod_ratios:
+            ratio.add_metric([ns, pod], value)
+        yield from (node_total, node_alloc, node_gpus, gpu_total, gpu_alloc, gpu_used)
+        yield from (ns_alloc, ns_quota, pending, ratio)
+
+
+class AccountingMetrics:
+    """Every metric accounting exports, in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, min_refresh_s: float = 1.0) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.collector = LedgerCollector()
+        self.registry.register(self.collector)
+        self.min_refresh_s = min_refresh_s
+        self._refreshed = 0.0
+        self.reserved_to_bound = Histogram(
+            "gpushare_reserved_to_bound_seconds",
+            "Time from an allocation's reservation to its pod's Binding",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.bound_to_assigned = Histogram(
+            "gpushare_bound_to_assigned_seconds",
+            "Time from a pod's Binding to its first container receiving its GPU",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.events_applied = Counter(
+            "gpushare_accounting_events_applied_total",
+            "Events applied to accounting's projections",
+            registry=self.registry,
+        )
+
+    def observe_latency(self, name: str, seconds: float) -> None:
+        """Record a life-cycle latency reported by the projector."""
+        if name == "reserved_to_bound":
+            self.reserved_to_bound.observe(seconds)
+        elif name == "bound_to_assigned":
+            self.bound_to_assigned.observe(seconds)
+
+    async def refresh(self, engine: AsyncEngine, *, force: bool = False) -> None:
+        """Read the gauges' values from the database (at most once per `min_refresh_s` unless forced)."""
+        if not force and time.monotonic() - self._refreshed < self.min_refresh_s:
+            return
+        async with engine.connect() as conn:
+            pending = await queries.list_pending(conn)
+            tally: Tally[str] = Tally()
+            for p in pending:
+                texts = set(p["reasons"].values()) or {p["summary"]}
+                for reason in {reason_label(t) for t in texts}:
+                    tally[reason] += 1
+            self.collector.snapshot = Snapshot(
+                nodes=await queries.list_nodes(conn),
+                namespaces=await queries.namespace_allocated(conn),
+                quotas=await queries.list_quotas(conn),
+                pending_by_reason=dict(tally),
+                pod_ratios=await queries.pod_usage_ratios(conn),
+            )
+        self._refreshed = time.monotonic()

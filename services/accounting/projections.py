@@ -1,0 +1,239 @@
+"""Accounting's projections: fold every event into read models, exactly once per event.
+
+The durable consumer "accounting" feeds `Projector.handle`; each event's effect and its idempotency claim
+(`applied_events`, consumer "accounting") commit in one transaction, so a redelivery changes nothing.
+`rebuild_projections` empties the read models and replays the whole stream through the same `apply`.
+
+Read models: `acc_timeline` (each allocation's steps with timestamps), `acc_pending` (the latest refusal
+per pod until it gets a reservation) and `usage_samples` (usage events, one row per sample). The ledger
+tables stay authoritative for current state and are only read here.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import delete, insert, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from shared.events.bus import EventBus
+from shared.events.catalogue import (
+    AssignedEvent,
+    BoundEvent,
+    Event,
+    ExchangedEvent,
+    FailedEvent,
+    RefusedEvent,
+    ReleasedEvent,
+    ReservedEvent,
+    UsageEvent,
+)
+from shared.ledger.idempotency import claim
+from shared.ledger.models import applied_events, usage_samples
+from shared.ledger.replay import read_events
+
+from .tables import CONSUMER, pending, timeline
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+PROJECTED_KINDS = frozenset({"reserved", "bound", "assigned", "exchanged", "released", "failed", "usage", "refused"})
+REBUILD_BATCH = 500
+
+
+@dataclass
+class Applied:
+    """What applying one event did: whether it was new, and life-cycle latencies it completed."""
+
+    new: bool
+    latencies: list[tuple[str, float]] = field(default_factory=list)
+
+
+async def _reserved_at(conn: AsyncConnection, allocation_id: uuid.UUID, step: str = "reserved") -> datetime | None:
+    return (
+        await conn.execute(
+            select(timeline.c.ts)
+            .where(timeline.c.allocation_id == allocation_id, timeline.c.step == step)
+            .order_by(timeline.c.ts)
+            .limit(1)
+        )
+    ).scalar()
+
+
+async def _step(
+    conn: AsyncConnection, event: Event, allocation_id: uuid.UUID, pod_uid: str, node: str, step: str, detail: str = ""
+) -> None:
+    await conn.execute(
+        pg_insert(timeline)
+        .values(
+            event_id=event.event_id,
+            allocation_id=allocation_id,
+            pod_uid=pod_uid,
+            node=node,
+            step=step,
+            ts=event.occurred_at,
+            detail=detail[:2048],
+        )
+        .on_conflict_do_nothing()
+    )
+
+
+async def apply(conn: AsyncConnection, event: Event) -> Applied:
+    """Apply one event to the read models inside the caller's transaction (idempotent)."""
+    if event.kind not in PROJECTED_KINDS:
+        return Applied(new=False)
+    if not await claim(conn, CONSUMER, event.event_id):
+        return Applied(new=False)
+    out = Applied(new=True)
+    match event:
+        case ReservedEvent():
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "reserved")
+            await conn.execute(
+                delete(pending).where(pending.c.pod_uid == event.pod_uid, pending.c.refused_at <= event.occurred_at)
+            )
+        case BoundEvent():
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "bound")
+            reserved = await _reserved_at(conn, event.allocation_id)
+            if reserved is not None:
+                out.latencies.append(("reserved_to_bound", (event.occurred_at - reserved).total_seconds()))
+        case AssignedEvent():
+            first = await _reserved_at(conn, event.allocation_id, "assigned")
+            await _step(
+                conn,
+                event,
+                event.allocation_id,
+                event.pod_uid,
+                event.node,
+                "assigned",
+                f"container {event.container}: {', '.join(event.gpu_uuids)}",
+            )
+            bound = await _reserved_at(conn, event.allocation_id, "bound")
+            if first is None and bound is not None:
+                out.latencies.append(("bound_to_assigned", (event.occurred_at - bound).total_seconds()))
+        case ReleasedEvent():
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "released", event.reason)
+        case FailedEvent():
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "failed", event.reason)
+        case ExchangedEvent():
+            pairs = (
+                (event.first_allocation_id, event.first_container, event.second_allocation_id, event.second_container),
+                (event.second_allocation_id, event.second_container, event.first_allocation_id, event.first_container),
+            )
+            for mine, my_container, other, other_container in pairs:
+                pod_uid = (
+                    await conn.execute(select(timeline.c.pod_uid).where(timeline.c.allocation_id == mine).limit(1))
+                ).scalar() or ""
+                detail = f"container {my_container} swapped shares with allocation {other} container {other_container}"
+                await _step(conn, event, mine, pod_uid, event.node, "exchanged", detail)
+        case UsageEvent():
+            if event.samples:
+                await conn.execute(
+                    insert(usage_samples),
+                    [
+                        {
+                            "event_id": event.event_id,
+                            "ts": event.occurred_at,
+                            "node": event.node,
+                            "gpu_uuid": s.gpu_uuid,
+                            "pod_uid": s.pod_uid,
+                            "namespace": s.namespace,
+                            "pod_name": s.pod_name,
+                            "container": s.container,
+                            "used_memory_mib": s.used_memory_mib,
+                            "utilization_pct": s.utilization_pct,
+                        }
+                        for s in event.samples
+                    ],
+                )
+        case RefusedEvent():
+            await _refused(conn, event)
+    return out
+
+
+async def _refused(conn: AsyncConnection, event: RefusedEvent) -> None:
+    later_reservation = (
+        await conn.execute(
+            select(timeline.c.id)
+            .where(
+                timeline.c.pod_uid == event.pod_uid,
+                timeline.c.step == "reserved",
+                timeline.c.ts >= event.occurred_at,
+            )
+            .limit(1)
+        )
+    ).first()
+    if later_reservation is not None:
+        return
+    values = {
+        "pod_uid": event.pod_uid,
+        "event_id": event.event_id,
+        "namespace": event.namespace,
+        "pod_name": event.pod_name,
+        "summary": event.summary,
+        "reasons": dict(event.reasons),
+        "refused_at": event.occurred_at,
+    }
+    stmt = pg_insert(pending).values(**values)
+    await conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[pending.c.pod_uid],
+            set_={k: stmt.excluded[k] for k in values if k != "pod_uid"},
+            where=pending.c.refused_at <= stmt.excluded.refused_at,
+        )
+    )
+
+
+class Projector:
+    """The consumer's handler: applies an event in its own transaction, then reports latencies."""
+
+    def __init__(self, engine: AsyncEngine, on_latency: Callable[[str, float], None] | None = None) -> None:
+        self.engine = engine
+        self.on_latency = on_latency
+        self.applied = 0
+
+    async def handle(self, event: Event) -> bool:
+        """Apply one event (the DurableConsumer acks after this returns); True when it changed something."""
+        async with self.engine.begin() as conn:
+            result = await apply(conn, event)
+        if result.new:
+            self.applied += 1
+            if self.on_latency is not None:
+                for name, seconds in result.latencies:
+                    self.on_latency(name, max(seconds, 0.0))
+        return result.new
+
+
+async def truncate_projections(conn: AsyncConnection) -> None:
+    """Empty the read models and forget which events they applied."""
+    await conn.execute(text(f"TRUNCATE {timeline.name}, {pending.name}, {usage_samples.name} RESTART IDENTITY"))
+    await conn.execute(delete(applied_events).where(applied_events.c.consumer == CONSUMER))
+
+
+async def rebuild_projections(engine: AsyncEngine, bus: EventBus, progress: Progress | None = None) -> int:
+    """Empty the read models and replay the whole stream into them; returns how many events applied."""
+    async with engine.begin() as conn:
+        await truncate_projections(conn)
+    count = 0
+    batch: list[Event] = []
+
+    async def flush() -> int:
+        applied = 0
+        async with engine.begin() as conn:
+            for ev in batch:
+                applied += int((await apply(conn, ev)).new)
+        batch.clear()
+        return applied
+
+    async for event in read_events(bus, progress=progress):
+        batch.append(event)
+        if len(batch) >= REBUILD_BATCH:
+            count += await flush()
+    if batch:
+        count += await flush()
+    log.info("accounting projections rebuilt from %d events", count)
+    return count

@@ -1,0 +1,493 @@
+"""Read queries behind the REST API, the metrics and the dashboard (ledger tables + projections)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, nodes, quotas
+
+from .rightsizing import recommend
+from .tables import pending, timeline
+
+LIVE_STATES = ("reserved", "bound", "assigned")
+STATES = ("reserved", "bound", "assigned", "released", "failed")
+PENDING_STALE_AFTER = timedelta(hours=1)
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return ts.isoformat() if ts is not None else None
+
+
+# ---------------------------------------------------------------- GPUs and nodes
+
+
+async def latest_gpu_usage(conn: AsyncConnection) -> dict[str, tuple[int, datetime]]:
+    """Per GPU UUID: the memory used at its latest usage sample and when."""
+    rows = await conn.execute(
+        text(
+            "WITH latest AS (SELECT gpu_uuid, max(ts) AS ts FROM usage_samples GROUP BY gpu_uuid) "
+            "SELECT u.gpu_uuid, sum(u.used_memory_mib) AS used, max(u.ts) AS ts "
+            "FROM usage_samples u JOIN latest l ON u.gpu_uuid = l.gpu_uuid AND u.ts = l.ts GROUP BY u.gpu_uuid"
+        )
+    )
+    return {r.gpu_uuid: (int(r.used), r.ts) for r in rows}
+
+
+def _gpu_dict(r: Any, used: dict[str, tuple[int, datetime]]) -> dict[str, Any]:
+    u = used.get(r.uuid)
+    return {
+        "uuid": r.uuid,
+        "index": r.index,
+        "model": r.model,
+        "memory_mib": r.memory_mib,
+        "memory_total_mib": r.memory_total_mib,
+        "allocated_memory_mib": r.allocated_memory_mib,
+        "compute_units": r.compute_units,
+        "allocated_compute": r.allocated_compute,
+        "used_memory_mib": u[0] if u else None,
+        "used_at": _iso(u[1]) if u else None,
+        "healthy": r.healthy,
+        "health_reason": r.health_reason,
+    }
+
+
+async def list_nodes(conn: AsyncConnection, *, include_retired: bool = False) -> list[dict[str, Any]]:
+    """Every node with its GPUs and their allocated / used memory."""
+    query = select(nodes).order_by(nodes.c.name)
+    if not include_retired:
+        query = query.where(nodes.c.retired_at.is_(None))
+    node_rows = (await conn.execute(query)).all()
+    gpu_query = select(gpus).where(gpus.c.retired_at.is_(None)).order_by(gpus.c.node, gpus.c.index)
+    by_node: dict[str, list[Any]] = defaultdict(list)
+    for g in (await conn.execute(gpu_query)).all():
+        by_node[g.node].append(g)
+    used = await latest_gpu_usage(conn)
+    pending_mib = await _pending_memory(conn)
+    counts = dict(
+        (
+            await conn.execute(
+                select(allocations.c.node, func.count()).where(text(LIVE_SQL)).group_by(allocations.c.node)
+            )
+        ).all()
+    )
+    out = []
+    for n in node_rows:
+        gpu_list = [_gpu_dict(g, used) for g in by_node.get(n.name, [])]
+        labels = n.labels or {}
+        out.append(
+            {
+                "name": n.name,
+                "address": labels.get("address") or labels.get("internal_ip") or "",
+                "driver_version": n.driver_version,
+                "cuda_version": n.cuda_version,
+                "retired": n.retired_at is not None,
+                "gpu_count": len(gpu_list),
+                "memory_mib": sum(g["memory_mib"] for g in gpu_list),
+                "allocated_memory_mib": sum(g["allocated_memory_mib"] for g in gpu_list),
+                "used_memory_mib": sum(g["used_memory_mib"] or 0 for g in gpu_list),
+                "pending_memory_mib": pending_mib.get(n.name, 0),
+                "live_allocations": int(counts.get(n.name, 0)),
+                "gpus": gpu_list,
+            }
+        )
+    return out
+
+
+async def _pending_memory(conn: AsyncConnection) -> dict[str, int]:
+    """Per node: memory of live shares on GPUs the node no longer lists (gpushare's PENDING column)."""
+    rows = await conn.execute(
+        select(allocations.c.node, func.sum(allocation_parts.c.memory_mib))
+        .select_from(allocation_parts.join(allocations, allocation_parts.c.allocation_id == allocations.c.id))
+        .outerjoin(gpus, and_(gpus.c.uuid == allocation_parts.c.gpu_uuid, gpus.c.retired_at.is_(None)))
+        .where(allocations.c.state.in_(LIVE_STATES), gpus.c.uuid.is_(None))
+        .group_by(allocations.c.node)
+    )
+    return {r[0]: int(r[1]) for r in rows}
+
+
+async def node_detail(conn: AsyncConnection, name: str) -> dict[str, Any] | None:
+    """One node, its GPUs and each GPU's live allocations (with this GPU's share of each)."""
+    found = [n for n in await list_nodes(conn, include_retired=True) if n["name"] == name]
+    if not found:
+        return None
+    node = found[0]
+    live = await _allocations_where(conn, and_(allocations.c.node == name, allocations.c.state.in_(LIVE_STATES)))
+    by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for a in live:
+        for p in a["parts"]:
+            by_gpu[p["gpu_uuid"]].append({**_brief(a), "container": p["container"], "memory_mib": p["memory_mib"]})
+    known = {g["uuid"] for g in node["gpus"]}
+    for g in node["gpus"]:
+        g["allocations"] = by_gpu.get(g["uuid"], [])
+    node["pending_allocations"] = [x for u, items in by_gpu.items() if u not in known for x in items]
+    node["allocations"] = live
+    return node
+
+
+def _brief(a: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] for k in ("id", "pod_uid", "namespace", "pod_name", "state")}
+
+
+async def cluster_totals(conn: AsyncConnection, unit: str) -> dict[str, Any]:
+    """Cluster-wide capacity, allocation, usage and counts."""
+    node_list = await list_nodes(conn)
+    states = dict((await conn.execute(select(allocations.c.state, func.count()).group_by(allocations.c.state))).all())
+    total = sum(n["memory_mib"] for n in node_list)
+    allocated = sum(n["allocated_memory_mib"] for n in node_list)
+    return {
+        "nodes": len(node_list),
+        "gpus": sum(n["gpu_count"] for n in node_list),
+        "unhealthy_gpus": sum(1 for n in node_list for g in n["gpus"] if not g["healthy"]),
+        "memory_mib": total,
+        "allocated_memory_mib": allocated,
+        "used_memory_mib": sum(n["used_memory_mib"] for n in node_list),
+        "allocated_pct": int(100 * allocated / total) if total else 0,
+        "allocations_by_state": {s: int(states.get(s, 0)) for s in STATES},
+        "pending_pods": len(await list_pending(conn)),
+        "memory_unit": unit,
+    }
+
+
+# ---------------------------------------------------------------- allocations and pods
+
+
+def _alloc_dict(r: Any, parts: list[Any]) -> dict[str, Any]:
+    return {
+        "id": str(r.id),
+        "pod_uid": r.pod_uid,
+        "namespace": r.namespace,
+        "pod_name": r.pod_name,
+        "owner_kind": r.owner_kind,
+        "owner_name": r.owner_name,
+        "node": r.node,
+        "state": r.state,
+        "memory_mib": r.memory_mib,
+        "compute": r.compute,
+        "reason": r.reason,
+        "reserved_at": _iso(r.reserved_at),
+        "bound_at": _iso(r.bound_at),
+        "assigned_at": _iso(r.assigned_at),
+        "ended_at": _iso(r.ended_at),
+        "parts": [
+            {
+                "container": p.container,
+                "container_index": p.container_index,
+                "init": p.init,
+                "gpu_uuid": p.gpu_uuid,
+                "gpu_index": p.gpu_index,
+                "memory_mib": p.memory_mib,
+                "compute": p.compute,
+                "assigned_at": _iso(p.assigned_at),
+            }
+            for p in sorted(parts, key=lambda p: (p.init, p.container_index, p.gpu_index))
+        ],
+    }
+
+
+async def _with_parts(conn: AsyncConnection, rows: list[Any]) -> list[dict[str, Any]]:
+    ids = [r.id for r in rows]
+    parts: dict[uuid.UUID, list[Any]] = defaultdict(list)
+    if ids:
+        for p in (await conn.execute(select(allocation_parts).where(allocation_parts.c.allocation_id.in_(ids)))).all():
+            parts[p.allocation_id].append(p)
+    return [_alloc_dict(r, parts.get(r.id, [])) for r in rows]
+
+
+async def _allocations_where(conn: AsyncConnection, where: Any) -> list[dict[str, Any]]:
+    rows = (
+        await conn.execute(select(allocations).where(where).order_by(allocations.c.reserved_at, allocations.c.id))
+    ).all()
+    return await _with_parts(conn, rows)
+
+
+def true_clause() -> Any:
+    """A condition that always holds (the neutral element of `and_`)."""
+    return text("true")
+
+
+@dataclass(frozen=True)
+class AllocationFilter:
+    """Filters of the allocation listing (all optional)."""
+
+    namespace: str | None = None
+    node: str | None = None
+    state: str | None = None
+    pod: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+async def list_allocations(
+    conn: AsyncConnection, f: AllocationFilter, *, limit: int, offset: int
+) -> tuple[list[dict[str, Any]], int]:
+    """A page of allocations (newest first) matching the filter, and how many match in all."""
+    conds = []
+    if f.namespace:
+        conds.append(allocations.c.namespace == f.namespace)
+    if f.node:
+        conds.append(allocations.c.node == f.node)
+    if f.state == "live":
+        conds.append(allocations.c.state.in_(LIVE_STATES))
+    elif f.state:
+        conds.append(allocations.c.state == f.state)
+    if f.pod:
+        conds.append(or_(allocations.c.pod_name == f.pod, allocations.c.pod_uid == f.pod))
+    if f.until is not None:
+        conds.append(allocations.c.reserved_at <= f.until)
+    if f.since is not None:
+        conds.append(or_(allocations.c.ended_at.is_(None), allocations.c.ended_at >= f.since))
+    where = and_(true_clause(), *conds)
+    total = (await conn.execute(select(func.count()).select_from(allocations).where(where))).scalar_one()
+    rows = (
+        await conn.execute(
+            select(allocations)
+            .where(where)
+            .order_by(allocations.c.reserved_at.desc(), allocations.c.id)
+            .limit(limit)
+            .offset(offset)
+        )
+    ).all()
+    return await _with_parts(conn, rows), int(total)
+
+
+async def timeline_of(conn: AsyncConnection, allocation_ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+    """Life-cycle steps of the given allocations, oldest first."""
+    if not allocation_ids:
+        return []
+    rows = await conn.execute(
+        select(timeline).where(timeline.c.allocation_id.in_(allocation_ids)).order_by(timeline.c.ts, timeline.c.id)
+    )
+    return [
+        {"allocation_id": str(r.allocation_id), "step": r.step, "at": _iso(r.ts), "node": r.node, "detail": r.detail}
+        for r in rows
+    ]
+
+
+def _pending_dict(r: Any) -> dict[str, Any]:
+    return {
+        "pod_uid": r.pod_uid,
+        "namespace": r.namespace,
+        "pod_name": r.pod_name,
+        "summary": r.summary,
+        "reasons": dict(r.reasons or {}),
+        "refused_at": _iso(r.refused_at),
+    }
+
+
+async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str, Any] | None:
+    """A pod's current (or latest) allocation, every allocation it had, their timeline, pending reasons."""
+    allocs = await _allocations_where(conn, and_(allocations.c.namespace == namespace, allocations.c.pod_name == name))
+    pend = (
+        await conn.execute(
+            select(pending)
+            .where(pending.c.namespace == namespace, pending.c.pod_name == name)
+            .order_by(pending.c.refused_at.desc())
+            .limit(1)
+        )
+    ).first()
+    if not allocs and pend is None:
+        return None
+    live = [a for a in allocs if a["state"] in LIVE_STATES]
+    current = live[-1] if live else (allocs[-1] if allocs else None)
+    status = current["state"] if current and current["state"] in LIVE_STATES else ("pending" if pend else None)
+    if status is None and current is not None:
+        status = current["state"]
+    return {
+        "namespace": namespace,
+        "pod_name": name,
+        "pod_uid": (current or {}).get("pod_uid") or (pend.pod_uid if pend else ""),
+        "status": status,
+        "allocation": current,
+        "allocations": allocs,
+        "timeline": await timeline_of(conn, [uuid.UUID(a["id"]) for a in allocs]),
+        "pending": _pending_dict(pend) if pend is not None and status == "pending" else None,
+        "last_refusal": _pending_dict(pend) if pend is not None else None,
+    }
+
+
+async def list_pending(
+    conn: AsyncConnection, *, namespace: str | None = None, now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Pods refused recently and not reserved since (latest reasons first)."""
+    cutoff = (now or datetime.now(UTC)) - PENDING_STALE_AFTER
+    query = select(pending).where(pending.c.refused_at >= cutoff).order_by(pending.c.refused_at.desc())
+    if namespace:
+        query = query.where(pending.c.namespace == namespace)
+    live = select(allocations.c.pod_uid).where(allocations.c.state.in_(LIVE_STATES))
+    query = query.where(pending.c.pod_uid.not_in(live))
+    return [_pending_dict(r) for r in (await conn.execute(query)).all()]
+
+
+# ---------------------------------------------------------------- usage and right-sizing
+
+
+def _workload(r: Any) -> tuple[str, str, str]:
+    kind = r.owner_kind or "Pod"
+    return (r.namespace, kind, r.owner_name or r.pod_name)
+
+
+async def _usage_per_pod(conn: AsyncConnection, since: datetime, until: datetime) -> dict[str, Any]:
+    rows = await conn.execute(
+        text(
+            "SELECT pod_uid, avg(used) AS mean, max(used) AS peak, "
+            "percentile_cont(0.95) WITHIN GROUP (ORDER BY used) AS p95, count(*) AS n FROM ("
+            " SELECT pod_uid, ts, sum(used_memory_mib) AS used FROM usage_samples"
+            " WHERE ts >= :since AND ts <= :until AND pod_uid <> '' GROUP BY pod_uid, ts) per_ts "
+            "GROUP BY pod_uid"
+        ),
+        {"since": since, "until": until},
+    )
+    return {r.pod_uid: r for r in rows}
+
+
+async def usage(
+    conn: AsyncConnection, *, since: datetime, until: datetime, by: str, namespace: str | None = None
+) -> list[dict[str, Any]]:
+    """GPU-memory-hours allocated vs used per namespace (`by="namespace"`) or workload (`by="workload"`).
+
+    Allocated: each allocation's memory times the hours it was held inside the range. Used: the pod's
+    mean sampled usage times those same hours (pods never sampled count as using nothing).
+    """
+    conds = [allocations.c.reserved_at <= until, or_(allocations.c.ended_at.is_(None), allocations.c.ended_at >= since)]
+    if namespace:
+        conds.append(allocations.c.namespace == namespace)
+    rows = (await conn.execute(select(allocations).where(and_(*conds)))).all()
+    per_pod = await _usage_per_pod(conn, since, until)
+    now = datetime.now(UTC)
+    acc: dict[tuple[str, ...], dict[str, Any]] = {}
+    for r in rows:
+        start = max(r.reserved_at, since)
+        end = min(r.ended_at or now, until)
+        hours = max((end - start).total_seconds(), 0.0) / 3600
+        key: tuple[str, ...] = (r.namespace,) if by == "namespace" else _workload(r)
+        entry = acc.setdefault(key, {"alloc": 0.0, "used": 0.0, "pods": set(), "sampled": set()})
+        entry["alloc"] += r.memory_mib * hours
+        sample = per_pod.get(r.pod_uid)
+        if sample is not None:
+            entry["used"] += float(sample.mean) * hours
+            entry["sampled"].add(r.pod_uid)
+        entry["pods"].add(r.pod_uid)
+    out = []
+    for key, e in sorted(acc.items(), key=lambda kv: (-kv[1]["alloc"], kv[0])):
+        item: dict[str, Any] = {"namespace": key[0]}
+        if by != "namespace":
+            item.update(owner_kind=key[1], owner_name=key[2])
+        item.update(
+            allocated_gib_hours=round(e["alloc"] / 1024, 4),
+            used_gib_hours=round(e["used"] / 1024, 4),
+            efficiency_pct=int(100 * e["used"] / e["alloc"]) if e["alloc"] else None,
+            pods=len(e["pods"]),
+            pods_with_samples=len(e["sampled"]),
+        )
+        out.append(item)
+    return out
+
+
+async def rightsizing(
+    conn: AsyncConnection,
+    *,
+    since: datetime,
+    until: datetime,
+    step_mib: int,
+    headroom: float,
+    namespace: str | None = None,
+) -> list[dict[str, Any]]:
+    """Per workload with usage samples: allocated vs peak / p95 used, a recommendation and its gain."""
+    conds = [allocations.c.reserved_at <= until, or_(allocations.c.ended_at.is_(None), allocations.c.ended_at >= since)]
+    if namespace:
+        conds.append(allocations.c.namespace == namespace)
+    rows = (await conn.execute(select(allocations).where(and_(*conds)).order_by(allocations.c.reserved_at))).all()
+    per_pod = await _usage_per_pod(conn, since, until)
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        g = groups.setdefault(_workload(r), {"allocated": 0, "peak": 0, "p95": 0.0, "pods": set(), "samples": 0})
+        g["allocated"] = r.memory_mib  # the newest allocation's size is what the workload requests now
+        s = per_pod.get(r.pod_uid)
+        if s is not None and r.pod_uid not in g["pods"]:
+            g["peak"] = max(g["peak"], int(s.peak))
+            g["p95"] = max(g["p95"], float(s.p95))
+            g["samples"] += int(s.n)
+            g["pods"].add(r.pod_uid)
+    out = []
+    for (ns, kind, name), g in sorted(groups.items()):
+        if not g["pods"] or g["allocated"] <= 0:
+            continue
+        rec = recommend(g["allocated"], g["peak"], round(g["p95"]), step_mib=step_mib, headroom=headroom)
+        out.append(
+            {
+                "namespace": ns,
+                "owner_kind": kind,
+                "owner_name": name,
+                "allocated_mib": rec.allocated_mib,
+                "peak_used_mib": rec.peak_mib,
+                "p95_used_mib": rec.p95_mib,
+                "recommended_mib": rec.recommended_mib,
+                "density_gain_pct": rec.density_gain_pct,
+                "pods_sampled": len(g["pods"]),
+                "samples": g["samples"],
+                "summary": rec.text,
+            }
+        )
+    out.sort(key=lambda x: (-x["density_gain_pct"], x["namespace"], x["owner_name"]))
+    return out
+
+
+# ---------------------------------------------------------------- quotas and metrics inputs
+
+
+def _quota_dict(r: Any) -> dict[str, Any]:
+    return {
+        "namespace": r.namespace,
+        "memory_mib": r.memory_mib,
+        "compute": r.compute,
+        "updated_at": _iso(r.updated_at),
+    }
+
+
+async def list_quotas(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """Every namespace quota, with what the namespace holds now."""
+    held = await namespace_allocated(conn)
+    return [
+        {**_quota_dict(r), "allocated_memory_mib": held.get(r.namespace, (0, 0))[0]}
+        for r in (await conn.execute(select(quotas).order_by(quotas.c.namespace))).all()
+    ]
+
+
+async def get_quota(conn: AsyncConnection, namespace: str) -> dict[str, Any] | None:
+    """One namespace's quota, or None."""
+    r = (await conn.execute(select(quotas).where(quotas.c.namespace == namespace))).first()
+    if r is None:
+        return None
+    held = await namespace_allocated(conn)
+    return {**_quota_dict(r), "allocated_memory_mib": held.get(namespace, (0, 0))[0]}
+
+
+async def namespace_allocated(conn: AsyncConnection) -> dict[str, tuple[int, int]]:
+    """Per namespace: memory and compute its live allocations hold."""
+    rows = await conn.execute(
+        select(allocations.c.namespace, func.sum(allocations.c.memory_mib), func.sum(allocations.c.compute))
+        .where(allocations.c.state.in_(LIVE_STATES))
+        .group_by(allocations.c.namespace)
+    )
+    return {r[0]: (int(r[1] or 0), int(r[2] or 0)) for r in rows}
+
+
+async def pod_usage_ratios(conn: AsyncConnection) -> list[tuple[str, str, float]]:
+    """(namespace, pod, used / allocated) from each live pod's latest usage sample."""
+    rows = await conn.execute(
+        text(
+            "WITH latest AS (SELECT pod_uid, max(ts) AS ts FROM usage_samples WHERE pod_uid <> '' GROUP BY pod_uid), "
+            "used AS (SELECT u.pod_uid, sum(u.used_memory_mib) AS used FROM usage_samples u "
+            " JOIN latest l ON u.pod_uid = l.pod_uid AND u.ts = l.ts GROUP BY u.pod_uid) "
+            "SELECT a.namespace, a.pod_name, a.memory_mib, used.used FROM allocations a "
+            f"JOIN used ON used.pod_uid = a.pod_uid WHERE a.{LIVE_SQL} AND a.memory_mib > 0"
+        )
+    )
+    return [(r.namespace, r.pod_name, float(r.used) / r.memory_mib) for r in rows]

@@ -1,0 +1,39 @@
+"""The accounting process: projection consumer + REST API + dashboard + metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from shared.events.consumer import DurableConsumer
+from shared.runtime import ServiceRuntime
+from shared.settings import Settings
+
+from .api import create_app
+from .metrics import AccountingMetrics
+from .projections import Projector
+from .tables import CONSUMER
+
+log = logging.getLogger(__name__)
+
+
+def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableConsumer:
+    """The durable "accounting" consumer of every event, applying them to the projections."""
+    assert rt.engine is not None and rt.bus is not None
+    projector = Projector(rt.engine, on_latency=metrics.observe_latency)
+
+    async def handle(event):  # type: ignore[no-untyped-def]
+        if await projector.handle(event):
+            metrics.events_applied.inc()
+
+    return DurableConsumer(rt.bus, CONSUMER, handle)
+
+
+async def serve(settings: Settings, *, host: str, port: int) -> None:
+    """Run until SIGTERM / SIGINT."""
+    async with ServiceRuntime("accounting", settings) as rt:
+        assert rt.engine is not None
+        metrics = AccountingMetrics()
+        consumer = build_consumer(rt, metrics)
+        rt.spawn(consumer.run(rt.stop))
+        app = create_app(rt.engine, settings, ledger=rt.ledger, metrics=metrics, ready=consumer.ready.is_set)
+        await rt.serve(app, host=host, port=port)

@@ -1,0 +1,195 @@
+"""Every REST endpoint against a seeded ledger, including bad queries and the token on writes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from services.accounting.api import create_app
+from shared.events.catalogue import QuotaEvent
+from shared.ledger.replay import read_events
+from shared.settings import Settings
+
+from .conftest import ADMIN_TOKEN, GIB, Stack
+
+
+async def test_cluster_and_nodes(seeded: Stack) -> None:
+    c = (await seeded.client.get("/v1/cluster")).json()
+    assert c["nodes"] == 2 and c["gpus"] == 4
+    assert c["memory_mib"] == 60 * GIB
+    assert c["allocated_memory_mib"] == 12 * GIB  # bert-1 2 + bert-2 2 + train-0 8
+    assert c["allocated_pct"] == 20
+    assert c["allocations_by_state"] == {"reserved": 0, "bound": 1, "assigned": 2, "released": 1, "failed": 1}
+    assert c["pending_pods"] == 1
+    assert c["memory_unit"] == "GiB"
+    nodes = (await seeded.client.get("/v1/nodes")).json()["items"]
+    assert [n["name"] for n in nodes] == ["node-0", "node-1"]
+    n0 = nodes[0]
+    assert n0["allocated_memory_mib"] == 4 * GIB and n0["memory_mib"] == 30 * GIB and n0["live_allocations"] == 2
+    g00 = n0["gpus"][0]
+    assert (g00["uuid"], g00["model"], g00["allocated_memory_mib"], g00["used_memory_mib"]) == (
+        "GPU-0-0",
+        "Tesla-T4",
+        2 * GIB,
+        1200,  # the latest sample
+    )
+
+
+async def test_node_detail(seeded: Stack) -> None:
+    r = await seeded.client.get("/v1/nodes/node-1")
+    assert r.status_code == 200
+    node = r.json()
+    by_gpu = {g["uuid"]: g["allocations"] for g in node["gpus"]}
+    assert [(a["pod_name"], a["container"], a["memory_mib"]) for a in by_gpu["GPU-1-0"]] == [("train-0", "main", 4096)]
+    assert [(a["pod_name"], a["container"]) for a in by_gpu["GPU-1-1"]] == [("train-0", "side")]
+    assert [a["pod_name"] for a in node["allocations"]] == ["train-0"]
+    missing = await seeded.client.get("/v1/nodes/nope")
+    assert missing.status_code == 404 and "nope" in missing.json()["error"]
+
+
+async def test_allocations_filters_and_pagination(seeded: Stack) -> None:
+    get = seeded.client.get
+    everything = (await get("/v1/allocations")).json()
+    assert everything["total"] == 5 and everything["next_offset"] is None
+    assert everything["items"][0]["pod_name"] == "flaky-0"  # newest first
+    assert (await get("/v1/allocations?namespace=team-b")).json()["total"] == 2
+    assert {a["pod_name"] for a in (await get("/v1/allocations?state=live")).json()["items"]} == {
+        "bert-1",
+        "bert-2",
+        "train-0",
+    }
+    assert [a["pod_name"] for a in (await get("/v1/allocations?state=released")).json()["items"]] == ["old-0"]
+    assert [a["pod_name"] for a in (await get("/v1/allocations?node=node-0&pod=bert-2")).json()["items"]] == ["bert-2"]
+    assert (await get("/v1/allocations?pod=uid-c")).json()["items"][0]["pod_name"] == "train-0"
+    page1 = (await get("/v1/allocations?limit=2")).json()
+    page2 = (await get("/v1/allocations?limit=2&offset=2")).json()
+    page3 = (await get("/v1/allocations?limit=2&offset=4")).json()
+    assert page1["next_offset"] == 2 and page2["next_offset"] == 4 and page3["next_offset"] is None
+    names = [a["pod_name"] for p in (page1, page2, page3) for a in p["items"]]
+    assert sorted(names) == sorted(a["pod_name"] for a in everything["items"]) and len(set(names)) == 5
+    later = (seeded.seeded_at + timedelta(hours=1)).isoformat().replace("+", "%2B")
+    # Only allocations still alive an hour from now overlap that range.
+    assert (await get(f"/v1/allocations?since={later}")).json()["total"] == 3
+    before = (seeded.seeded_at - timedelta(days=1)).isoformat().replace("+", "%2B")
+    assert (await get(f"/v1/allocations?until={before}")).json()["total"] == 0
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("/v1/allocations?limit=0", "limit"),
+        ("/v1/allocations?limit=5000", "limit"),
+        ("/v1/allocations?offset=-1", "offset"),
+        ("/v1/allocations?state=sleeping", "state"),
+        ("/v1/allocations?namespace=Bad_NS", "namespace"),
+        ("/v1/allocations?since=yesterday", "since"),
+        ("/v1/allocations?since=2026-01-02T00:00:00Z&until=2026-01-01T00:00:00Z", "after until"),
+        ("/v1/usage/namespaces?since=2026-01-02T00:00:00Z&until=2026-01-01T00:00:00Z", "after until"),
+        ("/v1/usage/workloads?until=0001-01-01T00:00:00", "out of bounds"),
+        ("/v1/rightsizing?headroom=-1", "headroom"),
+        ("/v1/rightsizing?step_mib=0", "step_mib"),
+        ("/v1/pods/UPPER/x", "namespace"),
+    ],
+)
+async def test_bad_queries_get_422_with_a_reason(plain_client: httpx.AsyncClient, query: str, needle: str) -> None:
+    r = await plain_client.get(query)
+    assert r.status_code == 422, r.text
+    assert needle in r.text
+
+
+async def test_pod_view_and_pending(seeded: Stack) -> None:
+    pod = (await seeded.client.get("/v1/pods/team-b/train-0")).json()
+    assert pod["pod_uid"] == "uid-c" and pod["status"] == "assigned"
+    assert pod["allocation"]["memory_mib"] == 8 * GIB
+    assert [p["gpu_uuid"] for p in pod["allocation"]["parts"]] == ["GPU-1-0", "GPU-1-1"]
+    assert [t["step"] for t in pod["timeline"]] == ["reserved", "bound", "assigned"]
+    assert all(t["at"] for t in pod["timeline"])
+    waiting = (await seeded.client.get("/v1/pods/team-b/huge-0")).json()
+    assert waiting["status"] == "pending" and waiting["allocation"] is None
+    assert set(waiting["pending"]["reasons"]) == {"node-0", "node-1"}
+    items = (await seeded.client.get("/v1/pending")).json()["items"]
+    assert [(p["namespace"], p["pod_name"]) for p in items] == [("team-b", "huge-0")]
+    assert (await seeded.client.get("/v1/pending?namespace=team-a")).json()["items"] == []
+    assert (await seeded.client.get("/v1/pods/team-a/ghost")).status_code == 404
+
+
+async def test_usage_per_namespace_and_workload(seeded: Stack) -> None:
+    ns = {u["namespace"]: u for u in (await seeded.client.get("/v1/usage/namespaces")).json()["items"]}
+    assert set(ns) == {"team-a", "team-b", "team-c"}
+    a, b = ns["team-a"], ns["team-b"]
+    assert a["allocated_gib_hours"] > 0 and b["allocated_gib_hours"] > 0
+    assert a["pods"] == 2 and a["pods_with_samples"] == 1
+    assert 0 < a["used_gib_hours"] < a["allocated_gib_hours"]
+    assert b["efficiency_pct"] is not None and b["efficiency_pct"] < 100
+    workloads = (await seeded.client.get("/v1/usage/workloads?namespace=team-b")).json()["items"]
+    assert {(w["owner_kind"], w["owner_name"]) for w in workloads} == {("Job", "train"), ("Job", "old")}
+    bare = (await seeded.client.get("/v1/usage/workloads?namespace=team-c")).json()["items"]
+    assert [(w["owner_kind"], w["owner_name"]) for w in bare] == [("Pod", "flaky-0")]
+
+
+async def test_rightsizing(seeded: Stack) -> None:
+    fine = (await seeded.client.get("/v1/rightsizing?step_mib=512")).json()
+    bert = next(x for x in fine["items"] if x["owner_name"] == "bert")
+    assert (bert["allocated_mib"], bert["peak_used_mib"], bert["recommended_mib"]) == (2048, 1331, 1536)
+    assert bert["p95_used_mib"] <= bert["peak_used_mib"]
+    assert bert["summary"] == "allocates 2 GiB, peaks at 1.3 GiB: 33 % more pods per GPU at 1.5 GiB"
+    assert bert["density_gain_pct"] == 33
+    train = next(x for x in fine["items"] if x["owner_name"] == "train")
+    assert train["peak_used_mib"] == 6 * GIB and train["recommended_mib"] == 7168
+    # Default step: the resource unit (GiB), since aliyun.com/gpu-mem is a whole number of units.
+    coarse = (await seeded.client.get("/v1/rightsizing")).json()
+    assert coarse["step_mib"] == 1024
+    assert next(x for x in coarse["items"] if x["owner_name"] == "bert")["summary"].endswith("right-sized")
+
+
+async def test_quotas_need_the_token_and_go_through_the_ledger(seeded: Stack) -> None:
+    c = seeded.client
+    assert (await c.get("/v1/quotas")).json() == {"items": []}
+    assert (await c.get("/v1/quotas/team-a")).status_code == 404
+    body = {"memory_mib": 10 * GIB}
+    missing = await c.put("/v1/quotas/team-a", json=body)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert "error" in missing.json()
+    wrong = await c.put("/v1/quotas/team-a", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403 and wrong.json() == {"error": "invalid token"}
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    assert (await c.put("/v1/quotas/team-a", json={}, headers=auth)).status_code == 422
+    assert (await c.put("/v1/quotas/team-a", json={"memory_mib": -1}, headers=auth)).status_code == 422
+    assert (await c.put("/v1/quotas/team-a", content=b"{not json", headers=auth)).status_code == 422
+    ok = await c.put("/v1/quotas/team-a", json={**body, "compute": 150}, headers=auth)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["memory_mib"] == 10 * GIB and ok.json()["allocated_memory_mib"] == 4 * GIB
+    assert (await c.get("/v1/quotas")).json()["items"][0]["namespace"] == "team-a"
+    assert (await c.delete("/v1/quotas/team-a")).status_code == 401
+    assert (await c.delete("/v1/quotas/team-a", headers=auth)).status_code == 200
+    assert (await c.delete("/v1/quotas/team-a", headers=auth)).status_code == 404
+    assert (await c.get("/v1/quotas/team-a")).status_code == 404
+    await seeded.settle()
+    quota_events = [e for e in [e async for e in read_events(seeded.bus)] if isinstance(e, QuotaEvent)]
+    assert [(e.namespace, e.memory_mib, e.compute) for e in quota_events] == [
+        ("team-a", 10 * GIB, 150),
+        ("team-a", None, None),
+    ]
+
+
+async def test_writes_are_refused_without_a_configured_token(stack: Stack) -> None:
+    app = create_app(stack.engine, Settings(admin_token=None), ledger=stack.ledger)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as client:
+        r = await client.put("/v1/quotas/x", json={"memory_mib": 1}, headers={"Authorization": "Bearer anything"})
+    assert r.status_code == 403 and "no admin token" in r.json()["error"]
+    configured = create_app(stack.engine, Settings(admin_token=SecretStr("t")), ledger=stack.ledger)
+    assert configured.openapi()["paths"]["/v1/quotas/{namespace}"]["put"]
+
+
+async def test_openapi_docs_and_dashboard_are_served(stack: Stack) -> None:
+    assert (await stack.client.get("/docs")).status_code == 200
+    spec = (await stack.client.get("/openapi.json")).json()
+    assert {"/v1/cluster", "/v1/nodes", "/v1/allocations", "/v1/rightsizing", "/v1/quotas/{namespace}"} <= set(
+        spec["paths"]
+    )
+    ui = await stack.client.get("/ui")
+    assert ui.status_code == 200 and "<script>" in ui.text and "http" not in ui.text.split("<script>")[1]
+    assert (await stack.client.get("/healthz")).json() == {"status": "ok"}
