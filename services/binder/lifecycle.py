@@ -16,6 +16,7 @@ from kubernetes_asyncio import client
 
 from services.binder import reads
 from services.binder.metrics import BinderMetrics
+from services.binder.nudge import CapacityNudger
 from shared.annotations import ALLOCATION, GPU_MEM_IDX
 from shared.kube import pods
 from shared.kube.pods import Pod
@@ -51,6 +52,7 @@ class Lifecycle:
         self.ledger = ledger
         self.api = api
         self.metrics = metrics
+        self.nudger = CapacityNudger(api)
         self.pods_synced = asyncio.Event()
         self.nodes_synced = asyncio.Event()
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -91,6 +93,7 @@ class Lifecycle:
         released = await self.ledger.release_pod(uid, reason)
         self._remember(uid)
         if released:
+            self.nudger.capacity_freed(pods.node_name(pod) or "")
             self.metrics.released.labels(reason=reason.replace(" ", "_")).inc(released)
             log.info(
                 "released %d allocation(s) of %s: %s",

@@ -88,3 +88,4 @@ class Binder:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            await self.lifecycle.nudger.close()

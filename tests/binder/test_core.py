@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -190,3 +191,38 @@ def test_adoption_of_gpushare_pods() -> None:
         {"known"},
     )
     assert [pods.pod_uid(p) for p in candidates] == ["l"]
+
+
+async def test_capacity_nudger_coalesces_stamps_per_node() -> None:
+    from services.binder.nudge import LABEL, CapacityNudger
+
+    patched: list[tuple[str, dict]] = []
+
+    class _Core:
+        def __init__(self, api: object) -> None:
+            pass
+
+        async def patch_node(self, name: str, body: dict) -> None:
+            patched.append((name, body))
+
+    import services.binder.nudge as nudge
+
+    real = nudge.client.CoreV1Api
+    nudge.client.CoreV1Api = _Core  # type: ignore[misc,assignment]
+    try:
+        nudger = CapacityNudger(object(), min_interval_s=0.2)  # type: ignore[arg-type]
+        for _ in range(5):
+            nudger.capacity_freed("n1")
+        nudger.capacity_freed("n2")
+        nudger.capacity_freed("")
+        await asyncio.sleep(0.05)
+        assert sorted(n for n, _ in patched) == ["n1", "n2"]
+        assert all(LABEL in body["metadata"]["labels"] for _, body in patched)
+        nudger.capacity_freed("n1")
+        await asyncio.sleep(0.05)
+        assert len(patched) == 2, "a second stamp within min_interval waits"
+        await asyncio.sleep(0.3)
+        assert len(patched) == 3
+        await nudger.close()
+    finally:
+        nudge.client.CoreV1Api = real  # type: ignore[misc]

@@ -96,19 +96,6 @@ async def wait_bound(
     return await poll(all_bound, timeout_s, interval=0.5, what=f"pods {names} in {namespace} to be bound")
 
 
-async def nudge_scheduler(api: client.ApiClient, nodes: list[str]) -> None:
-    """Change a label on the nodes: kube-scheduler 1.20 then moves unschedulable pods back to its active queue.
-
-    Deleting a bound pod already does that, but the scheduler may retry before the binder has released the
-    pod's GPU share in the ledger; the extender then refuses again and the pod would wait for the scheduler's
-    60 s flush of unschedulable pods. A real cluster sees node updates all the time.
-    """
-    core = client.CoreV1Api(api)
-    stamp = str(asyncio.get_running_loop().time()).replace(".", "-")
-    for node in nodes:
-        await core.patch_node(node, {"metadata": {"labels": {"gpushare.io/e2e-nudge": stamp}}})
-
-
 async def stays_pending(api: client.ApiClient, namespace: str, name: str, seconds: float) -> bool:
     """True when the pod is still unbound after `seconds`."""
     end = asyncio.get_running_loop().time() + seconds

@@ -88,8 +88,7 @@ async def test_quota_rejects_over_limit_pod(stack, api, namespace) -> None:
     # freeing the quota lets it in
     await h.delete_pod(api, namespace, "within-quota")
     await h.wait_released(stack.database_url, namespace, "within-quota")
-    await h.nudge_scheduler(api, stack.node_names)
-    await h.wait_bound(api, namespace, ["over-quota"], timeout_s=90)
+    await h.wait_bound(api, namespace, ["over-quota"], timeout_s=30)
 
 
 async def test_inspect_matches_cluster(stack, api, namespace) -> None:

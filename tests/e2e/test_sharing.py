@@ -64,8 +64,9 @@ async def test_seven_pods_fill_one_gpu_then_the_next_waits(stack, api, namespace
     # Deleting one inference pod frees 2 GiB; kube-scheduler retries the waiting pod and it gets them.
     await h.delete_pod(api, namespace, INFER[0])
     await h.wait_released(stack.database_url, namespace, INFER[0])
-    await h.nudge_scheduler(api, stack.node_names)
-    placed = await h.wait_bound(api, namespace, [WAITER], timeout_s=90)
+    # the binder stamps gpushare.io/capacity-freed on the node after the release, which sends the waiting
+    # pod straight back to kube-scheduler's active queue (well before its 60 s unschedulable flush)
+    placed = await h.wait_bound(api, namespace, [WAITER], timeout_s=30)
     assert placed[WAITER] == node
     allocs = await h.wait_ledger(stack.database_url, namespace, [WAITER])
     env = await h.container_env(stack, node, namespace, WAITER, "c0")
