@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
+from tests.system_tools import ensure_tool
 
 from .conftest import LiveServer, Stack
 
@@ -16,13 +14,8 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
 def chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found:
-        return found
-    reason = "Chromium is not installed (apt-get install -y chromium)"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(reason)
-    pytest.skip(reason)
+    """Debian's Chromium (installed on first use)."""
+    return ensure_tool(("chromium", "chromium-browser"), "chromium")
 
 
 async def _browse(url: str, *extra: str) -> str:

@@ -7,14 +7,14 @@ skips with the reason, or fails under `CI=true`.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.system_tools import ensure_tool, unavailable  # noqa: F401 - unavailable is re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -23,42 +23,9 @@ KUSTOMIZATIONS = ("base", "overlays/managed-postgres", "overlays/gpushare-compat
 NAMESPACE = "gpushare-system"
 
 
-def in_ci() -> bool:
-    """True when running under CI (`CI=true`): missing tools fail instead of skipping."""
-    return os.environ.get("CI", "").lower() == "true"
-
-
-def unavailable(reason: str) -> None:
-    """Skip with `reason`, or fail under CI."""
-    if in_ci():
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
-def _apt_install(package: str) -> str | None:
-    """`apt-get install -y package` (updating the lists once if needed); None on success, else the error."""
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return "apt-get is not available as root"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if first.returncode == 0:
-        return None
-    subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, check=False)
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    return None if second.returncode == 0 else second.stderr.strip()[-500:]
-
-
 def ensure_kubectl() -> str:
     """Path of a kubectl with `kustomize` (installing Debian's kubernetes-client when none is on PATH)."""
-    found = shutil.which("kubectl")
-    if found is None:
-        error = _apt_install("kubernetes-client")
-        found = shutil.which("kubectl")
-        if found is None:
-            unavailable(f"kubectl unavailable and `apt-get install kubernetes-client` failed: {error}")
-    assert found is not None
-    return found
+    return ensure_tool(("kubectl",), "kubernetes-client")
 
 
 def load_all(text: str) -> list[dict[str, Any]]:

@@ -1,0 +1,51 @@
+"""System tools some tests need (kubectl, Chromium): found on PATH or installed with apt, idempotently.
+
+When a tool cannot be had the test skips with the reason, or fails under `CI=true` (CI must not skip).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def in_ci() -> bool:
+    """True when running under CI (`CI=true`): missing tools fail instead of skipping."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def unavailable(reason: str) -> None:
+    """Skip with `reason`, or fail under CI."""
+    if in_ci():
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def apt_install(package: str) -> str | None:
+    """`apt-get install -y package` (updating the lists once if needed); None on success, else the error."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return "apt-get is not available as root"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if first.returncode == 0:
+        return None
+    subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, check=False)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    return None if second.returncode == 0 else second.stderr.strip()[-500:]
+
+
+def ensure_tool(names: tuple[str, ...], package: str) -> str:
+    """Path of the first of `names` on PATH, installing Debian's `package` when none is there."""
+    for name in names:
+        if found := shutil.which(name):
+            return found
+    error = apt_install(package)
+    for name in names:
+        if found := shutil.which(name):
+            return found
+    unavailable(f"{names[0]} unavailable and `apt-get install {package}` failed: {error}")
+    raise AssertionError("unreachable")
