@@ -10,7 +10,7 @@ from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.catalogue import AllocationPart
-from shared.ledger.models import allocation_parts, allocations, gpus, nodes
+from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row
 
 LIVE = ("reserved", "bound", "assigned")
 
@@ -99,15 +99,4 @@ async def reservation_parts(engine: AsyncEngine, allocation_id: uuid.UUID) -> li
                 )
             )
         ).all()
-    return [
-        AllocationPart(
-            container=r.container,
-            container_index=r.container_index,
-            gpu_uuid=r.gpu_uuid,
-            gpu_index=r.gpu_index,
-            memory_mib=r.memory_mib,
-            compute=r.compute,
-            init=r.init,
-        )
-        for r in rows
-    ]
+    return [part_from_row(r) for r in rows]

@@ -25,7 +25,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
+from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row, quotas
 from shared.ledger.rules import gpu_charges
 from shared.placement import GpuView, NodeView
 
@@ -116,17 +116,7 @@ class ClusterView:
             quota_rows = (await conn.execute(select(quotas))).all()
         parts: dict[uuid.UUID, list[AllocationPart]] = {}
         for p in part_rows:
-            parts.setdefault(p.allocation_id, []).append(
-                AllocationPart(
-                    container=p.container,
-                    container_index=p.container_index,
-                    gpu_uuid=p.gpu_uuid,
-                    gpu_index=p.gpu_index,
-                    memory_mib=p.memory_mib,
-                    compute=p.compute,
-                    init=p.init,
-                )
-            )
+            parts.setdefault(p.allocation_id, []).append(part_from_row(p))
         live_nodes = {r.name for r in node_rows}
         self._cuda = {r.name: r.cuda_version for r in node_rows}
         self._gpus = {

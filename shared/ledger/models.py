@@ -8,6 +8,8 @@ write that would exceed capacity fail, whatever process attempts it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -27,6 +29,8 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+from shared.events.catalogue import AllocationPart
 
 metadata = MetaData(
     naming_convention={
@@ -166,3 +170,16 @@ outbox = Table(
     Column("payload", LargeBinary, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
+
+
+def part_from_row(row: Any) -> AllocationPart:
+    """An `allocation_parts` row as the event model the rest of the code speaks."""
+    return AllocationPart(
+        container=row.container,
+        container_index=row.container_index,
+        gpu_uuid=row.gpu_uuid,
+        gpu_index=row.gpu_index,
+        memory_mib=row.memory_mib,
+        compute=row.compute,
+        init=row.init,
+    )

@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import AllocationPart, ReservedEvent
-from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, quotas
+from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, part_from_row, quotas
 from shared.ledger.rules import AllocationState, gpu_charges
 
 
@@ -97,18 +97,7 @@ async def live_reservation(conn: AsyncConnection, pod_uid: str) -> Reservation |
             .order_by(allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index)
         )
     ).all()
-    parts = tuple(
-        AllocationPart(
-            container=p.container,
-            container_index=p.container_index,
-            gpu_uuid=p.gpu_uuid,
-            gpu_index=p.gpu_index,
-            memory_mib=p.memory_mib,
-            compute=p.compute,
-            init=p.init,
-        )
-        for p in part_rows
-    )
+    parts = tuple(part_from_row(p) for p in part_rows)
     return Reservation(row.id, pod_uid, row.node, AllocationState(row.state), parts, created=False)
 
 
