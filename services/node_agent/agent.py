@@ -53,6 +53,7 @@ class AgentConfig:
     overuse_grace_s: float = 60.0
     evict_overusers: bool = False
     proc_root: Path = Path("/proc")
+    address: str = ""
 
 
 @dataclass
@@ -172,6 +173,7 @@ class NodeAgent:
                 gpus=self.gpu_infos(),
                 driver_version=driver,
                 cuda_version=cuda,
+                address=self.config.address,
                 source="node-agent",
             )
         )

@@ -26,6 +26,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default $NODE_NAME)")
     p.add_argument(
+        "--node-address",
+        default=os.environ.get("NODE_IP", ""),
+        help="this node's IP, shown by inspect (default $NODE_IP, the downward API's status.hostIP)",
+    )
+    p.add_argument(
         "--fake-gpus", metavar="SPEC", help='fake GPUs instead of NVML, e.g. "2x16GiB:Tesla-T4,1x80GiB:A100"'
     )
     p.add_argument("--device-plugin-dir", default="/var/lib/kubelet/device-plugins", help="kubelet's plugin directory")
@@ -123,6 +128,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         overuse_grace_s=args.overuse_grace,
         evict_overusers=args.evict_overusers,
         proc_root=Path(args.proc_root),
+        address=args.node_address,
     )
     async with ServiceRuntime("node-agent", settings, pool_size=4) as rt:
         kube = await _kube(args.kubeconfig)

@@ -147,11 +147,14 @@ def node_agent_command(
     pod_resources_socket: str,
     metrics_port: int,
     kubeconfig: str | None,
+    address: str = "",
 ) -> ServiceCommand:
     """One node agent in fake-GPU mode."""
     args = [
         "--node",
         node,
+        "--node-address",
+        address,
         "--fake-gpus",
         gpus,
         "--device-plugin-dir",

@@ -270,11 +270,18 @@ class Stack:
                     api, node, gpus=gpus, labels={"gpushare.io/simulated": "true", **self.config.node_labels}
                 )
         core = client.CoreV1Api(api)
-        for i, node in enumerate(self.node_names, start=1):
+        for node in self.node_names:
             # an address for `inspect`'s IPADDRESS column (loopback: nothing listens there for the node)
-            addresses = [{"type": "InternalIP", "address": f"127.0.1.{i}"}, {"type": "Hostname", "address": node}]
+            addresses = [
+                {"type": "InternalIP", "address": self.node_address(node)},
+                {"type": "Hostname", "address": node},
+            ]
             await core.patch_node_status(node, {"status": {"addresses": addresses}})
         self._heartbeat = NodeHeartbeat(api, self.node_names, interval=10.0).start()
+
+    def node_address(self, node: str) -> str:
+        """The loopback address a simulated node reports (InternalIP and the ledger's node address)."""
+        return f"127.0.1.{self.node_names.index(node) + 1}"
 
     async def _start_node(self, node: str) -> ServiceProcess | None:
         """The kubelet stand-in (in this process) first, then the node agent that registers with it."""
@@ -296,6 +303,7 @@ class Stack:
             pod_resources_socket=str(pr_socket),
             metrics_port=free_port(),
             kubeconfig=self.kubeconfig,
+            address=self.node_address(node),
         )
         return self._spawn(command)
 

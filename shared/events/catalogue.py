@@ -89,6 +89,7 @@ class InventoryEvent(_EventBase):
     gpus: Annotated[list[GpuInfo], Field(max_length=256)]
     driver_version: Annotated[str, Field(max_length=64)] = ""
     cuda_version: Annotated[str, Field(max_length=64)] = ""
+    address: Annotated[str, Field(max_length=253)] = ""
 
 
 class NodeRetiredEvent(_EventBase):

@@ -21,6 +21,7 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
     at = event.occurred_at
     stmt = insert(nodes).values(
         name=event.node,
+        labels={"address": event.address},
         driver_version=event.driver_version,
         cuda_version=event.cuda_version,
         retired_at=None,
@@ -32,6 +33,7 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
             set_={
                 "driver_version": stmt.excluded.driver_version,
                 "cuda_version": stmt.excluded.cuda_version,
+                "labels": stmt.excluded.labels,
                 "retired_at": None,
                 "updated_at": at,
             },

@@ -36,6 +36,7 @@ class NodeRow:
     driver_version: str = ""
     cuda_version: str = ""
     retired: bool = False
+    address: str = ""
 
 
 @dataclass
@@ -131,6 +132,7 @@ class LedgerState:
     def _inventory(self, event: InventoryEvent) -> None:
         node = self.nodes.setdefault(event.node, NodeRow())
         node.driver_version, node.cuda_version, node.retired = event.driver_version, event.cuda_version, False
+        node.address = event.address
         for info in event.gpus:
             old = self.gpus.get(info.uuid)
             row = GpuRow(
@@ -226,7 +228,9 @@ class LedgerState:
     def canonical(self) -> dict[str, Any]:
         """A plain, order-independent form for comparing two ledgers."""
         return {
-            "nodes": {name: (n.driver_version, n.cuda_version, n.retired) for name, n in sorted(self.nodes.items())},
+            "nodes": {
+                name: (n.driver_version, n.cuda_version, n.retired, n.address) for name, n in sorted(self.nodes.items())
+            },
             "gpus": {u: tuple(vars(g).values()) for u, g in sorted(self.gpus.items())},
             "allocations": {
                 str(a_id): (

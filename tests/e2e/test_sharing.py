@@ -8,6 +8,7 @@ that accounting shows, and deleting one pod lets it in.
 from __future__ import annotations
 
 import pytest
+from kubernetes_asyncio import client
 
 from tests.e2e import helpers as h
 
@@ -84,6 +85,10 @@ async def check_inspect(stack, api, namespace: str, node: str, pods: list[str]) 
     lines = [line for line in table.splitlines() if line.startswith(node)]
     assert lines, table
     assert "16/16" in lines[0], table
+    # IPADDRESS is the node's InternalIP, as the node agent reported it to the ledger
+    node_obj = await client.CoreV1Api(api).read_node(node)
+    internal_ip = next(a.address for a in node_obj.status.addresses if a.type == "InternalIP")
+    assert lines[0].split()[1] == internal_ip, table
     detail = await h.inspect(stack, "-d", node)
     bound_in_cluster = [p for p in pods if await h.pod_node(api, namespace, p) == node]
     assert sorted(bound_in_cluster) == sorted(pods)

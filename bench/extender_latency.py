@@ -1,0 +1,108 @@
+"""2. Filter + prioritize latency over HTTP (NodeNames mode) at 1,000 and 5,000 nodes x 8 GPUs, half full.
+
+A real `gpushare extender` subprocess runs against a private database seeded with the nodes (every 16 GiB
+GPU holds one 8 GiB allocation) and private streams. One client sends what kube-scheduler sends for one
+pod asking 4 GiB (it fits on every node, so prioritize scores them all): filter, then prioritize, one
+after the other, `requests` times; p50 / p99 per verb and for the pair. The in-process decision time of
+the placement core (`filter_nodes` + `score_node` over the same node views) is measured separately.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from bench.common import BenchResult, Context, Target, latency_summary, private_bus
+from bench.stack import node_name, service
+from services.extender.view import ClusterView
+from shared.ledger.db import make_engine
+from shared.placement import parse_pod, score_node
+from shared.placement.plan import filter_nodes
+from shared.settings import MemoryUnit
+
+NAME = "latency"
+TITLE = "2. Extender filter + prioritize latency over HTTP (NodeNames), half-full cluster"
+PREFIX = "/gpushare-scheduler"
+
+
+def pod(gib: int = 4) -> dict:
+    """The pod kube-scheduler asks about."""
+    return {
+        "metadata": {"name": "bench-pod", "namespace": "bench", "uid": "bench-pod-uid", "annotations": {}},
+        "spec": {
+            "containers": [{"name": "main", "image": "cuda", "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)}}}]
+        },
+    }
+
+
+async def in_process(db_url: str, rounds: int) -> list[float]:
+    """Decision time of the placement core over the extender's own view of the seeded ledger."""
+    engine = make_engine(db_url, pool_size=2)
+    try:
+        view = ClusterView()
+        await view.reload(engine)
+    finally:
+        await engine.dispose()
+    nodes = list(view.nodes.values())
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        demand = parse_pod(pod(), MemoryUnit.GIB)
+        passed, _, _ = filter_nodes(nodes, demand)
+        by_name = view.nodes
+        _ = [score_node(by_name[n], demand) for n in passed]
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def measure(ctx: Context, nodes: int, requests: int) -> dict[str, float]:
+    """Seed, start the extender, time the verbs; the metrics for one cluster size."""
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    db_url, _ = await ctx.seeded_database(nodes)
+    out[f"n{nodes}_seed_s"] = round(time.perf_counter() - t0, 1)
+    async with private_bus(ctx.nats_url, "lat") as bus:
+        body = json.dumps({"Pod": pod(), "NodeNames": [node_name(n) for n in range(nodes)], "Nodes": None}).encode()
+        async with service(
+            "extender", db_url=db_url, nats_url=ctx.nats_url, names=bus.names, work_dir=ctx.work_dir
+        ) as ext:
+            filt, prio, pair = [], [], []
+            headers = {"Content-Type": "application/json"}
+            async with httpx.AsyncClient(base_url=ext.url, timeout=30.0) as client:
+                for i in range(requests + 5):
+                    t0 = time.perf_counter()
+                    r = await client.post(f"{PREFIX}/filter", content=body, headers=headers)
+                    t1 = time.perf_counter()
+                    p = await client.post(f"{PREFIX}/prioritize", content=body, headers=headers)
+                    t2 = time.perf_counter()
+                    if r.status_code != 200 or p.status_code != 200:
+                        raise RuntimeError(f"extender answered {r.status_code}/{p.status_code}: {r.text[:300]}")
+                    if i == 0:
+                        passed = r.json().get("NodeNames") or []
+                        if len(passed) != nodes or len(p.json()) != nodes:
+                            raise RuntimeError(f"expected all {nodes} nodes to fit, filter passed {len(passed)}")
+                    if i >= 5:  # warm-up
+                        filt.append(t1 - t0)
+                        prio.append(t2 - t1)
+                        pair.append(t2 - t0)
+        out.update(latency_summary(f"n{nodes}_filter", filt))
+        out.update(latency_summary(f"n{nodes}_prioritize", prio))
+        out.update(latency_summary(f"n{nodes}_filter_plus_prioritize", pair))
+        out.update(latency_summary(f"n{nodes}_in_process_decision", await in_process(db_url, max(20, requests // 2))))
+    return out
+
+
+async def run(ctx: Context) -> BenchResult:
+    """Both cluster sizes (tiny: small ones)."""
+    sizes = ctx.pick([20], [1000, 5000], [1000, 5000])
+    requests = ctx.pick(10, 50, 300)
+    result = BenchResult(NAME, TITLE, ctx.profile, params={"nodes": sizes, "gpus_per_node": 8, "requests": requests})
+    for nodes in sizes:
+        result.metrics.update(await measure(ctx, nodes, requests))
+    big = max(sizes)
+    result.targets.append(Target(f"n{big}_filter_p99_ms", "<=", 10.0))
+    result.targets.append(Target(f"n{big}_prioritize_p99_ms", "<=", 10.0))
+    result.notes.append("one client, sequential requests; each verb's body names every node (NodeNames mode)")
+    return result

@@ -1,0 +1,71 @@
+"""7. Footprint: resident memory of the extender and accounting at 5,000 nodes x 8 GPUs, 40,000 allocations.
+
+Both run as real subprocesses against a private database seeded with the cluster (every GPU holds one
+allocation) and private streams that also carry the events describing it, so accounting's consumer has
+them to project. After start-up each service is exercised (extender: filter + prioritize over every
+node; accounting: cluster, nodes, allocations pages, metrics), then RSS and peak RSS (VmHWM) are read
+from /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from bench.common import BenchResult, Context, Target, private_bus
+from bench.extender_latency import PREFIX, pod
+from bench.replay import publish_all
+from bench.stack import node_name, rss_mib, service
+
+NAME = "footprint"
+TITLE = "7. Footprint: extender and accounting RSS, large cluster"
+
+
+async def run(ctx: Context) -> BenchResult:
+    """Seed, start both services, exercise them, read their memory."""
+    nodes = ctx.pick(50, 5000, 5000)
+    soak_s = ctx.pick(3.0, 20.0, 60.0)
+    result = BenchResult(NAME, TITLE, ctx.profile, params={"nodes": nodes, "gpus_per_node": 8, "soak_s": soak_s})
+    m = result.metrics
+    async with private_bus(ctx.nats_url, "foot") as bus:
+        db_url, events = await ctx.seeded_database(nodes)
+        m["allocations"] = sum(1 for e in events if e.kind == "reserved")
+        await publish_all(bus, events)
+        common = {"db_url": db_url, "nats_url": ctx.nats_url, "names": bus.names, "work_dir": ctx.work_dir}
+        async with service("extender", **common) as ext, service("accounting", **common) as acc:
+            m["extender_rss_start_mib"], _ = rss_mib(ext.pid)
+            m["accounting_rss_start_mib"], _ = rss_mib(acc.pid)
+            body = json.dumps({"Pod": pod(), "NodeNames": [node_name(n) for n in range(nodes)]}).encode()
+            headers = {"Content-Type": "application/json"}
+            deadline = time.monotonic() + soak_s
+            async with httpx.AsyncClient(timeout=120.0) as client:
+                while True:
+                    for verb in ("filter", "prioritize"):
+                        r = await client.post(f"{ext.url}{PREFIX}/{verb}", content=body, headers=headers)
+                        r.raise_for_status()
+                    for path in ("/v1/cluster", "/v1/nodes", "/v1/allocations?limit=500&state=live", "/metrics"):
+                        r = await client.get(f"{acc.url}{path}")
+                        r.raise_for_status()
+                    if time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.5)
+                applied = 0.0
+                for line in (await client.get(f"{acc.url}/metrics")).text.splitlines():
+                    if line.startswith("gpushare_accounting_events_applied_total"):
+                        applied = float(line.split()[-1])
+            m["extender_rss_mib"], m["extender_peak_rss_mib"] = rss_mib(ext.pid)
+            m["accounting_rss_mib"], m["accounting_peak_rss_mib"] = rss_mib(acc.pid)
+            m["accounting_events_projected"] = int(applied)
+            m["events_in_stream"] = len(events)
+    result.targets += [
+        Target("extender_peak_rss_mib", "<=", 250.0),
+        Target("accounting_peak_rss_mib", "<=", 250.0),
+    ]
+    result.notes.append(
+        "accounting keeps its read models in PostgreSQL; accounting_events_projected says how far its consumer "
+        f"got through the {len(events)} events within the soak"
+    )
+    return result

@@ -1,0 +1,94 @@
+"""The whole stack on the local control plane for benchmarks 1 and 3 (`services.stack.Stack`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from bench.common import Context, gather_limited, private_database, private_names
+
+GPUS = "8x16GiB:Tesla-T4"
+
+
+@contextlib.asynccontextmanager
+async def whole_stack(ctx: Context, nodes: int) -> AsyncIterator[Any]:
+    """A started Stack (control plane, services, simulated nodes) on a private database and private streams.
+
+    Raises RuntimeError naming the reason when the local control plane is unavailable.
+    """
+    from services.stack.stack import MODE_LOCAL, Stack, StackConfig
+    from shared.devcluster import ensure_binaries
+
+    paths = await asyncio.to_thread(ensure_binaries)
+    names = private_names("k8s")
+    async with private_database(ctx.database_url, "k8s") as db_url:
+        config = StackConfig(
+            data_dir=ctx.work_dir / f"stack-{uuid.uuid4().hex[:6]}",
+            nodes=nodes,
+            gpus=GPUS,
+            node_prefix=f"bench-{uuid.uuid4().hex[:4]}",
+            extender_port=0,
+            binder_port=0,
+            accounting_port=0,
+            bind_timeout=30.0,
+            database_url=db_url,
+            nats_url=ctx.nats_url,
+            stream_name=names.stream,
+            subject_prefix=names.prefix,
+            log_level="WARNING",
+            scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
+            control_plane_paths=paths,
+            progress=lambda m: None,
+        )
+        stack = Stack(config)
+        await stack.start()
+        try:
+            if stack.mode != MODE_LOCAL:
+                raise RuntimeError(f"the stack did not get the local control plane: {stack.mode_reason}")
+            yield stack
+        finally:
+            await stack.stop()
+
+
+async def create_namespace(api: Any, name: str) -> None:
+    """A namespace for one phase."""
+    await client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+
+
+def pod_body(name: str, *, gpu_gib: int = 0, scheduler: str | None = None) -> dict[str, Any]:
+    """A pod asking `gpu_gib` GiB of GPU memory (0: a plain pod asking 10m CPU)."""
+    limits = {"aliyun.com/gpu-mem": str(gpu_gib)} if gpu_gib else {}
+    requests = {} if gpu_gib else {"cpu": "10m"}
+    spec: dict[str, Any] = {
+        "containers": [{"name": "main", "image": "busybox", "resources": {"limits": limits, "requests": requests}}],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if scheduler:
+        spec["schedulerName"] = scheduler
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+async def create_pods(api: Any, namespace: str, bodies: list[dict[str, Any]], concurrency: int) -> list[Any]:
+    """Create pods with at most `concurrency` requests in flight; returns the created pods."""
+    core = client.CoreV1Api(api)
+    return await gather_limited(concurrency, [core.create_namespaced_pod(namespace, b) for b in bodies])
+
+
+async def wait_all_bound(api: Any, namespace: str, count: int, timeout_s: float) -> tuple[float, int]:
+    """Poll until `count` pods have a node; returns (monotonic time when the last was seen bound, bound count)."""
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + timeout_s
+    bound = 0
+    while time.monotonic() < deadline:
+        pods = await core.list_namespaced_pod(namespace)
+        bound = sum(1 for p in pods.items if p.spec.node_name)
+        if bound >= count:
+            return time.monotonic(), bound
+        await asyncio.sleep(0.2)
+    return time.monotonic(), bound

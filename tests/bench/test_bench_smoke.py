@@ -1,0 +1,76 @@
+"""The benchmark harness at a tiny size: it runs, writes its JSON, and the JSON has the expected shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import main, table
+from bench.common import BenchResult, Target, percentile
+from bench.packing import workload
+
+FAST = ("packing", "replay", "ledger")
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(range(101)), 99) == 99.0
+
+
+def test_targets_are_judged_from_metrics() -> None:
+    r = BenchResult("x", "X", "tiny", metrics={"a": 5.0, "b": 1.0})
+    r.targets = [Target("a", ">=", 4.0), Target("b", "<=", 0.5), Target("missing", ">", 0)]
+    r.finish()
+    assert [t.met for t in r.targets] == [True, False, None]
+    assert "MISSED" in table([r]) and "MET" in table([r])
+
+
+def test_packing_workload_is_seeded() -> None:
+    assert workload(7, 50) == workload(7, 50)
+    assert workload(7, 50) != workload(8, 50)
+
+
+@pytest.mark.slow
+def test_quick_profile_of_fast_benchmarks_writes_expected_json(
+    tmp_path: Path, pg_server_url: str, nats_url: str
+) -> None:
+    code = main(
+        [
+            "--profile",
+            "tiny",
+            "--only",
+            ",".join(FAST),
+            "--out",
+            str(tmp_path),
+            "--database-url",
+            pg_server_url,
+            "--nats-url",
+            nats_url,
+        ]
+    )
+    assert code == 0
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert doc["profile"] == "tiny"
+    assert doc["machine"]["nproc"] >= 1 and doc["machine"]["cpu_model"] is not None
+    by_name = {r["name"]: r for r in doc["results"]}
+    assert set(by_name) == set(FAST)
+    for r in by_name.values():
+        assert r["status"] == "ok", r["notes"]
+        assert {"name", "title", "profile", "status", "metrics", "targets", "params", "notes", "duration_s"} <= set(r)
+        assert all(isinstance(v, int | float) for v in r["metrics"].values())
+    packing = by_name["packing"]["metrics"]
+    assert 0 < packing["baseline_utilisation_pct"] <= 100 and 0 < packing["project_utilisation_pct"] <= 100
+    assert {"project_free_gpus", "baseline_free_gpus", "utilisation_gain_pct_points"} <= set(packing)
+    replay = by_name["replay"]["metrics"]
+    assert replay["events_read"] == by_name["replay"]["params"]["events"] and replay["skipped"] == 0
+    assert replay["events_per_s"] > 0
+    assert [t["metric"] for t in by_name["replay"]["targets"]] == ["events_per_s"]
+    ledger = by_name["ledger"]["metrics"]
+    assert ledger["reservations_per_s"] > 0 and ledger["update_per_s"] > 0
+    assert ledger["ratio_reservations_vs_update"] == pytest.approx(
+        ledger["reservations_per_s"] / ledger["update_per_s"], rel=0.01
+    )
+    assert {"reserve_p50_ms", "reserve_p99_ms", "update_p50_ms", "update_p99_ms"} <= set(ledger)
