@@ -266,6 +266,10 @@ def decode_event(data: bytes | str) -> Event:
     """Parse and validate an event; raise `EventDecodeError` naming what is wrong."""
     if len(data) > MAX_EVENT_BYTES:
         raise EventDecodeError(f"event of {len(data)} bytes exceeds the {MAX_EVENT_BYTES}-byte limit")
+    try:  # fast path: parse and validate in one pass (pydantic-core); errors are explained below
+        return _ADAPTER.validate_json(data)
+    except ValidationError:
+        pass
     try:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -279,12 +283,13 @@ def decode_event(data: bytes | str) -> Event:
     if version != SUPPORTED_VERSION:
         raise EventDecodeError(f"unsupported {kind} event version {version!r} (this build reads 1)")
     try:
-        return _ADAPTER.validate_python(raw)
+        _ADAPTER.validate_python(raw)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'][1:]) or '(root)'}: {err['msg']}" for err in exc.errors()[:5]
         )
         raise EventDecodeError(f"invalid {kind} event: {problems}") from None
+    raise EventDecodeError(f"invalid {kind} event: not valid as JSON text")
 
 
 def subject_for(prefix: str, event: _EventBase) -> str:
