@@ -370,7 +370,10 @@ class Stack:
             return
         self._stopped = True
         if self._heartbeat is not None:
-            await self._heartbeat.stop()
+            try:
+                await self._heartbeat.stop()
+            except Exception as exc:  # e.g. the apiserver went away: the rest must still stop
+                self.progress(f"node heartbeat ended with an error: {exc!r}")
         procs = list(self.processes.values())
         # node agents first (kubelet outlives its device plugins), then the kubelet stand-ins, then the binder,
         # then extender and accounting

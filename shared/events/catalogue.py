@@ -12,7 +12,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 ShortText = Annotated[str, Field(max_length=2048)]
@@ -37,6 +37,13 @@ class _EventBase(BaseModel):
     version: Literal[1] = SUPPORTED_VERSION
     occurred_at: datetime = Field(default_factory=_now)
     source: Annotated[str, Field(max_length=253)] = ""
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, value: object) -> object:
+        if type(value) is not int:  # JSON true would otherwise pass as 1
+            raise ValueError(f"version must be the integer {SUPPORTED_VERSION}")
+        return value
 
     @property
     def subject_token(self) -> str:
@@ -274,13 +281,15 @@ def decode_event(data: bytes | str) -> Event:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise EventDecodeError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise EventDecodeError("JSON nested too deeply to be an event") from None
     if not isinstance(raw, dict):
         raise EventDecodeError("an event must be a JSON object")
     kind = raw.get("kind")
     if kind not in EVENT_KINDS:
         raise EventDecodeError(f"unknown event kind {kind!r}")
     version = raw.get("version")
-    if version != SUPPORTED_VERSION:
+    if type(version) is not int or version != SUPPORTED_VERSION:
         raise EventDecodeError(f"unsupported {kind} event version {version!r} (this build reads 1)")
     try:
         _ADAPTER.validate_python(raw)

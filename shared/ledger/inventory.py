@@ -65,6 +65,7 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
             "retired_at": None,
             "updated_at": at,
         }
+        inserted = {"uuid": gpu.uuid, **values}
         old = existing.get(gpu.uuid)
         if old is not None and old.allocated_memory_mib > gpu.memory_mib:
             log.error(
@@ -78,7 +79,7 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
             values.pop("memory_total_mib")
             values["healthy"] = False
             values["health_reason"] = "reported memory below allocated memory"
-        stmt = insert(gpus).values(uuid=gpu.uuid, **values)
+        stmt = insert(gpus).values(**inserted)
         await conn.execute(stmt.on_conflict_do_update(index_elements=[gpus.c.uuid], set_=values))
     reported = {g.uuid for g in event.gpus}
     gone = [u for u, r in existing.items() if r.node == event.node and u not in reported]

@@ -199,6 +199,8 @@ class LedgerState:
             alloc.state = new_state
 
     def _exchange(self, event: ExchangedEvent) -> None:
+        """Swap two containers' shares. Only live allocations hold capacity, so a release that reached the
+        stream before the exchange (different relays can publish out of commit order) ends the same way."""
         a = self.allocations.get(event.first_allocation_id)
         b = self.allocations.get(event.second_allocation_id)
         if a is None or b is None:
@@ -206,17 +208,20 @@ class LedgerState:
         first = [p for p in a.parts if p.container == event.first_container]
         second = [p for p in b.parts if p.container == event.second_container]
         plan = exchange_plan(first, second)
-        for alloc in {id(a): a, id(b): b}.values():
-            self._charge(gpu_charges(alloc.parts), -1)
+        involved = {id(a): a, id(b): b}.values()
+        for alloc in involved:
+            if is_live(alloc.state):
+                self._charge(gpu_charges(alloc.parts), -1)
         moved = {id(part): (new_uuid, new_index) for part, new_uuid, new_index, _, _ in plan}
-        for alloc in {id(a): a, id(b): b}.values():
+        for alloc in involved:
             alloc.parts = tuple(
                 p.model_copy(update={"gpu_uuid": moved[id(p)][0], "gpu_index": moved[id(p)][1]})
                 if id(p) in moved
                 else p
                 for p in alloc.parts
             )
-            self._charge(gpu_charges(alloc.parts), +1)
+            if is_live(alloc.state):
+                self._charge(gpu_charges(alloc.parts), +1)
 
     def _charge(self, charges: dict[str, tuple[int, int]], sign: int) -> None:
         for gpu_uuid, (memory, compute) in charges.items():

@@ -165,3 +165,35 @@ async def test_exchange_swaps_equal_shares_keeps_capacity_and_replays(engine: As
     assert (live.gpus["G0"].allocated_memory_mib, live.gpus["G1"].allocated_memory_mib) == (4096, 6144)
     replayed, _ = await replay_state(bus)
     assert differences(live, replayed) == []
+
+
+def test_replay_of_an_exchange_and_a_release_published_out_of_order_ends_the_same() -> None:
+    from shared.events.catalogue import ExchangedEvent, ReleasedEvent, ReservedEvent
+    from shared.ledger.state import LedgerState
+
+    inventory = InventoryEvent(
+        node="n", gpus=[GpuInfo(uuid=f"G{i}", index=i, memory_mib=16384, memory_total_mib=16384) for i in range(2)]
+    )
+    a, b = uuid.uuid4(), uuid.uuid4()
+    reserved = [
+        ReservedEvent(
+            allocation_id=x,
+            pod_uid=str(x),
+            namespace="ns",
+            pod_name="p",
+            node="n",
+            parts=[AllocationPart(container="c", container_index=0, gpu_uuid=f"G{i}", gpu_index=i, memory_mib=4096)],
+        )
+        for i, x in enumerate((a, b))
+    ]
+    exchange = ExchangedEvent(
+        node="n", first_allocation_id=a, first_container="c", second_allocation_id=b, second_container="c"
+    )
+    release = ReleasedEvent(allocation_id=a, pod_uid=str(a), node="n", reason="deleted")
+    in_commit_order, out_of_order = LedgerState(), LedgerState()
+    for event in [inventory, *reserved, exchange, release]:
+        in_commit_order.apply(event)
+    for event in [inventory, *reserved, release, exchange]:
+        out_of_order.apply(event)
+    assert in_commit_order.canonical()["gpus"] == out_of_order.canonical()["gpus"]
+    assert (out_of_order.gpus["G0"].allocated_memory_mib, out_of_order.gpus["G1"].allocated_memory_mib) == (4096, 0)

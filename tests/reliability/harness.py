@@ -1,0 +1,213 @@
+"""Reusable process helpers for reliability and security tests: start `gpushare <service>` subprocesses,
+wait for them, kill -9 them, restart them, read their logs and memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.embedded import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gpushare_command(*args: str) -> list[str]:
+    """The argv that runs `gpushare ARGS` with this interpreter."""
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def run_gpushare(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess:
+    """Run a short gpushare command to completion, capturing its output."""
+    return subprocess.run(
+        gpushare_command(*args),
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@dataclass
+class ServiceProcess:
+    """A `gpushare <service>` subprocess that can be killed and restarted with the same arguments."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log_dir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    kills: int = 0
+
+    @property
+    def base_url(self) -> str:
+        """http://127.0.0.1:<port>."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        """Where this incarnation's stderr goes (one file per start)."""
+        return self.log_dir / f"{self.name}.{self.starts}.log"
+
+    def start(self) -> ServiceProcess:
+        """Start (or restart) the process; stderr goes to a log file per incarnation."""
+        self.starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                gpushare_command(*self.args, "--port", str(self.port)),
+                cwd=REPO,
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, path: str = "/readyz", timeout_s: float = 60.0) -> None:
+        """Poll until `path` answers 200; raise with the log tail if the process dies or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready on {path} within {timeout_s}s:\n{self.log_tail()}")
+
+    def kill9(self) -> None:
+        """SIGKILL the process (no clean shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            self.kills += 1
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (SIGKILL after 15 s); returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.proc.returncode
+
+    def pause(self) -> None:
+        """SIGSTOP: the process holds its connections but does nothing (a slow consumer)."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def rss_kib(self) -> int:
+        """Resident memory of the process in KiB, from /proc."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def all_logs(self) -> str:
+        """Every incarnation's output, concatenated."""
+        return "".join(
+            (self.log_dir / f"{self.name}.{i}.log").read_text(errors="replace")
+            for i in range(1, self.starts + 1)
+            if (self.log_dir / f"{self.name}.{i}.log").exists()
+        )
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the current incarnation's log."""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+# ----------------------------------------------------------------------------------------- invariants
+
+
+@dataclass
+class InvariantReport:
+    """What the end-of-scenario check found (figures for docs/reliability.md)."""
+
+    gpus: int = 0
+    live_allocations: int = 0
+    bound_pods: int = 0
+    pending_pods: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no invariant is broken."""
+        return not self.problems
+
+
+async def check_invariants(engine, api, nodes: list[str]) -> InvariantReport:  # type: ignore[no-untyped-def]
+    """No GPU overcommitted; every pod bound to `nodes` has exactly one live allocation there; every live
+    allocation on `nodes` belongs to an existing, non-terminated pod with the same UID."""
+    from kubernetes_asyncio import client
+
+    from shared.ledger.replay import load_state
+    from shared.ledger.rules import gpu_charges, is_live
+
+    report = InvariantReport()
+    async with engine.connect() as conn:
+        state = await load_state(conn)
+    charged: dict[str, list[int]] = {u: [0, 0] for u in state.gpus}
+    live_by_pod: dict[str, list] = {}
+    for a_id, alloc in state.allocations.items():
+        if not is_live(alloc.state):
+            continue
+        live_by_pod.setdefault(alloc.pod_uid, []).append((a_id, alloc))
+        for gpu_uuid, (m, c) in gpu_charges(alloc.parts).items():
+            charged.setdefault(gpu_uuid, [0, 0])
+            charged[gpu_uuid][0] += m
+            charged[gpu_uuid][1] += c
+    for gpu_uuid, gpu in state.gpus.items():
+        report.gpus += 1
+        if not (0 <= gpu.allocated_memory_mib <= gpu.memory_mib and 0 <= gpu.allocated_compute <= gpu.compute_units):
+            report.problems.append(f"GPU {gpu_uuid} overcommitted: {gpu.allocated_memory_mib}/{gpu.memory_mib} MiB")
+        if charged[gpu_uuid] != [gpu.allocated_memory_mib, gpu.allocated_compute]:
+            report.problems.append(f"GPU {gpu_uuid} counters {gpu} != live parts {charged[gpu_uuid]}")
+    report.live_allocations = sum(len(v) for v in live_by_pod.values())
+    pods = (await client.CoreV1Api(api).list_pod_for_all_namespaces()).items
+    by_uid = {p.metadata.uid: p for p in pods}
+    for pod in pods:
+        if pod.spec.node_name in nodes:
+            report.bound_pods += 1
+            live = live_by_pod.get(pod.metadata.uid, [])
+            if len(live) != 1 or live[0][1].node != pod.spec.node_name:
+                report.problems.append(
+                    f"bound pod {pod.metadata.namespace}/{pod.metadata.name} on {pod.spec.node_name} has "
+                    f"{len(live)} live allocations {[(str(i), a.node, a.state.value) for i, a in live]}"
+                )
+        elif not pod.spec.node_name:
+            report.pending_pods += 1
+    for uid, live in live_by_pod.items():
+        for _a_id, alloc in live:
+            if alloc.node not in nodes:
+                continue
+            pod = by_uid.get(uid)
+            if pod is None or pod.status.phase in ("Succeeded", "Failed"):
+                report.problems.append(
+                    f"live allocation of {alloc.namespace}/{alloc.pod_name} ({alloc.state.value}) has no running pod"
+                )
+            elif len(live) > 1:
+                report.problems.append(f"pod {alloc.namespace}/{alloc.pod_name} has {len(live)} live allocations")
+    return report

@@ -1,0 +1,50 @@
+"""How hard the reliability tests push: a bounded, seeded profile by default, a soak with GPUSHARE_SOAK=1.
+
+Every scenario reads its sizes from here so that `make test` stays within a few minutes and
+`make soak` runs the same code longer. GPUSHARE_SEED fixes the seed (default 20241)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of the reliability scenarios."""
+
+    soak: bool
+    seed: int
+    stateful_examples: int
+    stateful_steps: int
+    fuzz_examples: int
+    burst_pods: int
+    crash_rounds: int
+
+
+def current() -> Profile:
+    """The profile selected by the environment."""
+    soak = os.environ.get("GPUSHARE_SOAK", "") not in ("", "0", "false")
+    seed = int(os.environ.get("GPUSHARE_SEED", "20241"))
+    if soak:
+        return Profile(
+            soak=True,
+            seed=seed,
+            stateful_examples=300,
+            stateful_steps=60,
+            fuzz_examples=5000,
+            burst_pods=400,
+            crash_rounds=6,
+        )
+    return Profile(
+        soak=False,
+        seed=seed,
+        stateful_examples=25,
+        stateful_steps=20,
+        fuzz_examples=150,
+        burst_pods=40,
+        crash_rounds=1,
+    )
+
+
+PROFILE = current()
