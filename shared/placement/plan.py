@@ -14,6 +14,8 @@ binpack = round(10 * u) (fill the fullest node that still fits), spread = round(
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -99,8 +101,9 @@ def _solve(
     *,
     capacity: bool = False,
     extra: Extra | None = None,
+    name: str | None = None,
 ) -> tuple[list[_Part] | None, str]:
-    """Place every container; returns (parts, "") or (None, reason)."""
+    """Place every container; returns (parts, "") or (None, reason) (`name` replaces the node's in reasons)."""
     hints = demand.hints
     gpus = [
         g
@@ -109,7 +112,7 @@ def _solve(
     ]
     if not gpus:
         unhealthy = sum(1 for g in node.gpus if not g.healthy)
-        return None, f"all {unhealthy} matching GPU(s) on {node.name} are unhealthy"
+        return None, f"all {unhealthy} matching GPU(s) on {node.name if name is None else name} are unhealthy"
     free: dict[str, list[int]] = {}
     for g in gpus:
         if capacity:
@@ -160,39 +163,158 @@ def _solve(
     return parts, ""
 
 
-def evaluate(node: NodeView, demand: PodDemand, policy: Policy = Policy.BINPACK) -> Verdict:
-    """Filter one node: fits now, full now (resolvable), or can never fit (not resolvable)."""
-    if not demand.wants_gpu:
+_NAME = "\x00"  # stands for the node name in cached reasons (a pod whose names hold it bypasses the cache)
+_MEMO_DEMANDS = 64  # demand signatures remembered
+_MEMO_SHAPES = 20_000  # verdicts remembered per demand signature
+_memo: OrderedDict[tuple, dict] = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+class _Plan:
+    """What filter precomputes once per (pod, policy): sorted containers, fast-path bounds, the verdict cache."""
+
+    __slots__ = ("hints", "inits", "max_count", "memo", "policy", "sum_compute", "sum_memory")
+
+    def __init__(self, demand: PodDemand, policy: Policy) -> None:
+        self.policy = _policy(demand, policy)
+        apps = demand.containers
+        self.sum_memory = sum(c.memory_mib for c in apps)
+        self.sum_compute = sum(c.compute for c in apps)
+        self.max_count = max((c.count for c in apps), default=0)
+        self.inits = tuple((c.memory_mib, c.compute, c.count) for c in demand.init_containers)
+        self.hints = demand.hints.constrains_gpus
+        names_safe = all(_NAME not in c.name for c in (*apps, *demand.init_containers))
+        self.memo: dict | None = (
+            _memo_for((apps, demand.init_containers, demand.hints, self.policy)) if names_safe else None
+        )
+
+
+def _memo_for(signature: tuple) -> dict:
+    """The verdict cache of one demand signature (bounded LRU of signatures)."""
+    with _memo_lock:
+        memo = _memo.get(signature)
+        if memo is None:
+            memo = _memo[signature] = {}
+            while len(_memo) > _MEMO_DEMANDS:
+                _memo.popitem(last=False)
+        else:
+            _memo.move_to_end(signature)
+        return memo
+
+
+def _count_at_least(node: NodeView, memory: int, compute: int) -> int:
+    """How many healthy GPUs have this much memory and compute free."""
+    return sum(1 for m, k in node.free_pairs if m >= memory and k >= compute)
+
+
+def _surely_fits(node: NodeView, plan: _Plan) -> bool:
+    """A sufficient condition for the solver to place the pod (no GPU hints), from the node's summaries.
+
+    Apps: a GPU with the sum of every app share free stays a candidate for each container whatever the
+    earlier ones took (each takes at most one share per GPU), so `max count` such GPUs guarantee success.
+    Inits: the solver's only test is `count` GPUs whose free amount holds the init share (exact).
+    """
+    desc = node.free_memory_desc
+    k = plan.max_count
+    if k:
+        if len(desc) < k or desc[k - 1] < plan.sum_memory:
+            return False
+        if plan.sum_compute and _count_at_least(node, plan.sum_memory, plan.sum_compute) < k:
+            return False
+    for m, c, count in plan.inits:
+        if len(desc) < count or desc[count - 1] < m:
+            return False
+        if c and _count_at_least(node, m, c) < count:
+            return False
+    return True
+
+
+def _memory_bound(plan: _Plan) -> tuple[int, int] | None:
+    """`_surely_fits` as one (position, MiB) test on the sorted free memory, when no share asks compute."""
+    if plan.sum_compute or any(c for _, c, _ in plan.inits):
+        return None
+    needs = [(plan.max_count - 1, plan.sum_memory)] if plan.max_count else []
+    needs += [(count - 1, m) for m, _, count in plan.inits]
+    if not needs:
+        return None
+    # desc[p] >= m for every need holds iff it holds at the deepest position for the largest amount,
+    # unless a deeper position asks less: then keep the general test
+    pos = max(p for p, _ in needs)
+    least = max(m for _, m in needs)
+    if any(p == pos and m == least for p, m in needs):
+        return pos, least
+    return None
+
+
+def _solve_verdict(node: NodeView, demand: PodDemand, policy: Policy, name: str | None = None) -> Verdict:
+    parts, reason = _solve(node, demand, policy, name=name)
+    if parts is not None:
         return FITS
+    cap, cap_reason = _solve(node, demand, policy, capacity=True, name=name)
+    if cap is None:
+        return Verdict(False, False, f"can never fit on {node.name if name is None else name}: {cap_reason}")
+    return Verdict(False, True, reason)
+
+
+def _simple_verdict(node: NodeView, c: ContainerDemand) -> Verdict:
+    if node.max_free_memory_mib >= c.memory_mib:
+        for m, k in node.free_pairs:
+            if m >= c.memory_mib and k >= c.compute:
+                return FITS
+    if c.memory_mib > node.max_capacity_mib or c.compute > max(g.compute_units for g in node.gpus):
+        return Verdict(
+            False,
+            False,
+            f"{_describe_need(c)}; the largest GPU on {node.name} has {node.max_capacity_mib} MiB",
+        )
+    extra = f" and {c.compute}% compute" if c.compute else ""
+    return Verdict(
+        False,
+        True,
+        f"{_describe_need(c)}; no healthy GPU on {node.name} has {c.memory_mib} MiB{extra} free "
+        f"(most free: GPU {node.max_free_index} with {node.max_free_memory_mib} MiB)",
+    )
+
+
+def _judge(node: NodeView, demand: PodDemand, plan: _Plan) -> Verdict:
+    """`evaluate` for a pod that wants a GPU share, with the fast paths and the per-shape verdict cache."""
     pre = _precheck(node, demand)
     if pre is not None:
         return pre
     if demand.simple:
-        c = demand.containers[0]
-        if node.max_free_memory_mib >= c.memory_mib:
-            for m, k in node.free_pairs:
-                if m >= c.memory_mib and k >= c.compute:
-                    return FITS
-        if c.memory_mib > node.max_capacity_mib or c.compute > max(g.compute_units for g in node.gpus):
-            return Verdict(
-                False,
-                False,
-                f"{_describe_need(c)}; the largest GPU on {node.name} has {node.max_capacity_mib} MiB",
-            )
-        extra = f" and {c.compute}% compute" if c.compute else ""
-        return Verdict(
-            False,
-            True,
-            f"{_describe_need(c)}; no healthy GPU on {node.name} has {c.memory_mib} MiB{extra} free "
-            f"(most free: GPU {node.max_free_index} with {node.max_free_memory_mib} MiB)",
-        )
-    parts, reason = _solve(node, demand, _policy(demand, policy))
-    if parts is not None:
+        return _simple_verdict(node, demand.containers[0])
+    shape = node.shape
+    if shape is None:
+        return _solve_verdict(node, demand, plan.policy)
+    if not plan.hints:
+        if _surely_fits(node, plan):
+            return FITS
+        key: object = shape
+    else:
+        allowed = demand.hints.gpu_allowed
+        key = (shape, tuple(allowed(g.uuid, g.model) for g in node.gpus))
+    memo = plan.memo
+    if memo is None:
+        return _solve_verdict(node, demand, plan.policy)
+    v = memo.get(key)
+    if v is None:
+        v = _solve_verdict(node, demand, plan.policy, _NAME)
+        if len(memo) >= _MEMO_SHAPES:
+            memo.clear()
+        memo[key] = v
+    if v.fits or _NAME not in v.reason:
+        return v
+    return Verdict(False, v.resolvable, v.reason.replace(_NAME, node.name))
+
+
+def evaluate(node: NodeView, demand: PodDemand, policy: Policy = Policy.BINPACK) -> Verdict:
+    """Filter one node: fits now, full now (resolvable), or can never fit (not resolvable)."""
+    if not demand.wants_gpu:
         return FITS
-    cap, cap_reason = _solve(node, demand, _policy(demand, policy), capacity=True)
-    if cap is None:
-        return Verdict(False, False, f"can never fit on {node.name}: {cap_reason}")
-    return Verdict(False, True, reason)
+    if demand.simple:
+        pre = _precheck(node, demand)
+        return pre if pre is not None else _simple_verdict(node, demand.containers[0])
+    return _judge(node, demand, _Plan(demand, policy))
 
 
 def fits(node: NodeView, demand: PodDemand, policy: Policy = Policy.BINPACK) -> bool:
@@ -207,6 +329,8 @@ def filter_nodes(
     ok: list[str] = []
     failed: dict[str, str] = {}
     never: dict[str, str] = {}
+    if not demand.wants_gpu:
+        return [node.name for node in nodes], failed, never
     if demand.simple and demand.containers[0].compute == 0:
         need = demand.containers[0].memory_mib
         for node in nodes:  # fast path: a node fits iff its freest healthy GPU has the memory
@@ -216,8 +340,21 @@ def filter_nodes(
             v = evaluate(node, demand, policy)
             (failed if v.resolvable else never)[node.name] = v.reason
         return ok, failed, never
+    plan = _Plan(demand, policy)
+    quick = not demand.simple and not plan.hints and demand.hints.min_cuda is None
+    bound = _memory_bound(plan) if quick else None
+    pos, least = bound if bound is not None else (0, 0)
     for node in nodes:
-        v = evaluate(node, demand, policy)
+        if quick:
+            if bound is not None:  # `_surely_fits` reduced to one look at the sorted free memory
+                desc = node.free_memory_desc
+                if len(desc) > pos and desc[pos] >= least and node.shape is not None:
+                    ok.append(node.name)
+                    continue
+            elif node.gpus and node.shape is not None and _surely_fits(node, plan):
+                ok.append(node.name)
+                continue
+        v = _judge(node, demand, plan)
         if v.fits:
             ok.append(node.name)
         elif v.resolvable:
@@ -239,18 +376,27 @@ def score_node(node: NodeView, demand: PodDemand, policy: Policy = Policy.BINPAC
 
 
 def score_nodes(nodes: Iterable[NodeView], demand: PodDemand, policy: Policy = Policy.BINPACK) -> list[tuple[str, int]]:
-    """(name, score) for each node, same formula as `score_node`, without per-node call overhead."""
+    """(name, score) for each node, same formula as `score_node`, computed once per node shape."""
     need = demand.memory_mib if demand.wants_gpu else 0
     binpack = _policy(demand, policy) is Policy.BINPACK
-    out = []
+    out: list[tuple[str, int]] = []
+    add = out.append
+    cache: dict[int | None, int] = {}  # score_key -> score
+    get = cache.get
     for node in nodes:
-        total = node.healthy_memory_mib
-        if total <= 0:
-            out.append((node.name, 0))
-            continue
-        u = (node.healthy_allocated_mib + need) / total
-        u = 1.0 if u > 1.0 else u
-        out.append((node.name, int((10 * u if binpack else 10 * (1 - u)) + 0.5)))
+        shape = node.score_key
+        score = get(shape)
+        if score is None:
+            total = node.healthy_memory_mib
+            if total <= 0:
+                score = 0
+            else:
+                u = (node.healthy_allocated_mib + need) / total
+                u = 1.0 if u > 1.0 else u
+                score = int((10 * u if binpack else 10 * (1 - u)) + 0.5)
+            if shape is not None:
+                cache[shape] = score
+        add((node.name, score))
     return out
 
 

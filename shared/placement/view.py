@@ -6,6 +6,31 @@ from dataclasses import dataclass, field
 
 from shared.placement.hints import HintError, parse_version
 
+_SHAPES: dict[tuple, _Shape] = {}
+_SHAPES_MAX = 100_000
+
+
+class _Shape:
+    """An interned node shape: per GPU (index, healthy, memory, compute units, free memory, free compute).
+
+    Nodes with equal shapes get the same object, so caches keyed by it hash by identity (cheap) and still
+    mean "every node with this capacity layout"; see `shared.placement.plan`.
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+
+def _intern(key: tuple) -> _Shape:
+    shape = _SHAPES.get(key)
+    if shape is None:
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()  # only costs cache hits: caches hold their own references
+        shape = _SHAPES.setdefault(key, _Shape(key))
+    return shape
+
 
 @dataclass(frozen=True, slots=True)
 class GpuView:
@@ -46,6 +71,9 @@ class NodeView:
     healthy_memory_mib: int = field(init=False, repr=False, compare=False)
     healthy_allocated_mib: int = field(init=False, repr=False, compare=False)
     cuda: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    free_memory_desc: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    shape: _Shape | None = field(init=False, repr=False, compare=False)
+    score_key: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         gpus = tuple(sorted(self.gpus, key=lambda g: g.index))
@@ -65,6 +93,15 @@ class NodeView:
         s(self, "healthy_memory_mib", sum(g.memory_mib for g in healthy))
         s(self, "healthy_allocated_mib", sum(min(g.allocated_memory_mib, g.memory_mib) for g in healthy))
         s(self, "cuda", cuda)
+        s(self, "free_memory_desc", tuple(sorted((m for m, _ in pairs), reverse=True)))
+        distinct = len({g.uuid for g in gpus}) == len(gpus)  # duplicate UUIDs: no shared shape, no fast path
+        key = tuple(
+            (g.index, g.healthy, g.memory_mib, g.compute_units, g.free_memory_mib, g.free_compute) for g in gpus
+        )
+        s(self, "shape", _intern(key) if distinct else None)
+        # (healthy allocated, healthy memory) as one int, all a node's score depends on (None: out of range)
+        total, used = self.healthy_memory_mib, self.healthy_allocated_mib
+        s(self, "score_key", (used << 42) + total if 0 <= total < 1 << 42 else None)
 
     def gpu(self, uuid: str) -> GpuView | None:
         """The GPU with this UUID, if the node has it."""
