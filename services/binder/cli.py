@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         default=30.0,
         help="never release a reservation younger than this many seconds (default 30)",
     )
-    p.add_argument("--concurrency", type=_count, default=8, help="reservations bound in parallel (default 8)")
+    p.add_argument("--concurrency", type=_count, default=16, help="reservations bound in parallel (default 16)")
     p.set_defaults(func=run)
 
 

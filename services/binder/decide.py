@@ -49,3 +49,16 @@ def decide(*, state: str | None, pod: Pod | None, pod_uid: str, node: str) -> De
     if pods.is_terminated(pod):
         return Decision(Action.FAIL, "failed_terminated", f"pod already {pods.phase(pod)}")
     return Decision(Action.BIND, "bound", f"binding to {node}")
+
+
+def binding_checks_uid(major: str, minor: str) -> bool:
+    """True when an API server of this version refuses a Binding whose `metadata.uid` is not the pod's.
+
+    The precondition came in 1.23 (kubernetes#105913), was lost in 1.25 (#110646) and restored in 1.27
+    (#116550, backported to some 1.26 patches only): 1.23, 1.24 and 1.27+ enforce it. Unknown: False.
+    """
+    try:
+        version = (int(major), int("".join(c for c in minor if c.isdigit()) or "x"))
+    except ValueError:
+        return False
+    return (1, 23) <= version < (1, 25) or version >= (1, 27)

@@ -1,12 +1,17 @@
 """The consumer side of binding: one `reserved` event in, a Binding and a bound/failed ledger write out.
 
 Order of effects, chosen so a crash or an error at any point leaves nothing stale:
-1. read the allocation's state (skip unless `reserved`: duplicates and allocations the extender gave up on);
-2. GET the pod and decide (`decide.py`): gone / replaced / bound elsewhere -> `mark_failed`;
-3. POST the Binding with every annotation inside it (one API write: the annotations exist iff the pod is bound);
+1. read the allocation's state and the GPUs' memory in one query (skip unless `reserved`: duplicates and
+   allocations the extender gave up on);
+2. GET the pod and decide (`decide.py`): gone / replaced / bound elsewhere / terminating -> `mark_failed`;
+   skipped on API servers that enforce the Binding's `metadata.uid` (1.23, 1.24, 1.27+; 1.20 does not);
+3. POST the Binding with every annotation inside it (one API write: the annotations exist iff the pod is bound)
+   and the pod UID; when the API server refuses it, GET the pod and decide as in 2 (already on the node ->
+   mark bound);
 4. `mark_bound` (the outbox publishes `bound`; the extender waits for it); the consumer acks after this.
-A crash between 3 and 4 is repaired on redelivery: step 2 finds the pod on the reserved node and marks it
-bound. 429/5xx/connection errors are retried with backoff, then raised so the message is redelivered later.
+A crash between 3 and 4 is repaired on redelivery: the GET (or the refused POST, then the GET) finds the pod
+on the reserved node, so it is marked bound.
+429/5xx/connection errors are retried with backoff, then raised so the message is redelivered later.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.binder import reads
-from services.binder.decide import Action, Decision, decide
+from services.binder.decide import Action, Decision, binding_checks_uid, decide
 from services.binder.metrics import BinderMetrics
 from shared.annotations import binding_annotations
 from shared.events.catalogue import Event, ReservedEvent
@@ -54,6 +59,8 @@ class BindHandler:
         self.metrics = metrics
         self.retry = retry
         self._locks: dict[uuid.UUID, tuple[asyncio.Lock, int]] = {}
+        # None until asked: True when the API server refuses a Binding whose metadata.uid is not the pod's
+        self.uid_precondition: bool | None = None
 
     async def __call__(self, event: Event) -> None:
         if not isinstance(event, ReservedEvent):
@@ -79,36 +86,66 @@ class BindHandler:
     async def _handle(self, event: ReservedEvent) -> None:
         started = time.monotonic()
         ns, name = event.namespace, event.pod_name
-        state = await reads.allocation_state(self.ledger.engine, event.allocation_id)
-        if state != "reserved":
-            self._finish(decide(state=state, pod=None, pod_uid=event.pod_uid, node=event.node), event, started)
+        gpu_uuids = sorted({p.gpu_uuid for p in event.parts})
+        facts = await reads.bind_facts(self.ledger.engine, event.allocation_id, gpu_uuids)
+        if facts.state != "reserved":
+            self._finish(decide(state=facts.state, pod=None, pod_uid=event.pod_uid, node=event.node), event, started)
             return
+        bind = Decision(Action.BIND, "bound", f"binding to {event.node}")
+        uid_checked = await self._binding_checks_uid()
         for _ in range(MAX_CONFLICT_ROUNDS):
-            pod = await self._kube(lambda: get_pod(self.api, ns, name), f"GET pod {ns}/{name}")
-            decision = decide(state="reserved", pod=pod, pod_uid=event.pod_uid, node=event.node)
-            if decision.action is not Action.BIND:
-                await self._apply(decision, event, started)
-                return
+            if not uid_checked:  # the API server would bind a same-named replacement: look first
+                decision = await self._read_and_decide(event)
+                if decision.action is not Action.BIND:
+                    await self._apply(decision, event, started)
+                    return
             try:
-                await self._kube(lambda: self._bind(event), f"bind {ns}/{name} to {event.node}")
+                await self._kube(lambda: self._bind(event, facts.gpu_memory), f"bind {ns}/{name} to {event.node}")
             except ApiException as exc:
                 if exc.status == 404:
                     await self._apply(Decision(Action.FAIL, "failed_pod_gone", "pod no longer exists"), event, started)
                     return
-                if exc.status == 409:
-                    log.info("binding %s/%s: conflict (%s); reading the pod again", ns, name, status_message(exc))
+                log.info("binding %s/%s refused (%s: %s); reading the pod", ns, name, exc.status, status_message(exc))
+                decision = await self._read_and_decide(event)
+                if decision.action is not Action.BIND:
+                    await self._apply(decision, event, started)
+                    return
+                if exc.status == 409:  # the pod still looks bindable: a passing conflict, try again
                     continue
-                if exc.status in (400, 422):
+                if exc.status in (400, 403, 422):
                     reason = f"API server refused the binding: {status_message(exc)}"
                     await self._apply(Decision(Action.FAIL, "failed_refused", reason), event, started)
                     return
                 raise
-            await self._apply(decision, event, started)
+            await self._apply(bind, event, started)
             return
         raise RuntimeError(f"binding {ns}/{name} kept conflicting; will retry on redelivery")
 
-    async def _bind(self, event: ReservedEvent) -> None:
-        memory = await reads.gpu_memory(self.ledger.engine, sorted({p.gpu_uuid for p in event.parts}))
+    async def _read_and_decide(self, event: ReservedEvent) -> Decision:
+        ns, name = event.namespace, event.pod_name
+        pod = await self._kube(lambda: get_pod(self.api, ns, name), f"GET pod {ns}/{name}")
+        return decide(state="reserved", pod=pod, pod_uid=event.pod_uid, node=event.node)
+
+    async def _binding_checks_uid(self) -> bool:
+        """Whether the API server enforces the Binding's `metadata.uid` (asked once; False when unknown)."""
+        if self.uid_precondition is None:
+            try:
+                info = await client.VersionApi(self.api).get_code(_request_timeout=5)
+                self.uid_precondition = binding_checks_uid(info.major, info.minor)
+            except Exception as exc:  # not cached: asked again on the next reservation
+                log.info("could not read the API server version (%r); reading each pod before binding it", exc)
+                return False
+            log.info(
+                "API server %s.%s: %s",
+                info.major,
+                info.minor,
+                "Binding first, pod read only on refusal"
+                if self.uid_precondition
+                else "it ignores the Binding's UID, so each pod is read before binding",
+            )
+        return self.uid_precondition
+
+    async def _bind(self, event: ReservedEvent, memory: dict[str, int]) -> None:
         annotations = binding_annotations(event.allocation_id, event.node, list(event.parts), memory, self.unit)
         await create_binding(
             self.api, event.namespace, event.pod_name, event.node, uid=event.pod_uid, annotations=annotations

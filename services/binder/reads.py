@@ -34,6 +34,28 @@ async def allocation_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> str
         return (await conn.execute(select(allocations.c.state).where(allocations.c.id == allocation_id))).scalar()
 
 
+@dataclass(frozen=True)
+class BindFacts:
+    """What binding one allocation needs from the ledger, read in one query."""
+
+    state: str | None  # None: the ledger has no such allocation
+    gpu_memory: dict[str, int]  # schedulable MiB of each GPU asked about that the ledger knows
+
+
+async def bind_facts(engine: AsyncEngine, allocation_id: uuid.UUID, uuids: list[str]) -> BindFacts:
+    """The allocation's state and the memory of the named GPUs, in one round trip."""
+    query = (
+        select(allocations.c.state, gpus.c.uuid, gpus.c.memory_mib)
+        .select_from(allocations.outerjoin(gpus, gpus.c.uuid.in_(uuids)))
+        .where(allocations.c.id == allocation_id)
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    if not rows:
+        return BindFacts(None, {})
+    return BindFacts(rows[0].state, {r.uuid: int(r.memory_mib) for r in rows if r.uuid is not None})
+
+
 async def allocation_exists(engine: AsyncEngine, allocation_id: uuid.UUID) -> bool:
     """True when an allocation with this id exists in any state."""
     return await allocation_state(engine, allocation_id) is not None

@@ -29,7 +29,7 @@ class BinderConfig:
     """Tunables of one binder process."""
 
     unit: MemoryUnit = MemoryUnit.GIB
-    concurrency: int = 8
+    concurrency: int = 16
     reconcile_interval_s: float = 60.0
     reserve_grace_s: float = 30.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)

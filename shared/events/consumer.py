@@ -14,7 +14,6 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from shared.events.bus import EventBus
@@ -79,47 +78,85 @@ class DurableConsumer:
         )
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Consume until `stop` is set (or forever), surviving NATS outages."""
+        """Consume until `stop` is set (or forever), surviving NATS outages.
+
+        A continuous pipeline: up to `concurrency` handlers run at once and more messages are fetched as
+        soon as a slot frees up, so one slow message holds only its own slot (with `concurrency` 1,
+        messages are handled strictly one after the other). Handlers still running when `stop` is set
+        are awaited; on cancellation they are cancelled (their messages are redelivered).
+        """
         stop = stop or asyncio.Event()
         sub = None
+        in_flight: set[asyncio.Task[None]] = set()
+        pending = 0  # how many more messages the server said were waiting after the last one fetched
         try:
             while not stop.is_set():
                 try:
                     if sub is None:
                         sub = await self._subscribe()
                         self.ready.set()
-                    try:
-                        msgs = await sub.fetch(self.batch, timeout=1.0)
-                    except NatsTimeout:
+                    if len(in_flight) >= self.concurrency:
+                        await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                         continue
-                    await self._handle_batch(msgs)
+                    want = self._want(len(in_flight), pending)
+                    try:
+                        # one message: a lingering pull that returns as soon as it arrives; several (only when
+                        # the server said they are waiting): returned at once, the short timeout only bounds
+                        # the rare case where another subscriber took them meanwhile
+                        msgs = await sub.fetch(want, timeout=1.0 if want == 1 else 0.2)
+                    except TimeoutError:  # NATS' TimeoutError subclasses it
+                        pending = 0
+                        continue
+                    pending = _num_pending(msgs[-1]) if msgs else 0
+                    if self.concurrency == 1:
+                        for msg in msgs:
+                            await self.handle_message(msg)
+                        continue
+                    for msg in msgs:
+                        task = asyncio.create_task(self.handle_message(msg))
+                        in_flight.add(task)
+                        task.add_done_callback(self._done(in_flight))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     log.warning("consumer %s: %s; retrying", self.durable, exc, extra={"consumer": self.durable})
                     sub = None
+                    pending = 0
                     self.ready.clear()
                     await asyncio.sleep(1.0)
+            if in_flight:
+                await asyncio.wait(set(in_flight))
         finally:
             self.ready.clear()
+            for task in in_flight:
+                task.cancel()
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
             if sub is not None:
                 try:
                     await sub.unsubscribe()
                 except Exception as exc:  # the connection may already be gone
                     log.debug("consumer %s: unsubscribe failed: %s", self.durable, exc)
 
-    async def _handle_batch(self, msgs: list[Any]) -> None:
-        if self.concurrency == 1:
-            for msg in msgs:
-                await self.handle_message(msg)
-            return
-        sem = asyncio.Semaphore(self.concurrency)
+    def _want(self, running: int, pending: int) -> int:
+        """How many messages to ask for: more than one only when the server said they are waiting, and
+        never more than the free slots (with `concurrency` 1: up to `batch`, handled one after the other)."""
+        free = self.batch if self.concurrency == 1 else self.concurrency - running
+        return max(1, min(free, self.batch, pending))
 
-        async def _one(msg: Any) -> None:
-            async with sem:
-                await self.handle_message(msg)
+    def _done(self, in_flight: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+        def _finished(task: asyncio.Task[None]) -> None:
+            in_flight.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                # ack / nak / park failed (connection trouble): the message is redelivered after ack_wait
+                log.warning(
+                    "consumer %s: settling a message failed: %r",
+                    self.durable,
+                    task.exception(),
+                    extra={"consumer": self.durable},
+                )
 
-        await asyncio.gather(*(_one(m) for m in msgs))
+        return _finished
 
     async def handle_message(self, msg: Any) -> None:
         """Decode, dispatch, and ack / retry / park one message."""
@@ -183,3 +220,11 @@ class DurableConsumer:
         finally:
             await msg.term()
         self.parked += 1
+
+
+def _num_pending(msg: Any) -> int:
+    """Messages still waiting for this consumer after `msg`, as the server reported it (0 when unknown)."""
+    try:
+        return int(msg.metadata.num_pending or 0)
+    except Exception:  # not a JetStream message (no ack subject to read it from)
+        return 0

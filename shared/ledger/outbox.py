@@ -50,24 +50,38 @@ class OutboxRelay:
         self._kick.set()
 
     async def flush(self) -> int:
-        """Publish everything staged so far; returns how many events went out."""
+        """Publish everything staged so far; returns how many events went out.
+
+        Each round takes up to `batch` rows other relays do not hold (`FOR UPDATE SKIP LOCKED`) and deletes
+        them in the same statement, publishes them, and only then commits: a failed publish rolls the delete
+        back. A round that found fewer than `batch` rows took everything visible, so no empty round follows
+        (rows committed meanwhile come with their own kick).
+        """
         total = 0
         while True:
+            taken = (
+                select(outbox.c.seq)
+                .order_by(outbox.c.seq)
+                .limit(self.batch)
+                .with_for_update(skip_locked=True)
+                .scalar_subquery()
+            )
             async with self.engine.begin() as conn:
                 rows = (
                     await conn.execute(
-                        select(outbox.c.seq, outbox.c.event_id, outbox.c.subject, outbox.c.payload)
-                        .order_by(outbox.c.seq)
-                        .limit(self.batch)
-                        .with_for_update(skip_locked=True)
+                        delete(outbox)
+                        .where(outbox.c.seq.in_(taken))
+                        .returning(outbox.c.seq, outbox.c.event_id, outbox.c.subject, outbox.c.payload)
                     )
                 ).all()
                 if not rows:
                     return total
+                rows.sort(key=lambda r: r.seq)
                 await asyncio.gather(*(self.bus.publish_raw(r.subject, r.payload, str(r.event_id)) for r in rows))
-                await conn.execute(delete(outbox).where(outbox.c.seq.in_([r.seq for r in rows])))
             total += len(rows)
             self.published += len(rows)
+            if len(rows) < self.batch:
+                return total
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Flush on every kick and at least every `poll_s` seconds, until `stop` is set."""

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from services.binder.decide import Action, decide
+from services.binder.decide import Action, binding_checks_uid, decide
 from services.binder.lifecycle import is_gpu_pod, release_reason
 from services.binder.reads import LiveAllocation
 from services.binder.reconcile import (
@@ -226,3 +226,23 @@ async def test_capacity_nudger_coalesces_stamps_per_node() -> None:
         await nudger.close()
     finally:
         nudge.client.CoreV1Api = real  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("major", "minor", "checks"),
+    [
+        ("1", "20", False),  # the dev cluster: a Binding's metadata.uid is ignored
+        ("1", "22", False),
+        ("1", "23", True),
+        ("1", "24+", True),
+        ("1", "25", False),  # regressed
+        ("1", "26", False),  # fixed only in some patch releases: read the pod to be safe
+        ("1", "27", True),
+        ("1", "30+", True),
+        ("2", "0", True),
+        ("", "", False),
+        ("1", "x", False),
+    ],
+)
+def test_binding_checks_uid(major: str, minor: str, checks: bool) -> None:
+    assert binding_checks_uid(major, minor) is checks

@@ -99,3 +99,74 @@ async def test_consumer_resumes_where_it_left_off(bus: EventBus) -> None:
     stop.set()
     await task
     assert got == ["G0", "G1", "G2", "G3", "G4"]
+
+
+async def test_a_slow_message_holds_only_its_own_slot(bus: EventBus) -> None:
+    slow_started, release = asyncio.Event(), asyncio.Event()
+    done: list[str] = []
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        if event.namespace == "slow":
+            slow_started.set()
+            await release.wait()
+        done.append(event.namespace)
+
+    consumer = DurableConsumer(bus, "pipeline", handler, kinds=["quota"], concurrency=4)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    await bus.publish(QuotaEvent(namespace="slow", memory_mib=1))
+    await asyncio.wait_for(slow_started.wait(), 10)
+    # published one by one after the slow one was fetched: each needs a fetch of its own
+    for i in range(6):
+        await bus.publish(QuotaEvent(namespace=f"fast-{i}", memory_mib=1))
+        await _until(lambda n=i + 1: len(done) == n, within=5)
+    assert "slow" not in done
+    info = await bus.js.consumer_info(bus.names.stream, "pipeline")
+    assert info.num_ack_pending == 1  # the slow one is acked only after its effect
+    release.set()
+    await _until(lambda: consumer.applied == 7)
+    stop.set()
+    await task
+    assert done[-1] == "slow"
+
+
+async def test_concurrency_bounds_the_handlers_in_flight(bus: EventBus) -> None:
+    running, peak, seen = 0, 0, []
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.05)
+        seen.append(event.namespace)
+        running -= 1
+
+    for i in range(12):
+        await bus.publish(QuotaEvent(namespace=f"ns-{i}", memory_mib=1))
+    consumer = DurableConsumer(bus, "bounded", handler, kinds=["quota"], concurrency=3)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    await _until(lambda: consumer.applied == 12)
+    stop.set()
+    await task
+    assert peak == 3
+    assert sorted(seen) == sorted(f"ns-{i}" for i in range(12))
+
+
+async def test_stop_waits_for_handlers_in_flight(bus: EventBus) -> None:
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        started.set()
+        await asyncio.sleep(0.3)
+        finished.append(event.namespace)
+
+    consumer = DurableConsumer(bus, "drain", handler, kinds=["quota"], concurrency=2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    await bus.publish(QuotaEvent(namespace="a", memory_mib=1))
+    await asyncio.wait_for(started.wait(), 10)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert finished == ["a"] and consumer.applied == 1
