@@ -23,11 +23,15 @@ def async_url(url: str) -> str:
 
 
 def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 10) -> AsyncEngine:
-    """An async engine with a pool sized for one service process; dead connections are replaced."""
+    """An async engine with a pool sized for one service process.
+
+    No pre-ping on checkout (it costs three round trips per transaction on the hot path): after a database
+    restart the first statement on each stale connection fails, SQLAlchemy then invalidates the pool, and
+    the caller's retry (consumer redelivery, kube-scheduler's retry) runs on fresh connections.
+    """
     return create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=max_overflow,
-        pool_pre_ping=True,
         pool_recycle=1800,
     )
