@@ -1,4 +1,9 @@
-"""Waiting for the binder's verdict on a reservation: bus events first, a ledger poll as fallback."""
+"""Waiting for the binder's verdict on a reservation: bus events first, a ledger poll as fallback.
+
+A `bound` event settles the outcome by itself (once it is published the ledger row has `bound_at`, which
+is what makes an allocation count as bound). Other events (failed, released, assigned) may be stale or
+late relative to the ledger, so they only wake the waiter for one ledger read.
+"""
 
 from __future__ import annotations
 
@@ -21,22 +26,28 @@ class Outcome:
     reason: str = ""
 
 
+BOUND = Outcome(True, "bound")
+
+
 class OutcomeWaiter:
     """Futures keyed by allocation id, resolved by `notify` (bus) or by polling the ledger."""
 
     def __init__(self, engine: AsyncEngine, *, poll_s: float = 1.0) -> None:
         self.engine = engine
         self.poll_s = poll_s
-        self._waiting: dict[uuid.UUID, list[asyncio.Future[None]]] = {}
+        self.reads = 0  # ledger reads so far (observability and tests)
+        self._waiting: dict[uuid.UUID, list[asyncio.Future[Outcome | None]]] = {}
 
-    def notify(self, allocation_id: uuid.UUID) -> None:
-        """Something happened to this allocation: wake its waiters (they read the ledger)."""
+    def notify(self, allocation_id: uuid.UUID, outcome: Outcome | None = None) -> None:
+        """Something happened to this allocation: hand waiters the outcome when the event settles it,
+        else (None) wake them for one ledger read."""
         for fut in self._waiting.get(allocation_id, ()):
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(outcome)
 
     async def state(self, allocation_id: uuid.UUID) -> Outcome | None:
         """The allocation's outcome from the ledger, or None while it is still only reserved."""
+        self.reads += 1
         async with self.engine.connect() as conn:
             row = (
                 await conn.execute(
@@ -52,24 +63,34 @@ class OutcomeWaiter:
         bound = row.state in ("bound", "assigned") or row.bound_at is not None
         return Outcome(bound, row.state, row.reason or "")
 
-    async def wait(self, allocation_id: uuid.UUID, timeout_s: float) -> Outcome | None:
-        """The outcome, or None when the reservation is still pending after `timeout_s`."""
+    async def wait(self, allocation_id: uuid.UUID, timeout_s: float, *, check_first: bool = True) -> Outcome | None:
+        """The outcome, or None when the reservation is still pending after `timeout_s`.
+
+        The ledger is read at the start (unless `check_first` is False: a reservation this process has just
+        created, whose events cannot have been published before the waiter was registered), after a
+        non-decisive event, and every `poll_s` without events (the fallback for a missed message).
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        read = check_first
         while True:
-            fut: asyncio.Future[None] = loop.create_future()
+            fut: asyncio.Future[Outcome | None] = loop.create_future()
             self._waiting.setdefault(allocation_id, []).append(fut)
             try:
-                outcome = await self.state(allocation_id)
-                if outcome is not None:
-                    return outcome
+                if read:
+                    outcome = await self.state(allocation_id)
+                    if outcome is not None:
+                        return outcome
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
                 try:
-                    await asyncio.wait_for(fut, min(self.poll_s, left))
+                    outcome = await asyncio.wait_for(fut, min(self.poll_s, left))
                 except TimeoutError:
-                    pass
+                    outcome = None
+                if outcome is not None:
+                    return outcome
+                read = True
             finally:
                 waiters = self._waiting.get(allocation_id, [])
                 if fut in waiters:

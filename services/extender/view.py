@@ -3,18 +3,24 @@
 Loaded from the ledger tables, kept fresh by ledger events, and reloaded periodically and after any
 reservation conflict. It only steers decisions: the reservation in the ledger is authoritative.
 Applying an event is idempotent (a reservation is counted once per allocation id, an end once).
+
+The view is compact: a live allocation keeps only what decisions need (identity, node, state and its
+per-GPU charges as plain tuples), GPUs are indexed by node, and per-namespace usage is kept as running
+totals. `version` grows on every change that can alter a placement decision (capacity, allocations, health,
+quotas), so callers can cache answers computed from one state.
 """
 
 from __future__ import annotations
 
+import sys
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.catalogue import (
-    AllocationPart,
     AssignedEvent,
     BoundEvent,
     FailedEvent,
@@ -25,149 +31,261 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row, quotas
+from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import gpu_charges
 from shared.placement import GpuView, NodeView
 
+LIVE_STATES = ("reserved", "bound", "assigned")
+_STREAM_ROWS = 2_000  # rows per fetch of the streamed reload (server-side cursor)
+_STATES = {s: s for s in (*LIVE_STATES, "released", "failed")}
 
-@dataclass
+Charges = tuple[tuple[str, int, int], ...]  # (gpu uuid, MiB, compute) per GPU, sorted by uuid
+
+
+def _charges_of(parts: Iterable[Any]) -> Charges:
+    """Per-GPU charges of an allocation's parts (Kubernetes' effective-request rule, see `gpu_charges`)."""
+    return tuple((u, m, c) for u, (m, c) in gpu_charges(parts).items())
+
+
 class LiveAllocation:
-    """A live allocation as the view knows it."""
+    """A live allocation as the view knows it (slotted: tens of thousands are held)."""
 
-    allocation_id: uuid.UUID
-    pod_uid: str
-    namespace: str
-    pod_name: str
-    node: str
-    state: str
-    parts: tuple[AllocationPart, ...]
-    charges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    __slots__ = ("_charges", "allocation_id", "namespace", "node", "pod_name", "pod_uid", "state")
 
-    def __post_init__(self) -> None:
-        self.charges = gpu_charges(self.parts)
+    def __init__(
+        self,
+        allocation_id: uuid.UUID,
+        pod_uid: str,
+        namespace: str,
+        pod_name: str,
+        node: str,
+        state: str,
+        charges: Charges,
+    ) -> None:
+        self.allocation_id = allocation_id
+        self.pod_uid = pod_uid
+        self.namespace = namespace
+        self.pod_name = pod_name
+        self.node = node
+        self.state = state
+        self._charges = charges
+
+    @property
+    def charges(self) -> dict[str, tuple[int, int]]:
+        """What the allocation holds per GPU: uuid -> (MiB, compute)."""
+        return {u: (m, c) for u, m, c in self._charges}
+
+    def holds(self, gpu_uuid: str) -> bool:
+        """True when the allocation holds a share of this GPU."""
+        return any(u == gpu_uuid for u, _, _ in self._charges)
+
+    def charge_on(self, gpu_uuid: str) -> tuple[int, int]:
+        """(MiB, compute) held on this GPU, (0, 0) when none."""
+        for u, m, c in self._charges:
+            if u == gpu_uuid:
+                return m, c
+        return 0, 0
 
     @property
     def memory_mib(self) -> int:
         """Memory the allocation holds across its GPUs."""
-        return sum(m for m, _ in self.charges.values())
+        return sum(m for _, m, _ in self._charges)
 
     @property
     def compute(self) -> int:
         """Compute the allocation holds across its GPUs."""
-        return sum(c for _, c in self.charges.values())
+        return sum(c for _, _, c in self._charges)
 
 
-@dataclass
 class _Gpu:
-    uuid: str
-    node: str
-    index: int
-    model: str
-    memory_mib: int
-    compute_units: int
-    allocated_memory_mib: int = 0
-    allocated_compute: int = 0
-    healthy: bool = True
+    __slots__ = (
+        "allocated_compute",
+        "allocated_memory_mib",
+        "compute_units",
+        "healthy",
+        "index",
+        "memory_mib",
+        "model",
+        "node",
+        "uuid",
+    )
+
+    def __init__(
+        self,
+        uuid: str,
+        node: str,
+        index: int,
+        model: str,
+        memory_mib: int,
+        compute_units: int,
+        allocated_memory_mib: int = 0,
+        allocated_compute: int = 0,
+        healthy: bool = True,
+    ) -> None:
+        self.uuid = uuid
+        self.node = node
+        self.index = index
+        self.model = model
+        self.memory_mib = memory_mib
+        self.compute_units = compute_units
+        self.allocated_memory_mib = allocated_memory_mib
+        self.allocated_compute = allocated_compute
+        self.healthy = healthy
+
+
+class _State:
+    """Everything a reload replaces at once (built aside, then swapped in)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeView] = {}
+        self.allocations: dict[str, LiveAllocation] = {}
+        self.quotas: dict[str, tuple[int | None, int | None]] = {}
+        self.cuda: dict[str, str] = {}
+        self.gpus: dict[str, _Gpu] = {}  # uuid -> GPU
+        self.node_gpus: dict[str, dict[str, _Gpu]] = {}  # node -> uuid -> GPU
+        self.node_allocs: dict[str, set[str]] = {}  # node -> pod UIDs of live allocations there
+        self.ns_usage: dict[str, list[int]] = {}  # namespace -> [MiB, compute] of live allocations
 
 
 class ClusterView:
     """Mutable state with immutable per-node snapshots (`nodes`) for the placement core."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, NodeView] = {}
-        self.allocations: dict[str, LiveAllocation] = {}
-        self.quotas: dict[str, tuple[int | None, int | None]] = {}
         self.loaded = False
-        self._gpus: dict[str, _Gpu] = {}
-        self._cuda: dict[str, str] = {}
+        self.version = 0
+        self._swap(_State())
+
+    def _swap(self, state: _State) -> None:
+        self.nodes = state.nodes
+        self.allocations = state.allocations
+        self.quotas = state.quotas
+        self._cuda = state.cuda
+        self._gpus = state.gpus
+        self._node_gpus = state.node_gpus
+        self._node_allocs = state.node_allocs
+        self._ns_usage = state.ns_usage
+        self.version += 1
 
     # ---- queries -------------------------------------------------------------------------------
     def namespace_usage(self, namespace: str) -> tuple[int, int]:
         """(memory MiB, compute) held by the namespace's live allocations."""
-        m = c = 0
-        for a in self.allocations.values():
-            if a.namespace == namespace:
-                m += a.memory_mib
-                c += a.compute
+        m, c = self._ns_usage.get(namespace, (0, 0))
         return m, c
 
     def pods_on(self, node: str, gpu_uuid: str) -> list[LiveAllocation]:
         """Live allocations holding a share of a GPU."""
-        return [a for a in self.allocations.values() if a.node == node and gpu_uuid in a.charges]
+        out = []
+        for uid in self._node_allocs.get(node, ()):
+            a = self.allocations.get(uid)
+            if a is not None and a.node == node and a.holds(gpu_uuid):
+                out.append(a)
+        return out
 
     # ---- loading -------------------------------------------------------------------------------
     async def reload(self, engine: AsyncEngine) -> None:
-        """Replace the whole view with the ledger's current content."""
+        """Replace the whole view with the ledger's current content.
+
+        Rows are streamed (server-side cursor) and folded straight into the compact new state, so only
+        the old view, the new one and one batch of rows are held at a time.
+        """
+        new = _State()
+        intern = sys.intern
         async with engine.connect() as conn:
-            node_rows = (await conn.execute(select(nodes).where(nodes.c.retired_at.is_(None)))).all()
-            gpu_rows = (await conn.execute(select(gpus).where(gpus.c.retired_at.is_(None)))).all()
-            alloc_rows = (
-                await conn.execute(
-                    select(allocations).where(allocations.c.state.in_(("reserved", "bound", "assigned")))
+            async for r in await conn.stream(
+                select(nodes.c.name, nodes.c.cuda_version).where(nodes.c.retired_at.is_(None))
+            ):
+                new.cuda[intern(r.name)] = r.cuda_version
+            gpu_query = select(
+                gpus.c.uuid,
+                gpus.c.node,
+                gpus.c.index,
+                gpus.c.model,
+                gpus.c.memory_mib,
+                gpus.c.compute_units,
+                gpus.c.allocated_memory_mib,
+                gpus.c.allocated_compute,
+                gpus.c.healthy,
+            ).where(gpus.c.retired_at.is_(None))
+            models: dict[str, str] = {}
+            async for r in await conn.stream(gpu_query.execution_options(yield_per=_STREAM_ROWS)):
+                if r.node not in new.cuda:
+                    continue
+                node = intern(r.node)
+                g = _Gpu(
+                    r.uuid,
+                    node,
+                    r.index,
+                    models.setdefault(r.model, r.model),
+                    r.memory_mib,
+                    r.compute_units,
+                    r.allocated_memory_mib,
+                    r.allocated_compute,
+                    r.healthy,
                 )
-            ).all()
-            part_rows = (
-                await conn.execute(
-                    select(allocation_parts)
-                    .join(allocations, allocations.c.id == allocation_parts.c.allocation_id)
-                    .where(allocations.c.state.in_(("reserved", "bound", "assigned")))
+                new.gpus[r.uuid] = g
+                new.node_gpus.setdefault(node, {})[r.uuid] = g
+            # one row per part (or one with no part), grouped by allocation: only one group is held at a time
+            alloc_query = (
+                select(
+                    allocations.c.id,
+                    allocations.c.pod_uid,
+                    allocations.c.namespace,
+                    allocations.c.pod_name,
+                    allocations.c.node,
+                    allocations.c.state,
+                    allocation_parts.c.gpu_uuid,
+                    allocation_parts.c.memory_mib,
+                    allocation_parts.c.compute,
+                    allocation_parts.c.init,
                 )
-            ).all()
-            quota_rows = (await conn.execute(select(quotas))).all()
-        parts: dict[uuid.UUID, list[AllocationPart]] = {}
-        for p in part_rows:
-            parts.setdefault(p.allocation_id, []).append(part_from_row(p))
-        live_nodes = {r.name for r in node_rows}
-        self._cuda = {r.name: r.cuda_version for r in node_rows}
-        self._gpus = {
-            r.uuid: _Gpu(
-                r.uuid,
-                r.node,
-                r.index,
-                r.model,
-                r.memory_mib,
-                r.compute_units,
-                r.allocated_memory_mib,
-                r.allocated_compute,
-                r.healthy,
+                .select_from(
+                    allocations.outerjoin(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)
+                )
+                .where(allocations.c.state.in_(LIVE_STATES))
+                .order_by(allocations.c.id)
             )
-            for r in gpu_rows
-            if r.node in live_nodes
-        }
-        self.allocations = {
-            r.pod_uid: LiveAllocation(
-                r.id, r.pod_uid, r.namespace, r.pod_name, r.node, r.state, tuple(parts.get(r.id, ()))
-            )
-            for r in alloc_rows
-        }
-        self.quotas = {r.namespace: (r.memory_mib, r.compute) for r in quota_rows}
-        self.nodes = {}
-        for name in live_nodes:
-            self._rebuild(name)
+            current: Any = None
+            parts: list[Any] = []
+            async for r in await conn.stream(alloc_query.execution_options(yield_per=_STREAM_ROWS)):
+                if current is None or r.id != current.id:
+                    if current is not None:
+                        self._load_allocation(new, current, parts)
+                    current, parts = r, []
+                if r.gpu_uuid is not None:
+                    parts.append(r)
+            if current is not None:
+                self._load_allocation(new, current, parts)
+            async for r in await conn.stream(select(quotas)):
+                new.quotas[r.namespace] = (r.memory_mib, r.compute)
+        for name in new.cuda:
+            new.nodes[name] = _node_view(new.node_gpus, new.cuda, name)
+        self._swap(new)
         self.loaded = True
 
+    @staticmethod
+    def _load_allocation(state: _State, row: Any, parts: list[Any]) -> None:
+        charges = tuple((g.uuid if (g := state.gpus.get(u)) is not None else u, m, c) for u, m, c in _charges_of(parts))
+        alloc = LiveAllocation(
+            row.id,
+            row.pod_uid,
+            sys.intern(row.namespace),
+            row.pod_name,
+            sys.intern(row.node),
+            _STATES.get(row.state, row.state),
+            charges,
+        )
+        prev = state.allocations.get(alloc.pod_uid)
+        if prev is not None:  # at most one live allocation per pod; keep the last, as a dict build would
+            _unindex(state.node_allocs, state.ns_usage, prev)
+        state.allocations[alloc.pod_uid] = alloc
+        _index(state.node_allocs, state.ns_usage, alloc)
+
     def _rebuild(self, node: str) -> None:
+        self.version += 1
         if node not in self._cuda:
             self.nodes.pop(node, None)
             return
-        self.nodes[node] = NodeView(
-            node,
-            tuple(
-                GpuView(
-                    g.uuid,
-                    g.index,
-                    g.memory_mib,
-                    g.allocated_memory_mib,
-                    g.compute_units,
-                    g.allocated_compute,
-                    g.model,
-                    g.healthy,
-                )
-                for g in self._gpus.values()
-                if g.node == node
-            ),
-            self._cuda[node],
-        )
+        self.nodes[node] = _node_view(self._node_gpus, self._cuda, node)
 
     # ---- events --------------------------------------------------------------------------------
     def add_reservation(
@@ -177,7 +295,7 @@ class ClusterView:
         namespace: str,
         pod_name: str,
         node: str,
-        parts: tuple[AllocationPart, ...],
+        parts: Iterable[Any],
         state: str = "reserved",
     ) -> None:
         """Count a live allocation (no-op when this allocation is already counted)."""
@@ -186,9 +304,13 @@ class ClusterView:
             return
         if current is not None:
             self._end(current)
-        alloc = LiveAllocation(allocation_id, pod_uid, namespace, pod_name, node, state, parts)
+        charges = tuple((g.uuid if (g := self._gpus.get(u)) is not None else u, m, c) for u, m, c in _charges_of(parts))
+        alloc = LiveAllocation(
+            allocation_id, pod_uid, sys.intern(namespace), pod_name, sys.intern(node), state, charges
+        )
         self.allocations[pod_uid] = alloc
-        for gpu_uuid, (m, c) in alloc.charges.items():
+        _index(self._node_allocs, self._ns_usage, alloc)
+        for gpu_uuid, m, c in charges:
             g = self._gpus.get(gpu_uuid)
             if g is not None:
                 g.allocated_memory_mib += m
@@ -197,7 +319,8 @@ class ClusterView:
 
     def _end(self, alloc: LiveAllocation) -> None:
         self.allocations.pop(alloc.pod_uid, None)
-        for gpu_uuid, (m, c) in alloc.charges.items():
+        _unindex(self._node_allocs, self._ns_usage, alloc)
+        for gpu_uuid, m, c in alloc._charges:
             g = self._gpus.get(gpu_uuid)
             if g is not None:
                 g.allocated_memory_mib = max(0, g.allocated_memory_mib - m)
@@ -209,26 +332,33 @@ class ClusterView:
         match event:
             case ReservedEvent():
                 self.add_reservation(
-                    event.allocation_id, event.pod_uid, event.namespace, event.pod_name, event.node, tuple(event.parts)
+                    event.allocation_id, event.pod_uid, event.namespace, event.pod_name, event.node, event.parts
                 )
             case BoundEvent() | AssignedEvent():
                 a = self.allocations.get(event.pod_uid)
                 if a is not None and a.allocation_id == event.allocation_id:
-                    a.state = event.kind
+                    a.state = event.kind  # no placement input changes: `version` stays
             case FailedEvent() | ReleasedEvent():
                 a = self.allocations.get(event.pod_uid)
                 if a is not None and a.allocation_id == event.allocation_id:
                     self._end(a)
             case InventoryEvent():
-                self._cuda[event.node] = event.cuda_version
+                node = sys.intern(event.node)
+                self._cuda[node] = event.cuda_version
+                on_node = self._node_gpus.setdefault(node, {})
                 reported = {g.uuid for g in event.gpus}
-                for old in [u for u, g in self._gpus.items() if g.node == event.node and u not in reported]:
-                    del self._gpus[old]
+                for old in [u for u in on_node if u not in reported]:
+                    del on_node[old]
+                    if (g := self._gpus.get(old)) is not None and g.node == node:
+                        del self._gpus[old]
                 for info in event.gpus:
                     prev = self._gpus.get(info.uuid)
-                    self._gpus[info.uuid] = _Gpu(
+                    if prev is not None and prev.node != node:  # the GPU moved: forget it on its old node
+                        self._node_gpus.get(prev.node, {}).pop(info.uuid, None)
+                        self._rebuild(prev.node)
+                    g = _Gpu(
                         info.uuid,
-                        event.node,
+                        node,
                         info.index,
                         info.model,
                         max(info.memory_mib, prev.allocated_memory_mib if prev else 0),
@@ -237,7 +367,9 @@ class ClusterView:
                         prev.allocated_compute if prev else 0,
                         info.healthy,
                     )
-                self._rebuild(event.node)
+                    self._gpus[info.uuid] = g
+                    on_node[info.uuid] = g
+                self._rebuild(node)
             case HealthEvent():
                 g = self._gpus.get(event.gpu_uuid)
                 if g is not None:
@@ -245,13 +377,60 @@ class ClusterView:
                     self._rebuild(g.node)
             case NodeRetiredEvent():
                 self._cuda.pop(event.node, None)
-                for u in [u for u, g in self._gpus.items() if g.node == event.node]:
-                    del self._gpus[u]
-                for a in [a for a in self.allocations.values() if a.node == event.node]:
-                    self.allocations.pop(a.pod_uid, None)
+                for u in self._node_gpus.pop(event.node, {}):
+                    g = self._gpus.get(u)
+                    if g is not None and g.node == event.node:
+                        del self._gpus[u]
+                for uid in list(self._node_allocs.get(event.node, ())):
+                    a = self.allocations.get(uid)
+                    if a is not None and a.node == event.node:
+                        self.allocations.pop(uid, None)
+                        _unindex(self._node_allocs, self._ns_usage, a)
                 self._rebuild(event.node)
             case QuotaEvent():
                 if event.memory_mib is None and event.compute is None:
                     self.quotas.pop(event.namespace, None)
                 else:
                     self.quotas[event.namespace] = (event.memory_mib, event.compute)
+                self.version += 1
+
+
+def _index(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], alloc: LiveAllocation) -> None:
+    node_allocs.setdefault(alloc.node, set()).add(alloc.pod_uid)
+    usage = ns_usage.setdefault(alloc.namespace, [0, 0])
+    usage[0] += alloc.memory_mib
+    usage[1] += alloc.compute
+
+
+def _unindex(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], alloc: LiveAllocation) -> None:
+    on_node = node_allocs.get(alloc.node)
+    if on_node is not None:
+        on_node.discard(alloc.pod_uid)
+        if not on_node:
+            del node_allocs[alloc.node]
+    usage = ns_usage.get(alloc.namespace)
+    if usage is not None:
+        usage[0] -= alloc.memory_mib
+        usage[1] -= alloc.compute
+        if usage == [0, 0]:
+            del ns_usage[alloc.namespace]
+
+
+def _node_view(node_gpus: dict[str, dict[str, _Gpu]], cuda: dict[str, str], node: str) -> NodeView:
+    return NodeView(
+        node,
+        tuple(
+            GpuView(
+                g.uuid,
+                g.index,
+                g.memory_mib,
+                g.allocated_memory_mib,
+                g.compute_units,
+                g.allocated_compute,
+                g.model,
+                g.healthy,
+            )
+            for g in node_gpus.get(node, {}).values()
+        ),
+        cuda[node],
+    )
