@@ -393,14 +393,16 @@ class ExtenderService:
     async def _outcome(self, allocation_id: Any, args: BindingArgs, *, fresh: bool = False) -> str:
         outcome = await self.waiter.wait(allocation_id, self.bind_timeout_s, check_first=not fresh)
         if outcome is None:
-            moved = await self.ledger.mark_failed(
-                allocation_id, args.pod_uid, args.node, f"no binding within {self.bind_timeout_s:g}s"
+            # The binder owns the reservation's outcome: it may be creating the Binding right now, so
+            # releasing here could leave a bound pod without an allocation. Keep the reservation; the
+            # binder binds it (kube-scheduler then sees the pod bound) or fails it, and its reconciliation
+            # releases reservations whose pods are gone.
+            metrics.BIND_OUTCOMES.labels(reason="timeout").inc()
+            return (
+                f"the binder has not bound the pod within {self.bind_timeout_s:g}s; the reservation on "
+                f"{args.node} is kept and the binder will bind or release it"
             )
-            if moved:
-                metrics.BIND_OUTCOMES.labels(reason="timeout").inc()
-                return f"the binder did not bind the pod within {self.bind_timeout_s:g}s; reservation released"
-            outcome = await self.waiter.state(allocation_id)
-        if outcome is not None and outcome.bound:
+        if outcome.bound:
             metrics.BIND_OUTCOMES.labels(reason="bound").inc()
             return ""
         metrics.BIND_OUTCOMES.labels(reason="failed").inc()
