@@ -4,8 +4,9 @@
 `metadata.annotations` into the pod atomically, so annotations never outlive a failed bind (gpushare's
 patch-then-bind left stale ones). `metadata.uid` makes the API server refuse the bind (409) when the pod
 was replaced by another with the same name, on API servers that check it (1.23, 1.24 and 1.27+; 1.20-1.22
-and 1.25-1.26 ignore it, so callers read the pod first there). The reply is a `Status`, which kubernetes_asyncio would try to
-parse as a `V1Binding` and raise on *after* the bind succeeded; this module reads the reply itself.
+and 1.25-1.26 ignore it, so callers read the pod first there). The reply is a `Status`, which
+kubernetes_asyncio would try to parse as a `V1Binding` and raise on *after* the bind succeeded; this module
+reads the reply itself.
 """
 
 from __future__ import annotations
