@@ -67,9 +67,14 @@ class PendingContainer:
         """All memory units this container holds."""
         return sum(self.units(unit).values())
 
-    def shape(self) -> tuple[tuple[int, int], ...]:
-        """Share sizes in GPU-index order: containers of equal shape can be exchanged."""
-        return tuple((s.memory_mib, s.compute) for s in sorted(self.shares, key=lambda s: s.gpu_index))
+    def shape(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """What a container's environment depends on besides its GPUs: its pod's total memory and its share
+        sizes in GPU-index order. Containers of equal shape can be exchanged without their environments
+        (handed out at Allocate, before the agent knows the pod) becoming wrong."""
+        return (
+            self.pod_memory_mib,
+            tuple((s.memory_mib, s.compute) for s in sorted(self.shares, key=lambda s: s.gpu_index)),
+        )
 
 
 def device_id(gpu_uuid: str, j: int) -> str:
@@ -193,9 +198,8 @@ def container_env(
         "ALIYUN_COM_GPU_MEM_POD": str(c.pod_memory_mib // unit.mib),
         "ALIYUN_COM_GPU_MEM_CONTAINER": str(container_units),
         "ALIYUN_COM_GPU_MEM_DEV": str(gpu_memory_mib.get(first, 0) // unit.mib),
-        "GPUSHARE_ALLOCATION_ID": str(c.allocation_id),
-        "GPUSHARE_POD_UID": c.pod_uid,
-        "GPUSHARE_CONTAINER": c.container,
+        # No pod identity here (allocation id, pod UID, container name): Allocate cannot know which pod it
+        # serves, and after an exchange the identity would name the other pod. Use the downward API for it.
         "GPUSHARE_GPU_MEMORY_MIB": ",".join(str(s.memory_mib) for s in shares),
         "GPUSHARE_GPU_MEMORY_FRACTION": fraction_text,
         # advisory: JAX/XLA preallocates this fraction of each visible GPU instead of 75 %

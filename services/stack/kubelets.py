@@ -58,6 +58,7 @@ class NodeKubelet:
         self.errors: dict[tuple[str, str], str] = {}
         self._attempts: dict[str, int] = {}
         self._admitted: dict[str, dict[str, Any]] = {}
+        self._not_started: dict[str, tuple[dict[str, Any], dict[str, dict[str, str]]]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> NodeKubelet:
@@ -93,6 +94,8 @@ class NodeKubelet:
 
     async def _sync(self, pods: list[dict[str, Any]]) -> None:
         live = {p["metadata"]["uid"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
+        for uid in [u for u in self._not_started if u not in live]:
+            self.standin.remove_pod(self._not_started.pop(uid)[0])
         for uid in [u for u in self._admitted if u not in live]:
             pod = self._admitted.pop(uid)
             self.standin.remove_pod(pod)
@@ -112,12 +115,19 @@ class NodeKubelet:
         meta = pod["metadata"]
         key = (meta["namespace"], meta["name"])
         try:
-            envs = await self.standin.admit(pod)
+            if uid in self._not_started:
+                # like kubelet: a container whose start failed keeps its devices; only the start is retried
+                pod, envs = self._not_started[uid]
+            else:
+                envs = await self.standin.admit(pod, start=False)
+                self._not_started[uid] = (pod, envs)
+            await self.standin.start_pod(pod)
         except AdmissionError as exc:
             self._attempts[uid] = self._attempts.get(uid, 0) + 1
             self.errors[key] = str(exc)
             log.warning("admission failed: %s", exc, extra={"node": self.node, "pod": meta["name"]})
             return
+        self._not_started.pop(uid, None)
         self._admitted[uid] = pod
         self.envs[key] = envs
         self.errors.pop(key, None)

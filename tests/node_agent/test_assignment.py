@@ -64,12 +64,12 @@ async def test_multi_container_pod(harness: Harness) -> None:
     assert envs["web"]["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2" and envs["worker"]["ALIYUN_COM_GPU_MEM_CONTAINER"] == "10"
     assert envs["web"]["ALIYUN_COM_GPU_MEM_POD"] == "14"
     assert envs["worker"]["ALIYUN_COM_GPU_MEM_DEV"] == "80"
-    assert envs["web"]["GPUSHARE_ALLOCATION_ID"] == str(alloc)
+    # no pod identity in the environment: Allocate cannot know the pod (see docs/node-agent.md)
+    assert not {"GPUSHARE_ALLOCATION_ID", "GPUSHARE_POD_UID", "GPUSHARE_CONTAINER"} & set(envs["web"])
     assert float(envs["worker"]["GPUSHARE_GPU_MEMORY_FRACTION"]) == pytest.approx(10 / 80, abs=1e-3)
     for c in ("web", "worker", "side"):
         state, _, assigned = await harness.ledger_gpus(alloc, c)
         assert assigned and state == "assigned"
-    assert {envs["web"]["GPUSHARE_CONTAINER"], envs["side"]["GPUSHARE_CONTAINER"]} == {"web", "side"}
 
 
 async def test_multi_gpu_container(harness: Harness) -> None:

@@ -30,8 +30,13 @@ async def test_list_and_watch_reports_health_change_and_recovery(harness: Harnes
         return k.devices(resource).get(device, "")
 
     harness.backend.set_health(gpu1, False, "XID 79 fallen off the bus")
-    await k.wait_for(lambda: health_of(RESOURCE_MEM, f"{gpu1}-_-0") == "Unhealthy", 15)
-    assert health_of(RESOURCE_COUNT, gpu1) == "Unhealthy"
+    # each resource's ListAndWatch stream carries the change on its own: wait for all of them
+    await k.wait_for(
+        lambda: (
+            health_of(RESOURCE_MEM, f"{gpu1}-_-0") == "Unhealthy" and health_of(RESOURCE_COUNT, gpu1) == "Unhealthy"
+        ),
+        15,
+    )
     assert health_of(RESOURCE_MEM, f"{harness.gpu(0)}-_-0") == "Healthy"
     from sqlalchemy import select
 

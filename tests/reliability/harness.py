@@ -150,6 +150,8 @@ class InvariantReport:
     live_allocations: int = 0
     bound_pods: int = 0
     pending_pods: int = 0
+    envs_checked: int = 0
+    allocated_memory_mib: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -157,10 +159,45 @@ class InvariantReport:
         """True when no invariant is broken."""
         return not self.problems
 
+    @property
+    def settled(self) -> bool:
+        """True when every invariant holds (waiting loops stop on it)."""
+        return not self.problems
 
-async def check_invariants(engine, api, nodes: list[str]) -> InvariantReport:  # type: ignore[no-untyped-def]
+
+def env_problems(  # type: ignore[no-untyped-def]
+    pod_name: str, alloc_id: str, alloc, envs: dict[str, dict[str, str]] | None, error: str | None = None
+) -> list[str]:
+    """What differs between the container environments a kubelet recorded for a pod and its live allocation:
+    every container holding parts must have been given exactly its GPUs (NVIDIA_VISIBLE_DEVICES, in GPU index
+    order), its per-GPU MiB (GPUSHARE_GPU_MEMORY_MIB) and its pod's total (ALIYUN_COM_GPU_MEM_POD)."""
+    if envs is None:
+        return [f"bound pod {pod_name} ({alloc.state.value}) has no container environment (admission: {error})"]
+    out = []
+    by_container: dict[str, list] = {}
+    for part in alloc.parts:
+        by_container.setdefault(part.container, []).append(part)
+    for container, parts in sorted(by_container.items()):
+        parts = sorted(parts, key=lambda p: p.gpu_index)
+        env = envs.get(container)
+        want = {
+            "ALIYUN_COM_GPU_MEM_POD": str(sum(p.memory_mib for p in alloc.parts if not p.init) // 1024),
+            "NVIDIA_VISIBLE_DEVICES": ",".join(p.gpu_uuid for p in parts),
+            "ALIYUN_COM_GPU_MEM_IDX": ",".join(str(p.gpu_index) for p in parts),
+            "GPUSHARE_GPU_MEMORY_MIB": ",".join(str(p.memory_mib) for p in parts),
+        }
+        got = {k: (env or {}).get(k) for k in want}
+        if got == want:
+            continue
+        out.append(f"pod {pod_name} container {container}: environment {got} != allocation {want}")
+    return out
+
+
+async def check_invariants(engine, api, nodes: list[str], kubelets: dict | None = None) -> InvariantReport:  # type: ignore[no-untyped-def]
     """No GPU overcommitted; every pod bound to `nodes` has exactly one live allocation there; every live
-    allocation on `nodes` belongs to an existing, non-terminated pod with the same UID."""
+    allocation on `nodes` belongs to an existing, non-terminated pod with the same UID. With `kubelets`
+    ({node: NodeKubelet} of the stack), every bound pod's recorded container environment matches its
+    allocation (`env_problems`)."""
     from kubernetes_asyncio import client
 
     from shared.ledger.replay import load_state
@@ -185,6 +222,8 @@ async def check_invariants(engine, api, nodes: list[str]) -> InvariantReport:  #
             report.problems.append(f"GPU {gpu_uuid} overcommitted: {gpu.allocated_memory_mib}/{gpu.memory_mib} MiB")
         if charged[gpu_uuid] != [gpu.allocated_memory_mib, gpu.allocated_compute]:
             report.problems.append(f"GPU {gpu_uuid} counters {gpu} != live parts {charged[gpu_uuid]}")
+        if not gpu.retired and gpu.node in nodes:
+            report.allocated_memory_mib += gpu.allocated_memory_mib
     report.live_allocations = sum(len(v) for v in live_by_pod.values())
     pods = (await client.CoreV1Api(api).list_pod_for_all_namespaces()).items
     by_uid = {p.metadata.uid: p for p in pods}
@@ -196,6 +235,14 @@ async def check_invariants(engine, api, nodes: list[str]) -> InvariantReport:  #
                 report.problems.append(
                     f"bound pod {pod.metadata.namespace}/{pod.metadata.name} on {pod.spec.node_name} has "
                     f"{len(live)} live allocations {[(str(i), a.node, a.state.value) for i, a in live]}"
+                )
+            elif kubelets is not None and pod.status.phase not in ("Succeeded", "Failed"):
+                kubelet = kubelets[pod.spec.node_name]
+                key = (pod.metadata.namespace, pod.metadata.name)
+                envs = kubelet.envs.get(key)
+                report.envs_checked += envs is not None
+                report.problems += env_problems(
+                    "/".join(key), str(live[0][0]), live[0][1], envs, kubelet.errors.get(key)
                 )
         elif not pod.spec.node_name:
             report.pending_pods += 1
