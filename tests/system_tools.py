@@ -5,11 +5,16 @@ When a tool cannot be had the test skips with the reason, or fails under `CI=tru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from shared.devcluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
 
 
 def in_ci() -> bool:
@@ -49,3 +54,27 @@ def ensure_tool(names: tuple[str, ...], package: str) -> str:
             return found
     unavailable(f"{names[0]} unavailable and `apt-get install {package}` failed: {error}")
     raise AssertionError("unreachable")
+
+
+def control_plane_binaries() -> Paths:
+    """etcd and the Kubernetes 1.20 binaries (built and cached on first use), or skip / fail with the reason."""
+    try:
+        return ensure_binaries()
+    except ControlPlaneUnavailable as exc:
+        unavailable(f"Kubernetes control plane unavailable: {exc.reason}")
+        raise
+
+
+@contextlib.contextmanager
+def running_control_plane(paths: Paths | None = None, **options: Any) -> Iterator[ControlPlane]:
+    """A started `ControlPlane` (options as for its constructor), stopped afterwards; skip / fail when it
+    cannot start."""
+    cp = ControlPlane(paths=paths or control_plane_binaries(), **options)
+    try:
+        cp.start()
+    except ControlPlaneUnavailable as exc:
+        unavailable(f"Kubernetes control plane failed to start: {exc.reason}")
+    try:
+        yield cp
+    finally:
+        cp.stop()

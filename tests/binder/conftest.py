@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.binder.service import Binder, BinderConfig
-from shared.devcluster import ControlPlane, ControlPlaneUnavailable, ensure_binaries
+from shared.devcluster import ControlPlane
 from shared.devcluster.nodes import create_gpu_node, delete_node, set_node_status, untaint_not_ready
 from shared.events.bus import EventBus
 from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent
@@ -27,33 +26,17 @@ from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations, gpus
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.reservations import Reservation, ReservationRequest
+from tests.system_tools import running_control_plane
 
 GIB = 1024
 SCHEDULER_NONE = "nobody"  # no scheduler serves this name: pods wait for the binder
 
 
-def _unavailable(msg: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def control_plane() -> Iterator[ControlPlane]:
     """A control plane of this module's own (skipped when the binaries are missing, failed under CI)."""
-    try:
-        paths = ensure_binaries()
-    except ControlPlaneUnavailable as exc:
-        _unavailable(f"Kubernetes control plane unavailable: {exc.reason}")
-    cp = ControlPlane(paths=paths)
-    try:
-        cp.start()
-    except ControlPlaneUnavailable as exc:
-        _unavailable(f"Kubernetes control plane failed to start: {exc.reason}")
-    try:
+    with running_control_plane() as cp:
         yield cp
-    finally:
-        cp.stop()
 
 
 @pytest.fixture

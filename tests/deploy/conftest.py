@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from shared.devcluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
-from tests.deploy.tools import KUSTOMIZATIONS, ensure_kubectl, render, unavailable
+from shared.devcluster import ControlPlane, Paths
+from tests.deploy.tools import KUSTOMIZATIONS, ensure_kubectl, render
+from tests.system_tools import control_plane_binaries, running_control_plane
 
 
 @pytest.fixture(scope="session")
@@ -27,22 +28,11 @@ def rendered(kubectl: str) -> dict[str, list[dict[str, Any]]]:
 @pytest.fixture(scope="session")
 def k8s_binaries() -> Paths:
     """etcd and the Kubernetes 1.20 binaries from shared/devcluster (built and cached on first use)."""
-    try:
-        return ensure_binaries()
-    except ControlPlaneUnavailable as exc:
-        unavailable(f"Kubernetes 1.20 binaries unavailable: {exc.reason}")
-        raise
+    return control_plane_binaries()
 
 
 @pytest.fixture(scope="session")
 def apiserver(k8s_binaries: Paths) -> Iterator[ControlPlane]:
     """A real kube-apiserver 1.20 (with scheduler and controller-manager) for server-side dry runs."""
-    cp = ControlPlane(paths=k8s_binaries, keep=os.environ.get("GPUSHARE_KEEP_CLUSTER") == "1")
-    try:
-        cp.start()
-    except ControlPlaneUnavailable as exc:
-        unavailable(f"Kubernetes control plane failed to start: {exc.reason}")
-    try:
+    with running_control_plane(k8s_binaries, keep=os.environ.get("GPUSHARE_KEEP_CLUSTER") == "1") as cp:
         yield cp
-    finally:
-        cp.stop()

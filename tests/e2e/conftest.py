@@ -10,52 +10,29 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.devcluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
+from shared.devcluster import ControlPlane, Paths
+from tests import system_tools
 
 ADMIN_TOKEN = "e2e-admin-token"
-
-
-def _binaries_or_skip() -> Paths:
-    """Obtain binaries; fail under CI=true, otherwise skip with the exact reason."""
-    try:
-        return ensure_binaries()
-    except ControlPlaneUnavailable as exc:
-        msg = f"Kubernetes control plane unavailable: {exc.reason}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
 
 
 @pytest.fixture(scope="session")
 def control_plane_binaries() -> Paths:
     """Paths of etcd and the kube binaries (built/cached on first use)."""
-    return _binaries_or_skip()
+    return system_tools.control_plane_binaries()
 
 
 @pytest.fixture(scope="session")
 def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
     """A started ControlPlane with no scheduler extender, shared by the session."""
-    cp = ControlPlane(paths=control_plane_binaries, keep=os.environ.get("GPUSHARE_KEEP_CLUSTER") == "1")
-    try:
-        cp.start()
-    except ControlPlaneUnavailable as exc:
-        msg = f"Kubernetes control plane failed to start: {exc.reason}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    try:
+    keep = os.environ.get("GPUSHARE_KEEP_CLUSTER") == "1"
+    with system_tools.running_control_plane(control_plane_binaries, keep=keep) as cp:
         yield cp
-    finally:
-        cp.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The whole gpushare stack (services as subprocesses, kubelet stand-ins, simulated nodes) on its own control
 # plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster.
-
-
-def _ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +79,7 @@ async def stack(
     if st.mode != MODE_LOCAL:
         await st.stop()
         msg = f"the stack did not get the local control plane: {st.mode_reason}"
-        if _ci():
+        if system_tools.in_ci():
             pytest.fail(msg)
         pytest.skip(msg)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,23 +12,18 @@ from services.node_agent.agent import RESOURCES, NodeAgent
 from services.node_agent.cli import _kube
 from services.node_agent.discovery import FakeBackend
 from shared.annotations import GPU_MEM_ASSIGNED
-from shared.devcluster import ControlPlane, ControlPlaneUnavailable, ensure_binaries
+from shared.devcluster import ControlPlane
 from shared.devcluster.nodes import create_gpu_node
 from shared.events.catalogue import AllocationPart
 from shared.ledger.reservations import ReservationRequest
 from tests.node_agent.conftest import NODE, Harness
+from tests.system_tools import running_control_plane
 
 
 @pytest.fixture(scope="module")
 def control_plane() -> Iterator[ControlPlane]:
-    try:
-        cp = ControlPlane(paths=ensure_binaries()).start()
-    except ControlPlaneUnavailable as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"Kubernetes control plane unavailable: {exc.reason}")
-        pytest.skip(f"Kubernetes control plane unavailable: {exc.reason}")
-    yield cp
-    cp.stop()
+    with running_control_plane() as cp:
+        yield cp
 
 
 async def test_labels_node_and_marks_pod_assigned(control_plane: ControlPlane, harness: Harness) -> None:

@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from pathlib import Path
 
 import pytest
 
-from shared.devcluster import ControlPlaneUnavailable, Paths, ensure_binaries
+from shared.devcluster import Paths
 from shared.embedded import EmbeddedNats
+from tests import system_tools
 
 
 @pytest.fixture(scope="session")
 def control_plane_binaries() -> Paths:
     """Paths of etcd and the kube binaries; skip (fail under CI=true) with the reason when unavailable."""
-    try:
-        return ensure_binaries()
-    except ControlPlaneUnavailable as exc:
-        msg = f"Kubernetes control plane unavailable: {exc.reason}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    return system_tools.control_plane_binaries()
 
 
 log = logging.getLogger("reliability.stack")
