@@ -18,6 +18,7 @@ import httpx
 from kubernetes_asyncio import client
 
 from bench.common import BenchResult, Context, Target, gather_limited, latency_summary
+from bench.cpu import CpuWindow
 from bench.kube_stack import create_namespace, create_pods, pod_body, whole_stack
 
 NAME = "bind"
@@ -96,9 +97,15 @@ async def run(ctx: Context) -> BenchResult:
         gpu_pods = await create_pods(
             api, gpu_ns, [pod_body(f"g-{i}", gpu_gib=1, scheduler=NOBODY) for i in range(pods)], 20
         )
-        raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods, node_names, concurrency)
-        rate, lat, errors = await pipeline_bindings(api, stack.extender_url, gpu_ns, gpu_pods, node_names, concurrency)
+        with CpuWindow() as raw_cpu:
+            raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods, node_names, concurrency)
+        with CpuWindow() as pipeline_cpu:
+            rate, lat, errors = await pipeline_bindings(
+                api, stack.extender_url, gpu_ns, gpu_pods, node_names, concurrency
+            )
     m = result.metrics
+    m.update(raw_cpu.per_item_ms(pods, "raw"))
+    m.update(pipeline_cpu.per_item_ms(pods, "pipeline"))
     m["raw_bindings_per_s"] = round(raw_rate, 2)
     m["pipeline_pods_per_s"] = round(rate, 2)
     m["ratio_pipeline_vs_raw"] = round(rate / raw_rate, 3)

@@ -12,6 +12,7 @@ import time
 import uuid
 
 from bench.common import BenchResult, Context, Target
+from bench.cpu import CpuWindow
 from bench.kube_stack import create_namespace, create_pods, pod_body, wait_all_bound, whole_stack
 
 NAME = "overhead"
@@ -42,9 +43,13 @@ async def run(ctx: Context) -> BenchResult:
     async with whole_stack(ctx, nodes) as stack:
         api = await stack.api_client()
         timeout = ctx.pick(60.0, 300.0, 900.0)
-        plain = await phase(api, 0, pods, concurrency, timeout)
-        gpu = await phase(api, 1, pods, concurrency, timeout)
+        with CpuWindow() as plain_cpu:
+            plain = await phase(api, 0, pods, concurrency, timeout)
+        with CpuWindow() as gpu_cpu:
+            gpu = await phase(api, 1, pods, concurrency, timeout)
     m = result.metrics
+    m.update(plain_cpu.per_item_ms(pods, "plain"))
+    m.update(gpu_cpu.per_item_ms(pods, "gpu"))
     m["plain_pods_per_s"] = round(plain["pods_per_s"], 2)
     m["gpu_pods_per_s"] = round(gpu["pods_per_s"], 2)
     m["ratio_gpu_vs_plain"] = round(gpu["pods_per_s"] / plain["pods_per_s"], 3)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from typing import Any
 
 from shared.settings import Settings
@@ -13,9 +12,11 @@ from . import inspect_cli
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Entry point of `gpushare accounting`."""
+    from shared.runtime import run_main
+
     from .service import serve
 
-    asyncio.run(serve(settings, host=args.host, port=args.port))
+    run_main(serve(settings, host=args.host, port=args.port))
     return 0
 
 

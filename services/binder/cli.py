@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from shared.settings import Settings
@@ -53,7 +52,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run the binder until SIGTERM / SIGINT."""
-    return asyncio.run(_main(args, settings))
+    from shared.runtime import run_main
+
+    return run_main(_main(args, settings))
 
 
 async def _main(args: argparse.Namespace, settings: Settings) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from shared.placement import Policy
 from shared.settings import Settings
@@ -72,5 +71,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise SystemExit("--bind-timeout and --resync must be positive")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
-    asyncio.run(_serve(args, settings))
+    from shared.runtime import run_main
+
+    run_main(_serve(args, settings))
     return 0

@@ -51,6 +51,7 @@ from shared.placement import (
     score_nodes,
     select_victims,
 )
+from shared.placement.columns import columns_apply, scores_by_name, split_fitting
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -238,27 +239,8 @@ class ExtenderService:
             failed = {name: over for name in args.node_names}
             metrics.NODE_DECISIONS.labels(reason="quota").inc(len(failed))
         else:
-            nodes = self.view.nodes
-            if all(map(nodes.__contains__, args.node_names)):  # C-speed check (`None in` would call NodeView.__eq__)
-                known = list(map(nodes.__getitem__, args.node_names))
-            else:
-                known = []
-                for name in args.node_names:
-                    node = nodes.get(name)
-                    if node is None:
-                        never[name] = NO_INVENTORY
-                    else:
-                        known.append(node)
-            version = self.view.version
-            passed, failed, found_never = filter_nodes(known, demand, self.policy)
-            never.update(found_never)
-            if len(passed) > 1:  # kube-scheduler prioritizes only when more than one node is left
-                self.scores.put(
-                    demand,
-                    version,
-                    self.policy,
-                    dict(score_nodes(list(map(nodes.__getitem__, passed)), demand, self.policy)),
-                )
+            filtered = self._filter_by_columns if columns_apply(demand) else self._filter_by_nodes
+            passed, failed, never = filtered(args.node_names, demand)
             metrics.NODE_DECISIONS.labels(reason="fits").inc(len(passed))
             metrics.NODE_DECISIONS.labels(reason="full").inc(len(failed))
             metrics.NODE_DECISIONS.labels(reason="never_fits").inc(len(never))
@@ -267,6 +249,46 @@ class ExtenderService:
             metrics.REFUSALS.labels(reason=reason).inc()
             await self._refused(demand, over, {**never, **failed})
         return filter_result(args, passed, failed, never)
+
+    def _filter_by_nodes(self, names: list[str], demand: PodDemand) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """(fit, full now, never fit) by the placement core, node by node; keeps the scores for prioritize."""
+        nodes, version = self.view.nodes, self.view.version
+        never: dict[str, str] = {}
+        if all(map(nodes.__contains__, names)):  # C-speed check (`None in` would call NodeView.__eq__)
+            known = list(map(nodes.__getitem__, names))
+        else:
+            known = []
+            for name in names:
+                node = nodes.get(name)
+                if node is None:
+                    never[name] = NO_INVENTORY
+                else:
+                    known.append(node)
+        passed, failed, found_never = filter_nodes(known, demand, self.policy)
+        never.update(found_never)
+        if len(passed) > 1:  # kube-scheduler prioritizes only when more than one node is left
+            scores = scores_by_name(self.view.columns, nodes, passed, demand, self.policy)
+            self.scores.put(demand, version, self.policy, scores)
+        return passed, failed, never
+
+    def _filter_by_columns(
+        self, names: list[str], demand: PodDemand
+    ) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """`_filter_by_nodes` for a one-GPU, memory-only pod, from the view's columns (same answers, C-level loops)."""
+        view, version = self.view, self.view.version
+        passed, rest = split_fitting(view.columns, names, demand.containers[0].memory_mib)
+        failed: dict[str, str] = {}
+        never: dict[str, str] = {}
+        if rest:  # explained node by node (there are usually few)
+            passed_too, failed, never = self._filter_by_nodes(rest, demand)
+            if passed_too:  # cannot happen (same rule); the placement core is the authority
+                log.warning("node columns were stale for %d node(s), e.g. %s", len(passed_too), passed_too[0])
+                passed = [*passed, *passed_too]
+        if len(passed) > 1:
+            self.scores.put(
+                demand, version, self.policy, scores_by_name(view.columns, view.nodes, passed, demand, self.policy)
+            )
+        return passed, failed, never
 
     async def _refused(self, demand: PodDemand, quota_reason: str | None, reasons: dict[str, str]) -> None:
         if self.bus is None or not demand.uid:
@@ -309,7 +331,7 @@ class ExtenderService:
         nodes = self.view.nodes
         scores = self.scores.get(demand, self.view.version, self.policy)
         if scores is None:
-            scores = dict(score_nodes([nodes[n] for n in names if n in nodes], demand, self.policy))
+            scores = scores_by_name(self.view.columns, nodes, names, demand, self.policy)
             return list(zip(names, map(scores.get, names, repeat(0)), strict=True))
         found = list(map(scores.get, names))
         if None in found:  # nodes filter did not pass (or did not see) are scored now
@@ -332,12 +354,18 @@ class ExtenderService:
         if not demand.wants_gpu:
             metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
             return f"pod {args.pod_namespace}/{args.pod_name} asks for no GPU share; gpushare binds only GPU pods"
-        reservation = await self._existing(args.pod_uid)
+        # No read first: `reserve` returns the pod's live reservation when it already has one (a retried bind),
+        # so the common case costs one transaction. Only when the pod no longer fits (its own reservation
+        # may be what fills the node) is the ledger asked before the view is reloaded.
+        reservation: Reservation | None = None
         fresh = False
         last_error = ""
-        for attempt in range(0 if reservation is not None else 3):
+        for attempt in range(3):
             node = self.view.nodes.get(args.node)
             if node is None and attempt == 0:
+                reservation = await self._existing(args.pod_uid)
+                if reservation is not None:
+                    break
                 await self.resync("unknown_node")
                 node = self.view.nodes.get(args.node)
             if node is None:
@@ -347,9 +375,13 @@ class ExtenderService:
                 placement = pick(node, demand, self.policy)
             except NoFit as exc:
                 last_error = exc.reason
-                if attempt == 0 and exc.resolvable:
-                    await self.resync("bind_no_fit")
-                    continue
+                if attempt == 0:
+                    reservation = await self._existing(args.pod_uid)
+                    if reservation is not None:
+                        break
+                    if exc.resolvable:
+                        await self.resync("bind_no_fit")
+                        continue
                 break
             request = ReservationRequest(
                 pod_uid=args.pod_uid,

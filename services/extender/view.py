@@ -34,6 +34,7 @@ from shared.events.catalogue import (
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import gpu_charges
 from shared.placement import GpuView, NodeView
+from shared.placement.columns import NodeColumns
 
 LIVE_STATES = ("reserved", "bound", "assigned")
 _STREAM_ROWS = 2_000  # rows per fetch of the streamed reload (server-side cursor)
@@ -157,6 +158,7 @@ class ClusterView:
 
     def _swap(self, state: _State) -> None:
         self.nodes = state.nodes
+        self.columns = NodeColumns(state.nodes.values())
         self.allocations = state.allocations
         self.quotas = state.quotas
         self._cuda = state.cuda
@@ -284,8 +286,10 @@ class ClusterView:
         self.version += 1
         if node not in self._cuda:
             self.nodes.pop(node, None)
+            self.columns.drop(node)
             return
-        self.nodes[node] = _node_view(self._node_gpus, self._cuda, node)
+        view = self.nodes[node] = _node_view(self._node_gpus, self._cuda, node)
+        self.columns.put(view)
 
     # ---- events --------------------------------------------------------------------------------
     def add_reservation(

@@ -387,17 +387,20 @@ def score_nodes(nodes: Iterable[NodeView], demand: PodDemand, policy: Policy = P
         shape = node.score_key
         score = get(shape)
         if score is None:
-            total = node.healthy_memory_mib
-            if total <= 0:
-                score = 0
-            else:
-                u = (node.healthy_allocated_mib + need) / total
-                u = 1.0 if u > 1.0 else u
-                score = int((10 * u if binpack else 10 * (1 - u)) + 0.5)
+            score = score_value(node.healthy_allocated_mib, node.healthy_memory_mib, need, binpack)
             if shape is not None:
                 cache[shape] = score
         add((node.name, score))
     return out
+
+
+def score_value(allocated_mib: int, total_mib: int, need_mib: int, binpack: bool) -> int:
+    """0..10 from a node's healthy memory in use and in all, after adding `need_mib` (`score_node`'s formula)."""
+    if total_mib <= 0:
+        return 0
+    u = (allocated_mib + need_mib) / total_mib
+    u = 1.0 if u > 1.0 else u
+    return int((10 * u if binpack else 10 * (1 - u)) + 0.5)
 
 
 def pick(
