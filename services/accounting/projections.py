@@ -207,6 +207,18 @@ class Projector:
                     self.on_latency(name, max(seconds, 0.0))
         return result.new
 
+    async def handle_many(self, events: list[Event]) -> int:
+        """Apply several events in one transaction (all or none); returns how many changed something."""
+        async with self.engine.begin() as conn:
+            results = [await apply(conn, event) for event in events]
+        new = [r for r in results if r.new]
+        self.applied += len(new)
+        if self.on_latency is not None:
+            for result in new:
+                for name, seconds in result.latencies:
+                    self.on_latency(name, max(seconds, 0.0))
+        return len(new)
+
 
 async def truncate_projections(conn: AsyncConnection) -> None:
     """Empty the read models and forget which events they applied."""

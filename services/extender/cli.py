@@ -40,7 +40,9 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
     from services.extender.service import ExtenderService
     from shared.runtime import ServiceRuntime
 
-    async with ServiceRuntime("extender", settings) as rt:
+    # kube-scheduler binds many pods at once and each bind holds a connection for its reservation; connections
+    # beyond the pool are closed after use, and opening one costs more than the reservation itself
+    async with ServiceRuntime("extender", settings, pool_size=24) as rt:
         assert rt.engine is not None and rt.ledger is not None
         service = ExtenderService(
             engine=rt.engine,

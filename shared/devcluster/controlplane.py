@@ -287,7 +287,11 @@ class ControlPlane:
         """A new kubernetes_asyncio ApiClient (use ``async with`` or close it)."""
         from kubernetes_asyncio.client import ApiClient
 
-        return ApiClient(configuration=self.client_configuration())
+        from shared.kube.client import skip_environment_lookups
+
+        api = ApiClient(configuration=self.client_configuration())
+        skip_environment_lookups(api)
+        return api
 
     def env(self) -> dict[str, str]:
         """Environment variables pointing clients (kubectl, services) at this cluster."""

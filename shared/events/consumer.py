@@ -22,6 +22,7 @@ from shared.events.catalogue import Event, EventDecodeError, decode_event
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Event], Awaitable[None]]
+BatchHandler = Callable[[list[Event]], Awaitable[None]]
 
 
 class PermanentError(Exception):
@@ -43,6 +44,7 @@ class DurableConsumer:
         batch: int = 64,
         backoff_s: float = 0.5,
         concurrency: int = 1,
+        batch_handler: BatchHandler | None = None,
     ) -> None:
         self.bus = bus
         self.durable = durable
@@ -53,6 +55,7 @@ class DurableConsumer:
         self.batch = batch
         self.backoff_s = backoff_s
         self.concurrency = max(1, concurrency)
+        self.batch_handler = batch_handler if self.concurrency == 1 else None
         self.applied = 0
         self.parked = 0
         self.ready = asyncio.Event()
@@ -109,6 +112,9 @@ class DurableConsumer:
                         continue
                     pending = _num_pending(msgs[-1]) if msgs else 0
                     if self.concurrency == 1:
+                        if self.batch_handler is not None and len(msgs) > 1:
+                            await self.handle_batch(msgs)
+                            continue
                         for msg in msgs:
                             await self.handle_message(msg)
                         continue
@@ -157,6 +163,46 @@ class DurableConsumer:
                 )
 
         return _finished
+
+    async def handle_batch(self, msgs: list[Any]) -> None:
+        """Several messages through `batch_handler` at once (one transaction, say), acked together.
+
+        Undecodable messages are parked and other kinds acked first, as one by one. If the batch handler
+        raises, every message of the batch goes through `handle_message` instead, so one bad event is
+        retried or parked on its own and never holds back the others.
+        """
+        assert self.batch_handler is not None
+        wanted: list[tuple[Any, Event]] = []
+        for msg in msgs:
+            try:
+                event = decode_event(msg.data)
+            except EventDecodeError as exc:
+                await self._park(msg, f"undecodable: {exc}")
+                continue
+            if self.kinds is not None and event.kind not in self.kinds:
+                await msg.ack()
+                continue
+            wanted.append((msg, event))
+        if not wanted:
+            return
+        try:
+            await self.batch_handler([event for _, event in wanted])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info(
+                "consumer %s: a batch of %d failed (%r); handling its messages one by one",
+                self.durable,
+                len(wanted),
+                exc,
+                extra={"consumer": self.durable},
+            )
+            for msg, _ in wanted:
+                await self.handle_message(msg)
+            return
+        for msg, _ in wanted:
+            await msg.ack()
+        self.applied += len(wanted)
 
     async def handle_message(self, msg: Any) -> None:
         """Decode, dispatch, and ack / retry / park one message."""

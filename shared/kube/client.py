@@ -34,4 +34,26 @@ async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     if token:
         configuration.api_key["authorization"] = token
         configuration.api_key["BearerToken"] = token
-    return client.ApiClient(configuration)
+    api = client.ApiClient(configuration)
+    skip_environment_lookups(api)
+    return api
+
+
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "ws_proxy", "wss_proxy")
+
+
+def skip_environment_lookups(api: client.ApiClient) -> None:
+    """Turn off aiohttp's `trust_env` when there is nothing in the environment to trust.
+
+    kubernetes_asyncio always creates its session with `trust_env=True`, which makes aiohttp read ~/.netrc
+    in a worker thread on every request: most of the binder's CPU per binding went there. Proxy variables
+    or a netrc file keep the lookups on.
+    """
+    if any(os.environ.get(v) or os.environ.get(v.upper()) for v in PROXY_VARIABLES):
+        return
+    netrc = os.environ.get("NETRC") or str(Path.home() / ".netrc")
+    if Path(netrc).exists():
+        return
+    session = getattr(getattr(api, "rest_client", None), "pool_manager", None)
+    if session is not None and hasattr(session, "_trust_env"):
+        session._trust_env = False

@@ -170,3 +170,40 @@ async def test_stop_waits_for_handlers_in_flight(bus: EventBus) -> None:
     stop.set()
     await asyncio.wait_for(task, 10)
     assert finished == ["a"] and consumer.applied == 1
+
+
+async def test_a_backlog_is_applied_in_batches_and_a_bad_event_falls_back_to_one_by_one(bus: EventBus) -> None:
+    batches: list[list[str]] = []
+    singles: list[str] = []
+
+    async def one(event) -> None:  # type: ignore[no-untyped-def]
+        if event.namespace == "bad":
+            raise PermanentError("never valid")
+        singles.append(event.namespace)
+
+    async def many(events) -> None:  # type: ignore[no-untyped-def]
+        names = [e.namespace for e in events]
+        if "bad" in names:
+            raise RuntimeError("one event of the batch is bad: the whole batch rolls back")
+        batches.append(names)
+
+    # a backlog published before the consumer starts, with one bad event and one undecodable message in it
+    for i in range(20):
+        await bus.publish(QuotaEvent(namespace=f"ns-{i}", memory_mib=1))
+    await bus.publish_raw(f"{bus.names.prefix}.quota._", b"{not json", "garbage-batch")
+    await bus.publish(QuotaEvent(namespace="bad", memory_mib=1))
+    await bus.publish(HealthEvent(node="n", gpu_uuid="G", healthy=True))  # another kind: acked, not handled
+    for i in range(20, 25):
+        await bus.publish(QuotaEvent(namespace=f"ns-{i}", memory_mib=1))
+    consumer = DurableConsumer(bus, "batched", one, kinds=["quota"], batch=8, batch_handler=many)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    await _until(lambda: consumer.applied == 25 and consumer.parked == 2)
+    stop.set()
+    await task
+    in_batches = [n for b in batches for n in b]
+    assert batches and max(len(b) for b in batches) > 1  # the backlog went through the batch handler
+    assert sorted(in_batches + singles) == sorted(f"ns-{i}" for i in range(25))  # each good event exactly once
+    assert "bad" not in singles and "bad" not in in_batches
+    info = await bus.js.consumer_info(bus.names.stream, "batched")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
