@@ -19,7 +19,7 @@ from kubernetes_asyncio import client
 
 from bench.common import BenchResult, Context, Target, gather_limited, latency_summary
 from bench.cpu import CpuWindow
-from bench.kube_stack import create_namespace, create_pods, pod_body, whole_stack
+from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, whole_stack
 
 NAME = "bind"
 TITLE = "3. Bind pipeline (extender -> ledger -> JetStream -> binder -> Binding) vs raw Binding"
@@ -89,6 +89,7 @@ async def run(ctx: Context) -> BenchResult:
     result.targets += [Target("ratio_pipeline_vs_raw", ">=", 0.7), Target("pipeline_p99_ms", "<=", 100.0)]
     async with whole_stack(ctx, nodes) as stack:
         api = await stack.api_client()
+        await pause_kubelets(stack)
         node_names = list(stack.node_names)
         raw_ns, gpu_ns = f"bench-raw-{uuid.uuid4().hex[:5]}", f"bench-bind-{uuid.uuid4().hex[:5]}"
         for ns in (raw_ns, gpu_ns):
@@ -97,9 +98,9 @@ async def run(ctx: Context) -> BenchResult:
         gpu_pods = await create_pods(
             api, gpu_ns, [pod_body(f"g-{i}", gpu_gib=1, scheduler=NOBODY) for i in range(pods)], 20
         )
-        with CpuWindow() as raw_cpu:
+        with CpuWindow(ctx.server_ports()) as raw_cpu:
             raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods, node_names, concurrency)
-        with CpuWindow() as pipeline_cpu:
+        with CpuWindow(ctx.server_ports()) as pipeline_cpu:
             rate, lat, errors = await pipeline_bindings(
                 api, stack.extender_url, gpu_ns, gpu_pods, node_names, concurrency
             )

@@ -94,6 +94,15 @@ class Context:
             self.cache[key] = (url, await seed_half_full(url, nodes))
         return self.cache[key]
 
+    def server_ports(self) -> list[int]:
+        """The local TCP ports of the PostgreSQL and NATS servers in use (for `bench.cpu.CpuWindow`)."""
+        ports = []
+        for url, default in ((self.database_url, 5432), (self.nats_url, 4222)):
+            parts = urlsplit(url)
+            if parts.hostname in ("127.0.0.1", "localhost", "::1"):
+                ports.append(parts.port or default)
+        return ports
+
     def pick(self, tiny: Any, quick: Any, full: Any) -> Any:
         """The value for this run's profile."""
         return {"tiny": tiny, "quick": quick, "full": full}[self.profile]

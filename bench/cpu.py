@@ -1,13 +1,17 @@
 """CPU seconds spent by each part of the system during a phase, read from /proc (Linux).
 
-Ratios say how fast; this says where the time goes. Processes are grouped by what their command line
-names (extender, binder, kube-apiserver, postgres, ...); the benchmark process itself is `bench`.
+Ratios say how fast; this says where the time goes. Only this benchmark's own processes count: the bench
+process and everything it started (the control plane, the services), plus the PostgreSQL and NATS servers
+it uses (found by their listening port) with their children. Other work on the machine is left out. Each
+process is grouped by what its command line names (extender, binder, kube-apiserver, postgres, ...). A
+process's time includes its reaped children's, so short-lived helpers (PostgreSQL backends) still count.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 GROUPS = (
@@ -24,20 +28,36 @@ GROUPS = (
 )
 
 
+@dataclass(frozen=True)
+class _Proc:
+    pid: int
+    ppid: int
+    command: str
+    cpu_s: float
+
+
 def group_of(command: str, pid: int) -> str:
-    """The part of the system a process belongs to ('bench' for this process, 'other' for the rest)."""
+    """The part of the system a process belongs to ('bench' for this process, 'other' for the rest).
+
+    A service is named by its subcommand (`... services.cli node-agent ...`), anything else by its program
+    (the first word), so flags such as `--accounting-url` do not count.
+    """
     if pid == os.getpid():
         return "bench"
+    words = command.split()
+    if "services.cli" in words:
+        at = words.index("services.cli")
+        return words[at + 1] if at + 1 < len(words) else "other"
+    program = os.path.basename(words[0]) if words else ""
     for name in GROUPS:
-        if name in command:
+        if name in program:
             return name
-    return "other"
+    return "postgres" if program.startswith("postgres") or "postgres:" in command else "other"
 
 
-def cpu_by_group() -> Counter[str]:
-    """CPU seconds (user + system) used so far by each group's live processes."""
+def _processes() -> dict[int, _Proc]:
     ticks = os.sysconf("SC_CLK_TCK")
-    out: Counter[str] = Counter()
+    out: dict[int, _Proc] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -47,29 +67,77 @@ def cpu_by_group() -> Counter[str]:
         except OSError:  # exited meanwhile
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
-        out[group_of(command, int(entry.name))] += (int(fields[11]) + int(fields[12])) / ticks
+        cpu = sum(int(f) for f in fields[11:15]) / ticks  # utime, stime, cutime, cstime
+        pid = int(entry.name)
+        out[pid] = _Proc(pid, int(fields[1]), command, cpu)
+    return out
+
+
+def listener_pids(ports: list[int]) -> list[int]:
+    """PIDs of the processes listening on these TCP ports (IPv4 or IPv6), where /proc lets us see them."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) in ports:  # 0A: LISTEN
+                inodes.add(cols[9])
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = {os.readlink(fd) for fd in (entry / "fd").iterdir()}
+        except OSError:
+            continue
+        if any(f"socket:[{i}]" in links for i in inodes):
+            pids.append(int(entry.name))
+    return pids
+
+
+def cpu_by_group(roots: list[int]) -> Counter[str]:
+    """CPU seconds used so far by the process trees under `roots`, per group."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    seen: set[int] = set()
+    todo = [r for r in roots if r in procs]
+    out: Counter[str] = Counter()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        p = procs[pid]
+        out[group_of(p.command, pid)] += p.cpu_s
+        todo.extend(children.get(pid, ()))
     return out
 
 
 class CpuWindow:
-    """`with CpuWindow() as w: ...` then `w.per_item_ms(n)`: CPU milliseconds per item for each group."""
+    """`with CpuWindow(server_ports) as w: ...` then `w.per_item_ms(n, prefix)`: CPU ms per item per group."""
+
+    def __init__(self, server_ports: list[int] | None = None) -> None:
+        self.roots = [os.getpid(), *listener_pids(server_ports or [])]
 
     def __enter__(self) -> CpuWindow:
-        self.before = cpu_by_group()
+        self.before = cpu_by_group(self.roots)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.after = cpu_by_group()
+        self.after = cpu_by_group(self.roots)
 
     def spent(self) -> dict[str, float]:
-        """CPU seconds per group inside the window (groups whose processes lived throughout)."""
-        return {
-            g: self.after[g] - self.before.get(g, 0.0) for g in self.after if self.after[g] > self.before.get(g, 0.0)
-        }
+        """CPU seconds per group inside the window."""
+        return {g: max(0.0, self.after[g] - self.before.get(g, 0.0)) for g in self.after}
 
     def per_item_ms(self, items: int, prefix: str) -> dict[str, float]:
         """`{prefix}_cpu_ms_per_pod_{group}` for every group that used CPU, plus the total."""
-        spent = self.spent()
+        spent = {g: s for g, s in self.spent().items() if s > 0}
         out = {f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}": round(s * 1000 / items, 2) for g, s in spent.items()}
         out[f"{prefix}_cpu_ms_per_pod_total"] = round(sum(spent.values()) * 1000 / items, 2)
         return out

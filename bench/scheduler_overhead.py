@@ -13,7 +13,7 @@ import uuid
 
 from bench.common import BenchResult, Context, Target
 from bench.cpu import CpuWindow
-from bench.kube_stack import create_namespace, create_pods, pod_body, wait_all_bound, whole_stack
+from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, wait_all_bound, whole_stack
 
 NAME = "overhead"
 TITLE = "1. Scheduler overhead: GPU pods/s (scheduler + extender + binder) vs plain pods/s"
@@ -42,10 +42,11 @@ async def run(ctx: Context) -> BenchResult:
     result.targets.append(Target("ratio_gpu_vs_plain", ">=", 0.8))
     async with whole_stack(ctx, nodes) as stack:
         api = await stack.api_client()
+        await pause_kubelets(stack)
         timeout = ctx.pick(60.0, 300.0, 900.0)
-        with CpuWindow() as plain_cpu:
+        with CpuWindow(ctx.server_ports()) as plain_cpu:
             plain = await phase(api, 0, pods, concurrency, timeout)
-        with CpuWindow() as gpu_cpu:
+        with CpuWindow(ctx.server_ports()) as gpu_cpu:
             gpu = await phase(api, 1, pods, concurrency, timeout)
     m = result.metrics
     m.update(plain_cpu.per_item_ms(pods, "plain"))

@@ -15,6 +15,9 @@ from .tables import CONSUMER
 
 log = logging.getLogger(__name__)
 
+BATCH = 256
+LINGER_S = 0.25
+
 
 def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableConsumer:
     """The durable "accounting" consumer of every event, applying them to the projections."""
@@ -28,9 +31,9 @@ def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableCon
     async def handle_many(events):  # type: ignore[no-untyped-def]
         metrics.events_applied.inc(await projector.handle_many(events))
 
-    # one transaction for whatever has piled up (up to `batch` events): replaying a backlog, or keeping up
-    # with a burst, costs a commit per batch instead of one per event
-    return DurableConsumer(rt.bus, CONSUMER, handle, batch_handler=handle_many, batch=128)
+    # one transaction for whatever arrived within LINGER_S (up to BATCH events): a burst, or a backlog being
+    # replayed, costs a commit per batch instead of one per event; the read models lag by at most LINGER_S
+    return DurableConsumer(rt.bus, CONSUMER, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S)
 
 
 async def serve(settings: Settings, *, host: str, port: int) -> None:

@@ -142,9 +142,10 @@ class ExtenderService:
         """Ready once the view has been loaded."""
         return self.view.loaded
 
-    async def resync(self, reason: str) -> None:
+    async def resync(self, reason: str, *, settle: bool = True) -> None:
         """Reload the view from the ledger. Concurrent callers share one reload: a reload that started
-        after a caller asked already contains every commit the caller could have seen."""
+        after a caller asked already contains every commit the caller could have seen. `settle=False`
+        skips the full garbage collection (for reloads on the bind path; the periodic one settles)."""
         asked = time.monotonic()
         async with self._resync_lock:
             if self._loaded_at >= asked:
@@ -152,7 +153,8 @@ class ExtenderService:
             started = time.monotonic()
             await self.view.reload(self.engine)
             self._loaded_at = started
-            settle_gc()
+            if settle:
+                settle_gc()
         metrics.RESYNCS.labels(reason=reason).inc()
 
     async def _resync_loop(self) -> None:
@@ -366,7 +368,7 @@ class ExtenderService:
                 reservation = await self._existing(args.pod_uid)
                 if reservation is not None:
                     break
-                await self.resync("unknown_node")
+                await self.resync("unknown_node", settle=False)
                 node = self.view.nodes.get(args.node)
             if node is None:
                 metrics.BIND_OUTCOMES.labels(reason="no_fit").inc()
@@ -380,7 +382,7 @@ class ExtenderService:
                     if reservation is not None:
                         break
                     if exc.resolvable:
-                        await self.resync("bind_no_fit")
+                        await self.resync("bind_no_fit", settle=False)
                         continue
                 break
             request = ReservationRequest(
@@ -392,16 +394,25 @@ class ExtenderService:
                 owner_kind=demand.owner_kind,
                 owner_name=demand.owner_name,
             )
+            # Hold the shares in the view while the ledger decides, as kube-scheduler assumes a pod: concurrent
+            # binds then pick around each other instead of racing for the same GPU and reloading on conflict.
+            self.view.add_reservation(
+                request.allocation_id, args.pod_uid, args.pod_namespace, args.pod_name, args.node, placement.parts
+            )
             try:
-                reservation = await self.ledger.reserve(request)
+                try:
+                    reservation = await self.ledger.reserve(request)
+                except BaseException:
+                    self.view.drop(args.pod_uid, request.allocation_id)
+                    raise
                 fresh = reservation.created
                 break
             except QuotaExceeded as exc:
                 metrics.BIND_OUTCOMES.labels(reason="quota").inc()
                 return str(exc)
-            except InsufficientCapacity as exc:
+            except InsufficientCapacity as exc:  # another replica took it, or the view missed an event
                 last_error = str(exc)
-                await self.resync("conflict")
+                await self.resync("conflict", settle=False)
             except ReservationError as exc:
                 last_error = str(exc)
         if reservation is None:

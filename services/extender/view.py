@@ -321,6 +321,12 @@ class ClusterView:
                 g.allocated_compute += c
         self._rebuild(node)
 
+    def drop(self, pod_uid: str, allocation_id: uuid.UUID) -> None:
+        """Uncount this allocation of the pod, if it is the one counted (a hold the ledger refused)."""
+        current = self.allocations.get(pod_uid)
+        if current is not None and current.allocation_id == allocation_id:
+            self._end(current)
+
     def _end(self, alloc: LiveAllocation) -> None:
         self.allocations.pop(alloc.pod_uid, None)
         _unindex(self._node_allocs, self._ns_usage, alloc)

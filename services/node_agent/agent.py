@@ -50,6 +50,7 @@ class AgentConfig:
     usage_interval_s: float = 5.0
     inventory_interval_s: float = 30.0
     view_poll_s: float = 5.0
+    view_min_interval_s: float = 1.0  # reloads coalesce: a burst of events costs one ledger read per interval
     overuse_grace_s: float = 60.0
     evict_overusers: bool = False
     proc_root: Path = Path("/proc")
@@ -288,6 +289,8 @@ class NodeAgent:
                 log.warning("could not read the ledger: %s", exc)
                 continue
             self._update_gpu_metrics()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.config.view_min_interval_s)
 
     def _update_gpu_metrics(self) -> None:
         m, node = self.metrics, self.config.node

@@ -67,13 +67,22 @@ class NodeKubelet:
         self._task = asyncio.create_task(self._loop())
         return self
 
-    async def stop(self) -> None:
-        """Stop watching and stop the stand-in's servers."""
+    async def pause(self) -> None:
+        """Stop admitting pods (the sockets stay up, so device plugins stay registered); `resume` undoes it."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    def resume(self) -> None:
+        """Admit pods again."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop watching and stop the stand-in's servers."""
+        await self.pause()
         await self.standin.stop()
 
     def container_env(self, namespace: str, pod: str, container: str) -> dict[str, str] | None:

@@ -10,6 +10,7 @@ terminated, so it is never looped. Handlers must be idempotent: JetStream delive
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -45,6 +46,7 @@ class DurableConsumer:
         backoff_s: float = 0.5,
         concurrency: int = 1,
         batch_handler: BatchHandler | None = None,
+        linger_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.durable = durable
@@ -56,6 +58,8 @@ class DurableConsumer:
         self.backoff_s = backoff_s
         self.concurrency = max(1, concurrency)
         self.batch_handler = batch_handler if self.concurrency == 1 else None
+        # with a batch handler: wait up to this long for a batch to fill (trades latency for fewer commits)
+        self.linger_s = linger_s if self.batch_handler is not None else 0.0
         self.applied = 0
         self.parked = 0
         self.ready = asyncio.Event()
@@ -103,10 +107,19 @@ class DurableConsumer:
                         continue
                     want = self._want(len(in_flight), pending)
                     try:
-                        # one message: a lingering pull that returns as soon as it arrives; several (only when
-                        # the server said they are waiting): returned at once, the short timeout only bounds
-                        # the rare case where another subscriber took them meanwhile
-                        msgs = await sub.fetch(want, timeout=1.0 if want == 1 else 0.2)
+                        if self.linger_s > 0:
+                            # batches: wait for a first message, give the rest `linger_s` to arrive, take up to
+                            # `batch` (fetch returns what is available at once, so the pause is ours)
+                            msgs = await sub.fetch(self.batch, timeout=1.0)
+                            if len(msgs) < self.batch:
+                                await asyncio.sleep(self.linger_s)
+                                with contextlib.suppress(TimeoutError):
+                                    msgs += await sub.fetch(self.batch - len(msgs), timeout=0.05)
+                        else:
+                            # one message: a lingering pull that returns as soon as it arrives; several (only when
+                            # the server said they are waiting): returned at once, the short timeout only bounds
+                            # the rare case where another subscriber took them meanwhile
+                            msgs = await sub.fetch(want, timeout=1.0 if want == 1 else 0.2)
                     except TimeoutError:  # NATS' TimeoutError subclasses it
                         pending = 0
                         continue
