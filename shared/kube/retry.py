@@ -60,6 +60,15 @@ class RetryPolicy:
         return sum(self.delays()) * (1 + self.jitter)
 
 
+def describe_failure(exc: BaseException) -> str:
+    """`HTTP 429 Too Many Requests` for API errors (their repr shows neither), else the exception's repr."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status:
+        reason = getattr(exc, "reason", None) or ""
+        return f"HTTP {status} {reason}".rstrip()
+    return repr(exc)
+
+
 async def call_with_retry(
     fn: Callable[[], Awaitable[T]],
     *,
@@ -79,7 +88,7 @@ async def call_with_retry(
             hinted = retry_after_s(exc)
             if hinted is not None:
                 delay = min(policy.max_s, max(delay, hinted))
-            log.info("%s failed (%r); retry %d in %.2fs", what, exc, attempt + 1, delay)
+            log.info("%s failed (%s); retry %d in %.2fs", what, describe_failure(exc), attempt + 1, delay)
             if on_retry is not None:
                 on_retry(exc)
             await asyncio.sleep(delay)

@@ -24,7 +24,7 @@ from services.binder.reconcile import (
 from shared.annotations import GPU_MEM_IDX, GPU_MEM_POD
 from shared.kube import pods
 from shared.kube.binding import binding_body
-from shared.kube.retry import RetryPolicy, call_with_retry, is_retryable
+from shared.kube.retry import RetryPolicy, call_with_retry, describe_failure, is_retryable
 from shared.kube.watching import Gone, WatchEvent, parse_line
 from shared.settings import MemoryUnit
 
@@ -113,6 +113,12 @@ def test_retryable_errors() -> None:
     assert is_retryable(aiohttp.ClientConnectionError()) and is_retryable(TimeoutError())
     assert not is_retryable(ApiException(status=409)) and not is_retryable(ValueError())
     assert RetryPolicy(attempts=4, base_s=0.1, max_s=0.3).delays() == [0.1, 0.2, 0.3]
+
+
+def test_retry_logs_name_the_http_status() -> None:
+    assert describe_failure(ApiException(status=429, reason="Too Many Requests")) == "HTTP 429 Too Many Requests"
+    assert describe_failure(ApiException(status=503)) == "HTTP 503"
+    assert describe_failure(TimeoutError("read")) == "TimeoutError('read')"
 
 
 async def test_call_with_retry_retries_transient_then_gives_up() -> None:

@@ -20,6 +20,8 @@ class Profile:
     fuzz_examples: int
     burst_pods: int
     crash_rounds: int
+    throttle_pods: int  # slow / throttling apiserver: pods of the burst (1-2 GiB each; the stack holds 64 GiB)
+    throttle_seconds: float  # ... and how long the apiserver stays slow and throttling (pods arrive in the 1st half)
 
 
 def current() -> Profile:
@@ -35,6 +37,8 @@ def current() -> Profile:
             fuzz_examples=5000,
             burst_pods=400,
             crash_rounds=6,
+            throttle_pods=45,
+            throttle_seconds=120.0,
         )
     return Profile(
         soak=False,
@@ -44,6 +48,8 @@ def current() -> Profile:
         fuzz_examples=150,
         burst_pods=40,
         crash_rounds=1,
+        throttle_pods=30,
+        throttle_seconds=20.0,
     )
 
 
