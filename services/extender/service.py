@@ -8,7 +8,6 @@ import gc
 import logging
 import time
 from collections import OrderedDict
-from itertools import repeat
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -16,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.extender import metrics
 from services.extender.outcomes import BOUND, OutcomeWaiter
-from services.extender.scores import ScoreCache
+from services.extender.scores import NodeScores, ScoreCache
 from services.extender.view import ClusterView
 from services.extender.wire import BindingArgs, ExtenderArgs, PreemptionArgs, filter_result
 from shared.events.bus import EventBus
@@ -48,10 +47,9 @@ from shared.placement import (
     parse_pod,
     pick,
     quota_refusal,
-    score_nodes,
     select_victims,
 )
-from shared.placement.columns import columns_apply, scores_by_name, split_fitting
+from shared.placement.columns import columns_apply, score_list, split_fitting
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -269,7 +267,7 @@ class ExtenderService:
         passed, failed, found_never = filter_nodes(known, demand, self.policy)
         never.update(found_never)
         if len(passed) > 1:  # kube-scheduler prioritizes only when more than one node is left
-            scores = scores_by_name(self.view.columns, nodes, passed, demand, self.policy)
+            scores = NodeScores(passed, score_list(self.view.columns, nodes, passed, demand, self.policy))
             self.scores.put(demand, version, self.policy, scores)
         return passed, failed, never
 
@@ -287,9 +285,8 @@ class ExtenderService:
                 log.warning("node columns were stale for %d node(s), e.g. %s", len(passed_too), passed_too[0])
                 passed = [*passed, *passed_too]
         if len(passed) > 1:
-            self.scores.put(
-                demand, version, self.policy, scores_by_name(view.columns, view.nodes, passed, demand, self.policy)
-            )
+            scores = NodeScores(passed, score_list(view.columns, view.nodes, passed, demand, self.policy))
+            self.scores.put(demand, version, self.policy, scores)
         return passed, failed, never
 
     async def _refused(self, demand: PodDemand, quota_reason: str | None, reasons: dict[str, str]) -> None:
@@ -331,14 +328,14 @@ class ExtenderService:
             return [(n, 0) for n in args.node_names]
         names = args.node_names
         nodes = self.view.nodes
-        scores = self.scores.get(demand, self.view.version, self.policy)
-        if scores is None:
-            scores = scores_by_name(self.view.columns, nodes, names, demand, self.policy)
-            return list(zip(names, map(scores.get, names, repeat(0)), strict=True))
-        found = list(map(scores.get, names))
+        cached = self.scores.get(demand, self.view.version, self.policy)
+        if cached is None:
+            return list(zip(names, score_list(self.view.columns, nodes, names, demand, self.policy), strict=True))
+        found = cached.aligned(names)
         if None in found:  # nodes filter did not pass (or did not see) are scored now
-            more = dict(score_nodes([nodes[n] for n in names if n not in scores and n in nodes], demand, self.policy))
-            found = [more.get(n, 0) if s is None else s for n, s in zip(names, found, strict=True)]
+            missing = [n for n, s in zip(names, found, strict=True) if s is None]
+            more = dict(zip(missing, score_list(self.view.columns, nodes, missing, demand, self.policy), strict=True))
+            found = [more[n] if s is None else s for n, s in zip(names, found, strict=True)]
         return list(zip(names, found, strict=True))
 
     # ---- bind ----------------------------------------------------------------------------------

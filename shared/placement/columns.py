@@ -60,19 +60,20 @@ def split_fitting(columns: NodeColumns, names: Sequence[str], need_mib: int) -> 
     return passed, [n for n, ok in zip(names, fits, strict=True) if not ok]
 
 
-def scores_by_name(
+def score_list(
     columns: NodeColumns,
     nodes: Mapping[str, NodeView],
     names: Sequence[str],
     demand: PodDemand,
     policy: Policy = Policy.BINPACK,
-) -> dict[str, int]:
-    """`score_nodes` for known `names` as {name: score}, computed once per distinct score key."""
+) -> list[int]:
+    """`score_nodes` for `names`, in their order (0 for a name with no node), once per distinct score key."""
     keys = list(map(columns.score_key.get, names))
     distinct = set(keys)
     if None in distinct:  # an unknown name or a key out of range: the per-node path decides
-        return dict(score_nodes([nodes[n] for n in names if n in nodes], demand, policy))
+        scored = dict(score_nodes([nodes[n] for n in names if n in nodes], demand, policy))
+        return [scored.get(n, 0) for n in names]
     need = demand.memory_mib if demand.wants_gpu else 0
     binpack = (demand.hints.policy or policy) is Policy.BINPACK
     table = {k: score_value(k >> _KEY_BITS, k & _TOTAL_MASK, need, binpack) for k in distinct}  # type: ignore[operator]
-    return dict(zip(names, map(table.__getitem__, keys), strict=True))
+    return list(map(table.__getitem__, keys))

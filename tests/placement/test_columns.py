@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from shared.annotations import POLICY
 from shared.placement import GpuView, NodeView, Policy, filter_nodes, parse_pod, score_nodes
-from shared.placement.columns import NodeColumns, columns_apply, scores_by_name, split_fitting
+from shared.placement.columns import NodeColumns, columns_apply, score_list, split_fitting
 from shared.settings import MemoryUnit
 
 gpu_st = st.tuples(st.integers(0, 32), st.integers(0, 32), st.booleans())  # capacity GiB, used GiB, healthy
@@ -59,9 +59,10 @@ def test_columns_filter_and_score_like_the_placement_core(nodes, gib, policy, hi
     assert sorted(rest) == sorted(
         [n for n in names if n not in by_name] + [n for n in names if n in {**failed, **never}]
     )
-    assert scores_by_name(columns, by_name, passed, demand, policy) == dict(
-        score_nodes([by_name[n] for n in passed], demand, policy)
-    )
+    expected = dict(score_nodes([by_name[n] for n in passed], demand, policy))
+    assert score_list(columns, by_name, passed, demand, policy) == [expected[n] for n in passed]
+    scored = dict(score_nodes([by_name[n] for n in names if n in by_name], demand, policy))
+    assert score_list(columns, by_name, names, demand, policy) == [scored.get(n, 0) for n in names]
 
 
 @settings(max_examples=100, deadline=None)
