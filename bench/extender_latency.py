@@ -4,7 +4,7 @@ A real `gpushare extender` subprocess runs against a private database seeded wit
 GPU holds one 8 GiB allocation) and private streams. One client sends what kube-scheduler sends for one
 pod asking 4 GiB (it fits on every node, so prioritize scores them all): filter, then prioritize, one
 after the other, `requests` times; p50 / p99 per verb and for the pair. The in-process decision time of
-the placement core (`filter_nodes` + `score_node` over the same node views) is measured separately.
+the extender's own `filter` + `prioritize` (its view of the same ledger, no HTTP) is measured separately.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import httpx
 
 from bench.common import BenchResult, Context, Target, latency_summary, private_bus
 from bench.stack import node_name, service
-from services.extender.view import ClusterView
+from services.extender.service import ExtenderService
+from services.extender.wire import parse_extender_args
 from shared.ledger.db import make_engine
-from shared.placement import parse_pod, score_node
-from shared.placement.plan import filter_nodes
-from shared.settings import MemoryUnit
+from shared.ledger.ledger import Ledger
 
 NAME = "latency"
 TITLE = "2. Extender filter + prioritize latency over HTTP (NodeNames), half-full cluster"
@@ -37,24 +36,22 @@ def pod(gib: int = 4) -> dict:
     }
 
 
-async def in_process(db_url: str, rounds: int) -> list[float]:
-    """Decision time of the placement core over the extender's own view of the seeded ledger."""
+async def in_process(db_url: str, nodes: int, rounds: int) -> list[float]:
+    """Decision time of the extender's own filter + prioritize (no HTTP) over its view of the seeded ledger."""
     engine = make_engine(db_url, pool_size=2)
     try:
-        view = ClusterView()
-        await view.reload(engine)
+        service = ExtenderService(engine=engine, ledger=Ledger(engine, prefix="unused"), bus=None, kube_enabled=False)
+        await service.resync("bench")
+        args = parse_extender_args({"Pod": pod(), "NodeNames": [node_name(n) for n in range(nodes)], "Nodes": None})
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await service.filter(args)
+            service.prioritize(args)
+            out.append(time.perf_counter() - t0)
+        return out
     finally:
         await engine.dispose()
-    nodes = list(view.nodes.values())
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        demand = parse_pod(pod(), MemoryUnit.GIB)
-        passed, _, _ = filter_nodes(nodes, demand)
-        by_name = view.nodes
-        _ = [score_node(by_name[n], demand) for n in passed]
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 async def measure(ctx: Context, nodes: int, requests: int) -> dict[str, float]:
@@ -90,7 +87,9 @@ async def measure(ctx: Context, nodes: int, requests: int) -> dict[str, float]:
         out.update(latency_summary(f"n{nodes}_filter", filt))
         out.update(latency_summary(f"n{nodes}_prioritize", prio))
         out.update(latency_summary(f"n{nodes}_filter_plus_prioritize", pair))
-        out.update(latency_summary(f"n{nodes}_in_process_decision", await in_process(db_url, max(20, requests // 2))))
+        out.update(
+            latency_summary(f"n{nodes}_in_process_decision", await in_process(db_url, nodes, max(20, requests // 2)))
+        )
     return out
 
 
