@@ -14,11 +14,11 @@ import time
 import uuid
 from typing import Any
 
-import httpx
 from kubernetes_asyncio import client
 
 from bench.common import BenchResult, Context, Target, gather_limited, latency_summary
 from bench.cpu import CpuWindow
+from bench.http_client import LeanClient
 from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, whole_stack
 
 NAME = "bind"
@@ -56,12 +56,13 @@ async def pipeline_bindings(api: Any, url: str, ns: str, pods: list[Any], nodes:
     """Call the extender's bind verb; (pods/s, latencies, errors)."""
     lat: list[float] = []
     errors: list[str] = []
-    async with httpx.AsyncClient(timeout=60.0, limits=httpx.Limits(max_connections=concurrency)) as http:
+    async with LeanClient(url, connections=concurrency) as http:
         # kube-scheduler always filters before it binds; the extender learns the pod from that call
         for i, p in enumerate(pods):
             pod = api.sanitize_for_serialization(p)
-            r = await http.post(f"{url}/filter", json={"Pod": pod, "NodeNames": [nodes[i % len(nodes)]]})
-            r.raise_for_status()
+            status, answer = await http.post_json("/filter", {"Pod": pod, "NodeNames": [nodes[i % len(nodes)]]})
+            if status != 200:
+                raise RuntimeError(f"filter answered {status}: {str(answer)[:300]}")
 
         async def bind(i: int, p: Any) -> None:
             body = {
@@ -70,8 +71,8 @@ async def pipeline_bindings(api: Any, url: str, ns: str, pods: list[Any], nodes:
                 "PodUID": p.metadata.uid,
                 "Node": nodes[i % len(nodes)],
             }
-            r = await http.post(f"{url}/bind", json=body)
-            err = r.json().get("Error") if r.status_code == 200 else r.text
+            status, answer = await http.post_json("/bind", body)
+            err = answer.get("Error") if status == 200 and isinstance(answer, dict) else f"HTTP {status}: {answer}"
             if err:
                 errors.append(str(err)[:200])
 

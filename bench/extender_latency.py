@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
-
 from bench.common import BenchResult, Context, Target, latency_summary, private_bus
+from bench.http_client import LeanClient
 from bench.stack import node_name, service
 from services.extender.service import ExtenderService
 from services.extender.wire import parse_extender_args
@@ -66,19 +65,18 @@ async def measure(ctx: Context, nodes: int, requests: int) -> dict[str, float]:
             "extender", db_url=db_url, nats_url=ctx.nats_url, names=bus.names, work_dir=ctx.work_dir
         ) as ext:
             filt, prio, pair = [], [], []
-            headers = {"Content-Type": "application/json"}
-            async with httpx.AsyncClient(base_url=ext.url, timeout=30.0) as client:
+            async with LeanClient(ext.url) as client:
                 for i in range(requests + 5):
                     t0 = time.perf_counter()
-                    r = await client.post(f"{PREFIX}/filter", content=body, headers=headers)
+                    status_f, answer_f = await client.request("POST", f"{PREFIX}/filter", body)
                     t1 = time.perf_counter()
-                    p = await client.post(f"{PREFIX}/prioritize", content=body, headers=headers)
+                    status_p, answer_p = await client.request("POST", f"{PREFIX}/prioritize", body)
                     t2 = time.perf_counter()
-                    if r.status_code != 200 or p.status_code != 200:
-                        raise RuntimeError(f"extender answered {r.status_code}/{p.status_code}: {r.text[:300]}")
+                    if status_f != 200 or status_p != 200:
+                        raise RuntimeError(f"extender answered {status_f}/{status_p}: {answer_f[:300]!r}")
                     if i == 0:
-                        passed = r.json().get("NodeNames") or []
-                        if len(passed) != nodes or len(p.json()) != nodes:
+                        passed = json.loads(answer_f).get("NodeNames") or []
+                        if len(passed) != nodes or len(json.loads(answer_p)) != nodes:
                             raise RuntimeError(f"expected all {nodes} nodes to fit, filter passed {len(passed)}")
                     if i >= 5:  # warm-up
                         filt.append(t1 - t0)
@@ -103,5 +101,8 @@ async def run(ctx: Context) -> BenchResult:
     big = max(sizes)
     result.targets.append(Target(f"n{big}_filter_p99_ms", "<=", 10.0))
     result.targets.append(Target(f"n{big}_prioritize_p99_ms", "<=", 10.0))
-    result.notes.append("one client, sequential requests; each verb's body names every node (NodeNames mode)")
+    result.notes.append(
+        "one keep-alive client (bench/http_client.py, as lean as a Go client), sequential requests; each verb's "
+        "body names every node (NodeNames mode)"
+    )
     return result
