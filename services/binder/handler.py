@@ -27,6 +27,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from services.binder import reads
 from services.binder.decide import Action, Decision, binding_checks_uid, decide
 from services.binder.metrics import BinderMetrics
+from services.binder.pod_index import PodIndex
 from shared.annotations import binding_annotations
 from shared.events.catalogue import Event, ReservedEvent
 from shared.kube.binding import create_binding
@@ -52,8 +53,10 @@ class BindHandler:
         unit: MemoryUnit,
         metrics: BinderMetrics,
         retry: RetryPolicy = RetryPolicy(),
+        pods: PodIndex | None = None,
     ) -> None:
         self.ledger = ledger
+        self.pods = pods
         self.api = api
         self.unit = unit
         self.metrics = metrics
@@ -95,7 +98,7 @@ class BindHandler:
         uid_checked = await self._binding_checks_uid()
         for _ in range(MAX_CONFLICT_ROUNDS):
             if not uid_checked:  # the API server would bind a same-named replacement: look first
-                decision = await self._read_and_decide(event)
+                decision = await self._seen_or_read_and_decide(event)
                 if decision.action is not Action.BIND:
                     await self._apply(decision, event, started)
                     return
@@ -120,6 +123,16 @@ class BindHandler:
             await self._apply(bind, event, started)
             return
         raise RuntimeError(f"binding {ns}/{name} kept conflicting; will retry on redelivery")
+
+    async def _seen_or_read_and_decide(self, event: ReservedEvent) -> Decision:
+        """Decide from the pod watch when it shows this very pod ready to bind, else from a fresh read."""
+        seen = self.pods.get(event.namespace, event.pod_name) if self.pods is not None else None
+        if seen is not None:
+            decision = decide(state="reserved", pod=seen, pod_uid=event.pod_uid, node=event.node)
+            if decision.action is Action.BIND:
+                self.metrics.pod_reads_saved.inc()
+                return decision
+        return await self._read_and_decide(event)
 
     async def _read_and_decide(self, event: ReservedEvent) -> Decision:
         ns, name = event.namespace, event.pod_name

@@ -17,6 +17,7 @@ from kubernetes_asyncio import client
 from services.binder import reads
 from services.binder.metrics import BinderMetrics
 from services.binder.nudge import CapacityNudger
+from services.binder.pod_index import PodIndex
 from shared.annotations import ALLOCATION, GPU_MEM_IDX
 from shared.kube import pods
 from shared.kube.pods import Pod
@@ -48,8 +49,11 @@ def release_reason(event_type: str, pod: Pod) -> str | None:
 class Lifecycle:
     """Pod and node watches that release allocations and retire nodes."""
 
-    def __init__(self, ledger: Ledger, api: client.ApiClient, *, metrics: BinderMetrics) -> None:
+    def __init__(
+        self, ledger: Ledger, api: client.ApiClient, *, metrics: BinderMetrics, index: PodIndex | None = None
+    ) -> None:
         self.ledger = ledger
+        self.index = index if index is not None else PodIndex()
         self.api = api
         self.metrics = metrics
         self.nudger = CapacityNudger(api)
@@ -62,6 +66,7 @@ class Lifecycle:
         core = client.CoreV1Api(self.api)
         async for event in watch_objects(core.list_pod_for_all_namespaces, what="pods", stop=stop):
             if event.type == SYNCED:
+                self.index.synced()
                 self.pods_synced.set()
                 continue
             try:
@@ -86,6 +91,7 @@ class Lifecycle:
         pod = event.object
         if not is_gpu_pod(pod):
             return 0
+        self.index.update(event.type, pod)
         reason = release_reason(event.type, pod)
         uid = pods.pod_uid(pod)
         if reason is None or not uid or uid in self._released:

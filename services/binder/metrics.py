@@ -28,6 +28,11 @@ class BinderMetrics:
             "Kubernetes API calls retried after 429/5xx/connection errors",
             registry=r,
         )
+        self.pod_reads_saved = Counter(
+            "gpushare_binder_pod_reads_saved_total",
+            "Bindings decided from the pod watch instead of a GET (API servers that ignore the Binding's UID)",
+            registry=r,
+        )
         self.released = Counter(
             "gpushare_binder_released_total",
             "Allocations released because their pod ended, vanished or its node was deleted",

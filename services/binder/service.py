@@ -12,6 +12,7 @@ from kubernetes_asyncio import client
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
 from services.binder.metrics import BinderMetrics
+from services.binder.pod_index import PodIndex
 from services.binder.reconcile import Reconciler
 from shared.events.bus import EventBus
 from shared.events.consumer import DurableConsumer
@@ -42,7 +43,10 @@ class Binder:
     def __init__(self, ledger: Ledger, bus: EventBus, api: client.ApiClient, config: BinderConfig) -> None:
         self.config = config
         self.metrics = BinderMetrics()
-        self.handler = BindHandler(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
+        self.pods = PodIndex()  # fed by the lifecycle's pod watch, read by the handler before binding
+        self.handler = BindHandler(
+            ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods
+        )
         # a redelivery that overlaps a slow first delivery is serialised by the handler and then skipped
         self.consumer = DurableConsumer(
             bus,
@@ -54,7 +58,7 @@ class Binder:
             ack_wait_s=30.0,
             max_deliver=20,
         )
-        self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics)
+        self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
         self.reconciler = Reconciler(
             ledger, api, unit=config.unit, metrics=self.metrics, grace_s=config.reserve_grace_s, rebind=self.handler
         )
