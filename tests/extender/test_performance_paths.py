@@ -53,8 +53,15 @@ def test_encoders_match_fastapi_json_byte_for_byte() -> None:
     expected = JSONResponse([{"Host": h, "Score": s} for h, s in pairs]).body
     assert dump_priorities(pairs) == expected
     assert dump_priorities([]) == b"[]"
+    assert dump_priorities(pairs) == expected  # again, from the rendered rows kept for each host
     value = {"Nodes": None, "NodeNames": ["ü"], "FailedNodes": {"a": "b"}, "Error": ""}
     assert dump_json(value) == JSONResponse(value).body
+    awkward = {
+        "NodeNames": ['q"\\/', "\x00\x1f\x7f\b\f\n\r\t", "\u2028\u00e9\U0001f600", ""],
+        "n": [0, -1, 2**53],
+        "b": True,
+    }
+    assert dump_json(awkward) == JSONResponse(awkward).body
 
 
 def test_node_names_must_all_be_strings() -> None:
