@@ -87,20 +87,35 @@ class Assigner:
                 del self.decisions[key]
         return view
 
-    def claimed(self) -> set[Key]:
-        """Containers already handed a device set (started or not): never handed a second one."""
-        return {d.target for ds in self.decisions.values() for d in ds}
+    def claimed(self, *, started_only: bool = False) -> set[Key]:
+        """Containers already handed a device set (`started_only`: only those kubelet went on to start)."""
+        return {d.target for ds in self.decisions.values() for d in ds if d.confirmed or not started_only}
 
     async def preferred(self, available: list[str], must: list[str], size: int) -> list[str]:
-        """Device IDs on the GPU(s) of the oldest pending container of `size` units."""
+        """Device IDs on the GPU(s) of the oldest pending container of `size` units.
+
+        Containers handed a device set that was never started come last: kubelet drops a device set when
+        the pod's admission fails and asks again, and such a container must not be left without devices.
+        """
         view = await self.containers()
-        return preferred_devices(view, self.claimed(), available, must, size, self.unit)
+        found = preferred_devices(view, self.claimed(), available, must, size, self.unit)
+        return found or preferred_devices(view, self.claimed(started_only=True), available, must, size, self.unit)
 
     async def allocate(self, device_ids: list[str]) -> dict[str, str]:
-        """The env for the container this device set is for; AssignmentError when none matches."""
+        """The env for the container this device set is for; AssignmentError when none matches.
+
+        A container that was handed a device set kubelet never started may be handed another one when no
+        other container matches (see `preferred`); PreStartContainer still checks who really got it.
+        """
         view = await self.containers()
         try:
-            chosen = match_container(view, self.claimed(), device_ids, self.unit)
+            try:
+                chosen = match_container(view, self.claimed(), device_ids, self.unit)
+            except AssignmentError as first:
+                try:
+                    chosen = match_container(view, self.claimed(started_only=True), device_ids, self.unit)
+                except AssignmentError:
+                    raise first from None
         except AssignmentError:
             self.on_outcome("no_match")
             raise

@@ -177,3 +177,22 @@ async def test_agent_restart_between_allocate_and_prestart_still_exact(harness: 
     assert assigned1 and assigned2
     assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(0)
     assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0] == harness.gpu(1)
+
+
+async def test_a_container_whose_first_device_set_was_dropped_gets_another(harness: Harness) -> None:
+    """kubelet dropped a device set (the pod's admission failed after Allocate) and admits the pod again."""
+    pod, alloc = await harness.reserve("dropped", [("main", [(1, 4)])])
+    k = harness.kubelet
+    plugin = k.plugins["aliyun.com/gpu-mem"]
+    first = [f"{harness.gpu(1)}-_-{j}" for j in range(4, 8)]
+    await plugin.stub.Allocate(
+        k.dp_pb2.AllocateRequest(container_requests=[k.dp_pb2.ContainerAllocateRequest(devicesIDs=first)])
+    )  # handed out, never started: kubelet forgot it
+    env = (await k.admit(pod))["main"]  # before: "no container reserved ... pending container sizes: none"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(1)
+    state, gpus, assigned = await harness.ledger_gpus(alloc, "main")
+    assert state == "assigned" and assigned and gpus == [harness.gpu(1)]
+    # a started container is never handed a second device set
+    with pytest.raises(AdmissionError) as err:
+        await k.admit({**pod, "metadata": {**pod["metadata"], "name": "dropped-copy", "uid": "u-copy"}})
+    assert err.value.call == "Allocate" and "no container reserved on this node" in err.value.message
