@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
 
 soak: $(STAMP)
-	GPUSHARE_SOAK=1 $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
+	GPUSHARE_SOAK=1 $(PY) -m pytest tests/reliability tests/security -q -rxX --durations=15 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .gpushare build *.egg-info
