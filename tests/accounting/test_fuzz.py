@@ -7,8 +7,9 @@ import asyncio
 import hypothesis
 import hypothesis.errors
 import schemathesis
-from hypothesis import HealthCheck
 from schemathesis.generation import GenerationMode
+
+from tests.schema_fuzz import live_server_settings
 
 from .conftest import ADMIN_TOKEN, LiveServer, Stack
 
@@ -31,13 +32,7 @@ def _fuzz_operation(
 ) -> int:
     calls = 0
 
-    @hypothesis.settings(
-        max_examples=examples,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @live_server_settings(examples)
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def check(case: schemathesis.Case) -> None:
         nonlocal calls

@@ -3,6 +3,7 @@ wait for them, kill -9 them, restart them, read their logs and memory."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -34,6 +36,24 @@ def run_gpushare(
         capture_output=True,
         text=True,
         timeout=timeout_s,
+    )
+
+
+async def ledger_rebuild(stack: Any, stream: str | None = None) -> subprocess.CompletedProcess:
+    """`gpushare ledger rebuild` against a stack: compares its live ledger with a replay of `stream` (default:
+    the stack's); exit 1 lists the differences."""
+    return await asyncio.to_thread(
+        run_gpushare,
+        "ledger",
+        "rebuild",
+        "--database-url",
+        stack.database_url,
+        "--nats-url",
+        stack.nats_url,
+        "--stream-name",
+        stream or stack.config.stream_name,
+        "--subject-prefix",
+        stack.config.subject_prefix,
     )
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
-from tests.reliability.harness import check_invariants, run_gpushare
+from tests.reliability.harness import check_invariants, ledger_rebuild
 from tests.reliability.profile import PROFILE
 from tests.reliability.test_crash import _record, consumer_backlog
 
@@ -92,19 +92,7 @@ async def test_paused_binder_backlog_flat_memory_and_catch_up(crash_stack) -> No
         after = await consumer_backlog(stack.nats_url, stream, "binder")
     finally:
         await engine.dispose()
-    rebuild = await asyncio.to_thread(
-        run_gpushare,
-        "ledger",
-        "rebuild",
-        "--database-url",
-        stack.database_url,
-        "--nats-url",
-        stack.nats_url,
-        "--stream-name",
-        stream,
-        "--subject-prefix",
-        stack.config.subject_prefix,
-    )
+    rebuild = await ledger_rebuild(stack, stream)
     growth = max(rss) - rss[0]
     peak_backlog = max(p + a for p, a in backlog)
     _record(

@@ -36,7 +36,7 @@ import pytest
 from shared.embedded import EmbeddedPostgres
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
-from tests.reliability.harness import check_invariants, run_gpushare
+from tests.reliability.harness import check_invariants, ledger_rebuild
 from tests.reliability.profile import PROFILE
 
 pytestmark = pytest.mark.e2e
@@ -275,19 +275,7 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
     finally:
         await engine.dispose()
     bound_after_postgres = bound.intersection(created_after_postgres)
-    rebuild = await asyncio.to_thread(  # compares the live ledger with a replay; exit 1 lists the differences
-        run_gpushare,
-        "ledger",
-        "rebuild",
-        "--database-url",
-        stack.database_url,
-        "--nats-url",
-        stack.nats_url,
-        "--stream-name",
-        stack.config.stream_name,
-        "--subject-prefix",
-        stack.config.subject_prefix,
-    )
+    rebuild = await ledger_rebuild(stack)
     _record(
         "crash-burst",
         seed=PROFILE.seed,

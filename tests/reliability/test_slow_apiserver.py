@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
-from tests.reliability.harness import check_invariants, run_gpushare
+from tests.reliability.harness import check_invariants, ledger_rebuild
 from tests.reliability.profile import PROFILE
 from tests.reliability.test_backpressure import error_lines, rss_kib
 from tests.reliability.test_crash import _record, consumer_backlog
@@ -193,19 +193,7 @@ async def test_slow_throttling_apiserver_bounded_binder_and_catch_up(crash_stack
         await proxy.stop()
         phases["proxy_stop_s"] = time.monotonic() - clock
     clock = time.monotonic()
-    rebuild = await asyncio.to_thread(
-        run_gpushare,
-        "ledger",
-        "rebuild",
-        "--database-url",
-        stack.database_url,
-        "--nats-url",
-        stack.nats_url,
-        "--stream-name",
-        stream,
-        "--subject-prefix",
-        stack.config.subject_prefix,
-    )
+    rebuild = await ledger_rebuild(stack, stream)
     phases["rebuild_s"] = time.monotonic() - clock
     retries = metrics_at_end.get("gpushare_binder_kube_retries_total", 0.0)
     outcomes = {k: v for k, v in metrics.items() if k.startswith("gpushare_binder_bindings_total{")}

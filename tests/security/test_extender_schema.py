@@ -19,7 +19,6 @@ import hypothesis
 import hypothesis.errors
 import pytest
 import schemathesis
-from hypothesis import HealthCheck
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.generation import GenerationMode
@@ -34,6 +33,7 @@ from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 from tests.reliability.harness import ServiceProcess
 from tests.reliability.profile import PROFILE
+from tests.schema_fuzz import live_server_settings
 
 PREFIX = "/gpushare-scheduler"
 NODE = "schema-node-0"
@@ -84,13 +84,7 @@ def fuzz_openapi(base_url: str, examples: tuple[tuple[GenerationMode, int], ...]
 def _fuzz_operation(
     operation: schemathesis.APIOperation, mode: GenerationMode, count: int, base_url: str, report: FuzzReport
 ) -> None:
-    @hypothesis.settings(
-        max_examples=count,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @live_server_settings(count)
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def check(case: schemathesis.Case) -> None:
         response = case.call(base_url=base_url, timeout=30)
