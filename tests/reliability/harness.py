@@ -184,6 +184,16 @@ class InvariantReport:
         """True when every invariant holds (waiting loops stop on it)."""
         return not self.problems
 
+    def figures(self) -> dict[str, Any]:
+        """The counts a scenario records beside its own figures (the first 10 problems)."""
+        return {
+            "bound_pods": self.bound_pods,
+            "pending_pods": self.pending_pods,
+            "live_allocations": self.live_allocations,
+            "envs_checked": self.envs_checked,
+            "problems": self.problems[:10],
+        }
+
 
 def env_problems(  # type: ignore[no-untyped-def]
     pod_name: str, alloc_id: str, alloc, envs: dict[str, dict[str, str]] | None, error: str | None = None

@@ -105,11 +105,7 @@ async def test_paused_binder_backlog_flat_memory_and_catch_up(crash_stack) -> No
         binder_backlog=backlog,
         backlog_after=after,
         extender_error_lines=len(errors_while_paused),
-        bound_pods=report.bound_pods,
-        pending_pods=report.pending_pods,
-        live_allocations=report.live_allocations,
-        envs_checked=report.envs_checked,
-        problems=report.problems[:10],
+        **report.figures(),
         rebuild_exit=rebuild.returncode,
         dead_services=stack.check_alive(),
     )

@@ -286,12 +286,8 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
         bound_after_postgres_restart=[len(bound_after_postgres), len(created_after_postgres)],
         seconds=round(time.monotonic() - started, 1),
         gpus=report.gpus,
-        bound_pods=report.bound_pods,
-        pending_pods=report.pending_pods,
-        live_allocations=report.live_allocations,
-        envs_checked=report.envs_checked,
         accounting=accounting,
-        problems=report.problems[:10],
+        **report.figures(),
         rebuild_exit=rebuild.returncode,
         dead_services=dead,
     )
