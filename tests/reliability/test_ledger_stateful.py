@@ -77,6 +77,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.last_seq = 0
         self.pods: list[str] = []
         self.checked_steps = 0
+        # ids from a counter, not uuid4: what a step draws from may depend on their order (`_live` sorts by
+        # id), and hypothesis needs the same choices to lead to the same state when it replays a run
+        self._next_id = 0
 
     async def _truncate(self) -> None:
         async with self.engine.begin() as conn:
@@ -99,6 +102,10 @@ class LedgerMachine(RuleBasedStateMachine):
     def _staged(self) -> int:
         """Feed the model what the last step staged; returns how many events that was."""
         return self.runner.run(self._drain_outbox())
+
+    def _new_id(self) -> uuid.UUID:
+        self._next_id += 1
+        return uuid.UUID(int=self._next_id)
 
     def _live(self) -> list[tuple[uuid.UUID, object]]:
         return [(a_id, a) for a_id, a in sorted(self.model.allocations.items(), key=lambda kv: str(kv[0]))]
@@ -165,7 +172,7 @@ class LedgerMachine(RuleBasedStateMachine):
         multi_gpu: bool,
         with_init: bool,
     ) -> None:
-        pod_uid = data.draw(st.sampled_from(self.pods)) if reuse_pod and self.pods else str(uuid.uuid4())
+        pod_uid = data.draw(st.sampled_from(self.pods)) if reuse_pod and self.pods else str(self._new_id())
         gpu_uuids = [u for u, g in sorted(self.model.gpus.items()) if g.node == node] or [f"GPU-{node}-0"]
         parts: list[AllocationPart] = []
         specs = [(f"c{i}", i, False) for i in range(containers)] + ([("init", 0, True)] if with_init else [])
@@ -186,7 +193,12 @@ class LedgerMachine(RuleBasedStateMachine):
                 )
         expected = self._predict_reserve(pod_uid, namespace, node, parts)
         request = ReservationRequest(
-            pod_uid=pod_uid, namespace=namespace, pod_name=f"pod-{pod_uid[:6]}", node=node, parts=tuple(parts)
+            pod_uid=pod_uid,
+            namespace=namespace,
+            pod_name=f"pod-{pod_uid[-6:]}",
+            node=node,
+            parts=tuple(parts),
+            allocation_id=self._new_id(),
         )
         try:
             result = self.runner.run(self.ledger.reserve(request))
