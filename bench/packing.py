@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from bench.common import BenchResult, Context, Target, latency_summary, median
@@ -113,21 +114,29 @@ class Cluster:
         return sum(1 for v in self.nodes.values() for g in v.gpus if g.allocated_memory_mib == 0)
 
 
-def place_project(cluster: Cluster, a: Arrival, rng: random.Random) -> tuple[str, dict[str, int]] | None:
-    """The project's decision: filter, score, random among the best, pick."""
-    demand = parse_pod(pod_dict(a), MemoryUnit.GIB)
-    best, best_score = [], -1
-    for view in cluster.nodes.values():
-        if not evaluate(view, demand).fits:
+def select_host(
+    nodes: Iterable[NodeView], fits: Callable[[NodeView], bool], score: Callable[[NodeView], int], rng: random.Random
+) -> NodeView | None:
+    """kube-scheduler's selectHost: among the nodes that fit, one of the highest score, ties broken at random."""
+    best: list[NodeView] = []
+    best_score = -1
+    for view in nodes:
+        if not fits(view):
             continue
-        s = score_node(view, demand)
+        s = score(view)
         if s > best_score:
             best, best_score = [view], s
         elif s == best_score:
             best.append(view)
-    if not best:
+    return rng.choice(best) if best else None
+
+
+def place_project(cluster: Cluster, a: Arrival, rng: random.Random) -> tuple[str, dict[str, int]] | None:
+    """The project's decision: filter, score, random among the best, pick."""
+    demand = parse_pod(pod_dict(a), MemoryUnit.GIB)
+    view = select_host(cluster.nodes.values(), lambda v: evaluate(v, demand).fits, lambda v: score_node(v, demand), rng)
+    if view is None:
         return None
-    view = rng.choice(best)
     placement = pick(view, demand)
     per_gpu: dict[str, int] = {}
     for p in placement.parts:
@@ -138,20 +147,20 @@ def place_project(cluster: Cluster, a: Arrival, rng: random.Random) -> tuple[str
 def place_baseline(cluster: Cluster, a: Arrival, rng: random.Random) -> tuple[str, dict[str, int]] | None:
     """gpushare-style: LeastAllocated node spreading on GPU memory, best-fit GPUs on the chosen node."""
     need = a.gib_per_gpu * 1024
-    best, best_score = [], -1
-    for view in cluster.nodes.values():
-        if sum(1 for g in view.gpus if g.free_memory_mib >= need) < a.count:
-            continue
+
+    def least_allocated(view: NodeView) -> int:
         cap = sum(g.memory_mib for g in view.gpus)
         requested = sum(g.allocated_memory_mib for g in view.gpus) + need * a.count
-        s = (cap - requested) * 100 // cap
-        if s > best_score:
-            best, best_score = [view], s
-        elif s == best_score:
-            best.append(view)
-    if not best:
+        return (cap - requested) * 100 // cap
+
+    view = select_host(
+        cluster.nodes.values(),
+        lambda v: sum(1 for g in v.gpus if g.free_memory_mib >= need) >= a.count,
+        least_allocated,
+        rng,
+    )
+    if view is None:
         return None
-    view = rng.choice(best)
     fit = sorted((g for g in view.gpus if g.free_memory_mib >= need), key=lambda g: (g.free_memory_mib, g.index))
     return view.name, {g.uuid: need for g in fit[: a.count]}
 

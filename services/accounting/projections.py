@@ -198,14 +198,7 @@ class Projector:
 
     async def handle(self, event: Event) -> bool:
         """Apply one event (the DurableConsumer acks after this returns); True when it changed something."""
-        async with self.engine.begin() as conn:
-            result = await apply(conn, event)
-        if result.new:
-            self.applied += 1
-            if self.on_latency is not None:
-                for name, seconds in result.latencies:
-                    self.on_latency(name, max(seconds, 0.0))
-        return result.new
+        return await self.handle_many([event]) == 1
 
     async def handle_many(self, events: list[Event]) -> int:
         """Apply several events in one transaction (all or none); returns how many changed something."""

@@ -12,11 +12,11 @@ from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, nodes, quotas
+from shared.ledger.rules import LIVE_STATE_VALUES
 
 from .rightsizing import recommend
 from .tables import pending, timeline
 
-LIVE_STATES = ("reserved", "bound", "assigned")
 STATES = ("reserved", "bound", "assigned", "released", "failed")
 PENDING_STALE_AFTER = timedelta(hours=1)
 
@@ -106,7 +106,7 @@ async def _pending_memory(conn: AsyncConnection) -> dict[str, int]:
         select(allocations.c.node, func.sum(allocation_parts.c.memory_mib))
         .select_from(allocation_parts.join(allocations, allocation_parts.c.allocation_id == allocations.c.id))
         .outerjoin(gpus, and_(gpus.c.uuid == allocation_parts.c.gpu_uuid, gpus.c.retired_at.is_(None)))
-        .where(allocations.c.state.in_(LIVE_STATES), gpus.c.uuid.is_(None))
+        .where(allocations.c.state.in_(LIVE_STATE_VALUES), gpus.c.uuid.is_(None))
         .group_by(allocations.c.node)
     )
     return {r[0]: int(r[1]) for r in rows}
@@ -118,7 +118,7 @@ async def node_detail(conn: AsyncConnection, name: str) -> dict[str, Any] | None
     if not found:
         return None
     node = found[0]
-    live = await _allocations_where(conn, and_(allocations.c.node == name, allocations.c.state.in_(LIVE_STATES)))
+    live = await _allocations_where(conn, and_(allocations.c.node == name, allocations.c.state.in_(LIVE_STATE_VALUES)))
     by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for a in live:
         for p in a["parts"]:
@@ -234,7 +234,7 @@ async def list_allocations(
     if f.node:
         conds.append(allocations.c.node == f.node)
     if f.state == "live":
-        conds.append(allocations.c.state.in_(LIVE_STATES))
+        conds.append(allocations.c.state.in_(LIVE_STATE_VALUES))
     elif f.state:
         conds.append(allocations.c.state == f.state)
     if f.pod:
@@ -294,9 +294,9 @@ async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str
     ).first()
     if not allocs and pend is None:
         return None
-    live = [a for a in allocs if a["state"] in LIVE_STATES]
+    live = [a for a in allocs if a["state"] in LIVE_STATE_VALUES]
     current = live[-1] if live else (allocs[-1] if allocs else None)
-    status = current["state"] if current and current["state"] in LIVE_STATES else ("pending" if pend else None)
+    status = current["state"] if current and current["state"] in LIVE_STATE_VALUES else ("pending" if pend else None)
     if status is None and current is not None:
         status = current["state"]
     return {
@@ -320,7 +320,7 @@ async def list_pending(
     query = select(pending).where(pending.c.refused_at >= cutoff).order_by(pending.c.refused_at.desc())
     if namespace:
         query = query.where(pending.c.namespace == namespace)
-    live = select(allocations.c.pod_uid).where(allocations.c.state.in_(LIVE_STATES))
+    live = select(allocations.c.pod_uid).where(allocations.c.state.in_(LIVE_STATE_VALUES))
     query = query.where(pending.c.pod_uid.not_in(live))
     return [_pending_dict(r) for r in (await conn.execute(query)).all()]
 
@@ -473,7 +473,7 @@ async def namespace_allocated(conn: AsyncConnection) -> dict[str, tuple[int, int
     """Per namespace: memory and compute its live allocations hold."""
     rows = await conn.execute(
         select(allocations.c.namespace, func.sum(allocations.c.memory_mib), func.sum(allocations.c.compute))
-        .where(allocations.c.state.in_(LIVE_STATES))
+        .where(allocations.c.state.in_(LIVE_STATE_VALUES))
         .group_by(allocations.c.namespace)
     )
     return {r[0]: (int(r[1] or 0), int(r[2] or 0)) for r in rows}

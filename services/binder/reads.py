@@ -11,8 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.catalogue import AllocationPart
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row
-
-LIVE = ("reserved", "bound", "assigned")
+from shared.ledger.rules import LIVE_STATE_VALUES
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ async def live_allocations(engine: AsyncEngine) -> list[LiveAllocation]:
                     allocations.c.node,
                     allocations.c.state,
                     allocations.c.reserved_at,
-                ).where(allocations.c.state.in_(LIVE))
+                ).where(allocations.c.state.in_(LIVE_STATE_VALUES))
             )
         ).all()
     return [LiveAllocation(*r) for r in rows]

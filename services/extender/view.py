@@ -32,13 +32,12 @@ from shared.events.catalogue import (
     ReservedEvent,
 )
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
-from shared.ledger.rules import gpu_charges
+from shared.ledger.rules import LIVE_STATE_VALUES, gpu_charges
 from shared.placement import GpuView, NodeView
 from shared.placement.columns import NodeColumns
 
-LIVE_STATES = ("reserved", "bound", "assigned")
 _STREAM_ROWS = 2_000  # rows per fetch of the streamed reload (server-side cursor)
-_STATES = {s: s for s in (*LIVE_STATES, "released", "failed")}
+_STATES = {s: s for s in (*LIVE_STATE_VALUES, "released", "failed")}
 
 Charges = tuple[tuple[str, int, int], ...]  # (gpu uuid, MiB, compute) per GPU, sorted by uuid
 
@@ -243,7 +242,7 @@ class ClusterView:
                 .select_from(
                     allocations.outerjoin(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)
                 )
-                .where(allocations.c.state.in_(LIVE_STATES))
+                .where(allocations.c.state.in_(LIVE_STATE_VALUES))
                 .order_by(allocations.c.id)
             )
             current: Any = None

@@ -71,25 +71,31 @@ async def _simulated_demo(stack: Stack) -> list[tuple[str, str]]:
     return sorted((p.name, p.node or "") for p in placements)
 
 
-async def inspect_output(stack: Stack, *extra: str) -> str:
-    """`gpushare inspect` against the stack's accounting (its stdout, or why it failed)."""
+async def run_inspect(accounting_url: str, *args: str) -> tuple[int, str, str]:
+    """Run `gpushare inspect ARGS` against an accounting service: (exit status, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "services.cli",
         "inspect",
-        *extra,
+        *args,
         "--accounting-url",
-        stack.accounting_url,
+        accounting_url,
         "--log-format",
         "text",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     out, err = await proc.communicate()
-    if proc.returncode != 0:
-        return f"(gpushare inspect failed with {proc.returncode}: {err.decode(errors='replace').strip()[-500:]})"
-    return out.decode(errors="replace")
+    return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+async def inspect_output(stack: Stack, *extra: str) -> str:
+    """`gpushare inspect` against the stack's accounting (its stdout, or why it failed)."""
+    status, out, err = await run_inspect(stack.accounting_url, *extra)
+    if status != 0:
+        return f"(gpushare inspect failed with {status}: {err.strip()[-500:]})"
+    return out
 
 
 def placement_lines(pairs: list[tuple[str, str]]) -> list[str]:

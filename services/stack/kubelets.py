@@ -68,17 +68,12 @@ class NodeKubelet:
         return self
 
     async def pause(self) -> None:
-        """Stop admitting pods (the sockets stay up, so device plugins stay registered); `resume` undoes it."""
+        """Stop admitting pods (the sockets stay up, so device plugins stay registered)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-
-    def resume(self) -> None:
-        """Admit pods again."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
         """Stop watching and stop the stand-in's servers."""

@@ -187,15 +187,9 @@ class DurableConsumer:
         assert self.batch_handler is not None
         wanted: list[tuple[Any, Event]] = []
         for msg in msgs:
-            try:
-                event = decode_event(msg.data)
-            except EventDecodeError as exc:
-                await self._park(msg, f"undecodable: {exc}")
-                continue
-            if self.kinds is not None and event.kind not in self.kinds:
-                await msg.ack()
-                continue
-            wanted.append((msg, event))
+            event = await self._wanted(msg)
+            if event is not None:
+                wanted.append((msg, event))
         if not wanted:
             return
         try:
@@ -217,15 +211,23 @@ class DurableConsumer:
             await msg.ack()
         self.applied += len(wanted)
 
-    async def handle_message(self, msg: Any) -> None:
-        """Decode, dispatch, and ack / retry / park one message."""
+    async def _wanted(self, msg: Any) -> Event | None:
+        """The message's event when this consumer handles it; else None, once it is parked (undecodable) or
+        acked (a kind this consumer does not handle)."""
         try:
             event = decode_event(msg.data)
         except EventDecodeError as exc:
             await self._park(msg, f"undecodable: {exc}")
-            return
+            return None
         if self.kinds is not None and event.kind not in self.kinds:
             await msg.ack()
+            return None
+        return event
+
+    async def handle_message(self, msg: Any) -> None:
+        """Decode, dispatch, and ack / retry / park one message."""
+        event = await self._wanted(msg)
+        if event is None:
             return
         try:
             await self.handler(event)

@@ -31,6 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from shared.events.catalogue import AllocationPart
+from shared.ledger.rules import LIVE_STATE_VALUES
 
 metadata = MetaData(
     naming_convention={
@@ -42,7 +43,7 @@ metadata = MetaData(
     }
 )
 
-LIVE_SQL = "state IN ('reserved', 'bound', 'assigned')"
+LIVE_SQL = "state IN (" + ", ".join(f"'{s}'" for s in LIVE_STATE_VALUES) + ")"
 
 nodes = Table(
     "nodes",
@@ -183,3 +184,18 @@ def part_from_row(row: Any) -> AllocationPart:
         compute=row.compute,
         init=row.init,
     )
+
+
+def part_row(allocation_id: Any, part: AllocationPart, assigned_at: Any = None) -> dict[str, Any]:
+    """The `allocation_parts` row of one part (the inverse of `part_from_row`)."""
+    return {
+        "allocation_id": allocation_id,
+        "container": part.container,
+        "container_index": part.container_index,
+        "init": part.init,
+        "gpu_uuid": part.gpu_uuid,
+        "gpu_index": part.gpu_index,
+        "memory_mib": part.memory_mib,
+        "compute": part.compute,
+        "assigned_at": assigned_at,
+    }

@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, EventDecodeError, decode_event
-from shared.ledger.models import allocation_parts, allocations, gpus, nodes, outbox, part_from_row, quotas
-from shared.ledger.rules import AllocationState
+from shared.ledger.models import allocation_parts, allocations, gpus, nodes, outbox, part_from_row, part_row, quotas
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
 from shared.ledger.state import AllocationRow, GpuRow, LedgerState, NodeRow
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ async def load_state(conn: AsyncConnection) -> LedgerState:
             parts=tuple(part_from_row(p) for p in rows),
             assigned_containers={p.container: p.assigned_at for p in rows if p.assigned_at is not None},
         )
-        if r.state in ("reserved", "bound", "assigned"):
+        if r.state in LIVE_STATE_VALUES:
             state.live_by_pod[r.pod_uid] = r.id
     for r in (await conn.execute(select(quotas))).all():
         state.quotas[r.namespace] = (r.memory_mib, r.compute)
@@ -242,17 +242,7 @@ async def write_state(engine: AsyncEngine, state: LedgerState) -> None:
                 ],
             )
             part_rows = [
-                {
-                    "allocation_id": i,
-                    "container": p.container,
-                    "container_index": p.container_index,
-                    "init": p.init,
-                    "gpu_uuid": p.gpu_uuid,
-                    "gpu_index": p.gpu_index,
-                    "memory_mib": p.memory_mib,
-                    "compute": p.compute,
-                    "assigned_at": a.assigned_containers.get(p.container),
-                }
+                part_row(i, p, a.assigned_containers.get(p.container))
                 for i, a in state.allocations.items()
                 for p in a.parts
             ]

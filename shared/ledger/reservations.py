@@ -18,8 +18,8 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import AllocationPart, ReservedEvent
-from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, part_from_row, quotas
-from shared.ledger.rules import AllocationState, gpu_charges
+from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, part_from_row, part_row, quotas
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState, gpu_charges
 
 
 class ReservationError(Exception):
@@ -84,7 +84,7 @@ async def live_reservation(conn: AsyncConnection, pod_uid: str) -> Reservation |
     row = (
         await conn.execute(
             select(allocations.c.id, allocations.c.node, allocations.c.state).where(
-                and_(allocations.c.pod_uid == pod_uid, allocations.c.state.in_(("reserved", "bound", "assigned")))
+                and_(allocations.c.pod_uid == pod_uid, allocations.c.state.in_(LIVE_STATE_VALUES))
             )
         )
     ).first()
@@ -161,22 +161,7 @@ async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
         if done.first() is None:
             raise InsufficientCapacity(gpu_uuid, await _explain_refusal(conn, event.node, gpu_uuid, memory, compute))
 
-    await conn.execute(
-        insert(allocation_parts),
-        [
-            {
-                "allocation_id": event.allocation_id,
-                "container": p.container,
-                "container_index": p.container_index,
-                "init": p.init,
-                "gpu_uuid": p.gpu_uuid,
-                "gpu_index": p.gpu_index,
-                "memory_mib": p.memory_mib,
-                "compute": p.compute,
-            }
-            for p in event.parts
-        ],
-    )
+    await conn.execute(insert(allocation_parts), [part_row(event.allocation_id, p) for p in event.parts])
     return Reservation(
         event.allocation_id, event.pod_uid, event.node, AllocationState.RESERVED, tuple(event.parts), created=True
     )
@@ -194,7 +179,7 @@ async def _check_quota(conn: AsyncConnection, namespace: str, memory: int, compu
             ).where(
                 and_(
                     allocations.c.namespace == namespace,
-                    allocations.c.state.in_(("reserved", "bound", "assigned")),
+                    allocations.c.state.in_(LIVE_STATE_VALUES),
                 )
             )
         )

@@ -25,6 +25,7 @@ class AllocationState(StrEnum):
 LIVE_STATES: frozenset[AllocationState] = frozenset(
     {AllocationState.RESERVED, AllocationState.BOUND, AllocationState.ASSIGNED}
 )
+LIVE_STATE_VALUES: tuple[str, ...] = ("reserved", "bound", "assigned")  # the same, as SQL sees them
 TERMINAL_STATES: frozenset[AllocationState] = frozenset({AllocationState.RELEASED, AllocationState.FAILED})
 
 _RANK = {

@@ -11,7 +11,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import AssignedEvent, BoundEvent, ExchangedEvent, FailedEvent, ReleasedEvent
 from shared.ledger.models import allocation_parts, allocations, gpus
-from shared.ledger.rules import AllocationState, ExchangeRefused, advances, exchange_plan, gpu_charges, is_live
+from shared.ledger.rules import (
+    LIVE_STATE_VALUES,
+    AllocationState,
+    ExchangeRefused,
+    advances,
+    exchange_plan,
+    gpu_charges,
+    is_live,
+)
 
 TransitionEvent = BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent
 
@@ -87,7 +95,7 @@ async def _give_back(conn: AsyncConnection, allocation_id: uuid.UUID, at: dateti
 async def live_allocation_ids(conn: AsyncConnection, *, node: str | None = None, pod_uid: str | None = None) -> list:
     """Ids (with pod UID and node) of live allocations, optionally on one node or of one pod."""
     query = select(allocations.c.id, allocations.c.pod_uid, allocations.c.node).where(
-        allocations.c.state.in_(("reserved", "bound", "assigned"))
+        allocations.c.state.in_(LIVE_STATE_VALUES)
     )
     if node is not None:
         query = query.where(allocations.c.node == node)

@@ -45,7 +45,7 @@ class NodeColumns:
 
 def columns_apply(demand: PodDemand) -> bool:
     """True when `split_fitting` decides this pod exactly: one container, one GPU, memory only, no hints."""
-    return demand.wants_gpu and demand.simple and demand.containers[0].compute == 0
+    return demand.wants_gpu and demand.memory_only
 
 
 def split_fitting(columns: NodeColumns, names: Sequence[str], need_mib: int) -> tuple[list[str], list[str]]:

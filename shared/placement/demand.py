@@ -89,6 +89,11 @@ class PodDemand:
             and self.hints.min_cuda is None
         )
 
+    @cached_property
+    def memory_only(self) -> bool:
+        """`simple` and asking no compute: whether it fits depends on the freest GPU's memory alone."""
+        return self.simple and self.containers[0].compute == 0
+
 
 def parse_quantity(value: object, what: str) -> int:
     """An extended-resource quantity: a non-negative integer (int or decimal string)."""

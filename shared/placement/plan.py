@@ -331,7 +331,7 @@ def filter_nodes(
     never: dict[str, str] = {}
     if not demand.wants_gpu:
         return [node.name for node in nodes], failed, never
-    if demand.simple and demand.containers[0].compute == 0:
+    if demand.memory_only:
         need = demand.containers[0].memory_mib
         for node in nodes:  # fast path: a node fits iff its freest healthy GPU has the memory
             if node.max_free_memory_mib >= need:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from typing import Any
 
 import asyncpg
@@ -12,6 +11,7 @@ import httpx
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from services.stack.demo_run import run_inspect
 from shared.devcluster.waits import poll
 
 BIND_TIMEOUT = 60.0
@@ -249,20 +249,9 @@ async def set_quota(stack: Any, token: str, namespace: str, memory_gib: int) -> 
 
 async def inspect(stack: Any, *args: str) -> str:
     """Run `gpushare inspect ARGS` against the stack's accounting; returns stdout (asserts exit 0)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.cli",
-        "inspect",
-        *args,
-        "--accounting-url",
-        stack.accounting_url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, f"gpushare inspect {args} exited {proc.returncode}: {err.decode()[-2000:]}"
-    return out.decode()
+    status, out, err = await run_inspect(stack.accounting_url, *args)
+    assert status == 0, f"gpushare inspect {args} exited {status}: {err[-2000:]}"
+    return out
 
 
 def detail_sections(text: str) -> dict[str, dict[str, int]]:
