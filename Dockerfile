@@ -16,8 +16,8 @@ COPY migrations ./migrations
 RUN pip install --upgrade pip && pip install .
 # Compile the kubelet gRPC stubs into the installed package (generated code is never committed); run from /
 # so that the installed copy, not /src, is the one imported and written to.
-RUN cd / && python -m services.node_agent.proto --force \
- && python -c "import services.node_agent.proto.deviceplugin_pb2, services.node_agent.proto.podresources_pb2"
+RUN cd / && python -m shared.kubelet_api --force \
+ && python -c "import shared.kubelet_api.deviceplugin_pb2, shared.kubelet_api.podresources_pb2"
 # Byte-compile once at build time: the root filesystem is read-only at run time.
 RUN python -m compileall -q /opt/gpushare/lib
 

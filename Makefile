@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@echo "installing gpushare and its dependencies into $(VENV) ..."
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
-	@$(PY) -m services.node_agent.proto
+	@$(PY) -m shared.kubelet_api
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("shared.events.bus").setLevel(logging.ERROR)  # reconnect chatter when closing
-    logging.getLogger("services.stack").setLevel(logging.ERROR)  # kubelet stand-ins refusing benchmark pods
+    logging.getLogger("devstack.stack").setLevel(logging.ERROR)  # kubelet stand-ins refusing benchmark pods
     machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="gpushare-bench-") as tmp:
         results = asyncio.run(run_all(args, Path(tmp)))

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from shared.embedded import EmbeddedNats, EmbeddedPostgres, with_database
+from devstack.embedded import EmbeddedNats, EmbeddedPostgres, with_database
 from shared.events.bus import BusNames, EventBus
 
 MACHINE_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -1,4 +1,4 @@
-"""The whole stack on the local control plane for benchmarks 1 and 3 (`services.stack.Stack`)."""
+"""The whole stack on the local control plane for benchmarks 1 and 3 (`devstack.stack.Stack`)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ async def whole_stack(ctx: Context, nodes: int) -> AsyncIterator[Any]:
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
-    from services.stack.stack import MODE_LOCAL, Stack, StackConfig
-    from shared.devcluster import ensure_binaries
+    from devstack.cluster import ensure_binaries
+    from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
 
     paths = await asyncio.to_thread(ensure_binaries)
     names = private_names("k8s")

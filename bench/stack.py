@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.embedded import free_port
+from devstack.embedded import free_port
 from shared.events.bus import BusNames
 from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, ReservedEvent
 from shared.ledger.db import make_engine

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import sys
 from collections.abc import Callable
 
 from shared.logging import configure_logging
+from shared.optional import optional_module
 from shared.settings import Settings
 
 log = logging.getLogger("gpushare")
@@ -24,8 +24,9 @@ SERVICE_CLIS = (
     "services.binder.cli",
     "services.accounting.cli",
     "services.node_agent.cli",
-    "services.stack.cli",
+    "devstack.stack.cli",
 )
+"""Modules that register subcommands; one that is not installed (the local-stack tooling in an image) is left out."""
 
 COMMON_FLAGS = {
     "database_url": "PostgreSQL URL (GPUSHARE_DATABASE_URL)",
@@ -116,13 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_ledger)
 
     for module_name in SERVICE_CLIS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module_name.startswith(exc.name):
-                raise
-            continue
-        module.register(sub, common)
+        module = optional_module(module_name)
+        if module is not None:
+            module.register(sub, common)
     return parser
 
 

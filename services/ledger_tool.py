@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 import time
@@ -10,6 +9,7 @@ import time
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import make_engine
 from shared.ledger.replay import differences, load_state, replay_state, write_state
+from shared.optional import optional_module
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,8 @@ async def rebuild(settings: Settings, *, apply: bool, verify: bool) -> int:
                 file=sys.stderr,
             )
         for module_name in PROJECTION_MODULES:
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError as exc:
-                if exc.name is None or not module_name.startswith(exc.name):
-                    raise
+            module = optional_module(module_name)
+            if module is None:
                 continue
             count = await module.rebuild_projections(engine, bus, _progress(f"rebuilding {module_name}"))
             print(f"{module_name}: rebuilt from {count} events", file=sys.stderr)

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.embedded import EmbeddedNats, EmbeddedPostgres, with_database
+from devstack.embedded import EmbeddedNats, EmbeddedPostgres, with_database
 from shared.events.bus import BusNames, EventBus
 from shared.ledger import migrate
 from shared.ledger.db import make_engine

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from shared.devcluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
+from devstack.cluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
+from devstack.cluster.releases import COMPAT, Release
 
 
 def in_ci() -> bool:
@@ -56,13 +57,19 @@ def ensure_tool(names: tuple[str, ...], package: str) -> str:
     raise AssertionError("unreachable")
 
 
-def control_plane_binaries() -> Paths:
-    """etcd and the Kubernetes 1.20 binaries (built and cached on first use), or skip / fail with the reason."""
+def control_plane_binaries(release: Release | None = None) -> Paths:
+    """etcd and the kube binaries of `release` (default: GPUSHARE_K8S_VERSION, else the current release), built
+    and cached on first use, or skip / fail with the reason."""
     try:
-        return ensure_binaries()
+        return ensure_binaries(release)
     except ControlPlaneUnavailable as exc:
-        unavailable(f"Kubernetes control plane unavailable: {exc.reason}")
+        unavailable(f"Kubernetes {release or 'control plane'} unavailable: {exc.reason}")
         raise
+
+
+def compat_binaries() -> Paths:
+    """etcd and the Kubernetes 1.20 binaries of the compatibility run."""
+    return control_plane_binaries(COMPAT)
 
 
 @contextlib.contextmanager

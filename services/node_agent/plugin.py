@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.node_agent.assignment import AssignmentError
-from services.node_agent.proto import load
+from shared.kubelet_api import load
 
 dp_pb2, dp_grpc = load("deviceplugin")
 log = logging.getLogger(__name__)

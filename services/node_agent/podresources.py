@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from services.node_agent.proto import load
+from shared.kubelet_api import load
 
 pr_pb2, pr_grpc = load("podresources")
 

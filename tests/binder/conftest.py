@@ -16,9 +16,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devstack.cluster import ControlPlane
+from devstack.cluster.nodes import create_gpu_node, delete_node, set_node_status, untaint_not_ready
 from services.binder.service import Binder, BinderConfig
-from shared.devcluster import ControlPlane
-from shared.devcluster.nodes import create_gpu_node, delete_node, set_node_status, untaint_not_ready
 from shared.events.bus import EventBus
 from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent
 from shared.kube.retry import RetryPolicy

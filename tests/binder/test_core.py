@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -199,7 +198,9 @@ def test_adoption_of_gpushare_pods() -> None:
     assert [pods.pod_uid(p) for p in candidates] == ["l"]
 
 
-async def test_capacity_nudger_coalesces_stamps_per_node() -> None:
+async def test_capacity_nudger_coalesces_stamps_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.binder.nudge as nudge
+    from devstack.cluster.waits import poll
     from services.binder.nudge import LABEL, CapacityNudger
 
     patched: list[tuple[str, dict]] = []
@@ -211,27 +212,37 @@ async def test_capacity_nudger_coalesces_stamps_per_node() -> None:
         async def patch_node(self, name: str, body: dict) -> None:
             patched.append((name, body))
 
-    import services.binder.nudge as nudge
+    def stamps(node: str) -> int:
+        return sum(1 for n, _ in patched if n == node)
 
-    real = nudge.client.CoreV1Api
-    nudge.client.CoreV1Api = _Core  # type: ignore[misc,assignment]
-    try:
-        nudger = CapacityNudger(object(), min_interval_s=0.2)  # type: ignore[arg-type]
-        for _ in range(5):
-            nudger.capacity_freed("n1")
-        nudger.capacity_freed("n2")
-        nudger.capacity_freed("")
-        await asyncio.sleep(0.05)
-        assert sorted(n for n, _ in patched) == ["n1", "n2"]
-        assert all(LABEL in body["metadata"]["labels"] for _, body in patched)
+    async def has(node: str, count: int) -> bool:
+        return stamps(node) >= count
+
+    monkeypatch.setattr(nudge.client, "CoreV1Api", _Core)
+    nudger = CapacityNudger(object(), min_interval_s=0.2, settle_s=0.5)  # type: ignore[arg-type]
+    for _ in range(5):
         nudger.capacity_freed("n1")
-        await asyncio.sleep(0.05)
-        assert len(patched) == 2, "a second stamp within min_interval waits"
-        await asyncio.sleep(0.3)
-        assert len(patched) == 3
-        await nudger.close()
-    finally:
-        nudge.client.CoreV1Api = real  # type: ignore[misc]
+    nudger.capacity_freed("n2")
+    nudger.capacity_freed("")
+    await poll(lambda: has("n2", 1), 5, interval=0.01, what="the first stamp on n2")
+    assert stamps("n1") == 1, "five releases at once make one stamp"
+    assert all(LABEL in body["metadata"]["labels"] for _, body in patched)
+    await poll(lambda: has("n1", 2), 5, interval=0.01, what="the follow-up stamp on n1")
+    await poll(lambda: has("n2", 2), 5, interval=0.01, what="the follow-up stamp on n2")
+    await poll(lambda: _done(nudger), 5, interval=0.01, what="the nudger to go idle")
+    assert (stamps("n1"), stamps("n2")) == (2, 2), "one stamp now and one follow-up per release burst"
+
+    # a release during the settle wait earns one more follow-up after it
+    nudger.capacity_freed("n1")
+    await poll(lambda: has("n1", 3), 5, interval=0.01, what="a new stamp on n1")
+    nudger.capacity_freed("n1")
+    await poll(lambda: _done(nudger), 5, interval=0.01, what="the nudger to go idle")
+    assert stamps("n1") == 5
+    await nudger.close()
+
+
+async def _done(nudger: object) -> bool:
+    return not nudger._pending  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from devstack.cluster.controlplane import free_ports
 from shared.annotations import ALLOCATION, parse_allocation
-from shared.devcluster.controlplane import free_ports
 from shared.ledger.models import allocations, outbox
 from tests.binder.conftest import GIB, allocation, gpu_usage, request_for, state_becomes, stream_events, wait_for
 

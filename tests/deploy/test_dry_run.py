@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.devcluster import ControlPlane
+from devstack.cluster import ControlPlane
 from tests.deploy.tools import KUSTOMIZATIONS, NAMESPACE, key
 
 EXPECTED_SKIPS = {"monitoring.coreos.com/v1"}

@@ -44,7 +44,7 @@ def test_slim_non_root_read_only_friendly() -> None:
         assert setting in env
     assert 'ENTRYPOINT ["gpushare"]' in final
     build = " ".join(steps)
-    assert "pip install ." in build and "python -m services.node_agent.proto" in build
+    assert "pip install ." in build and "python -m shared.kubelet_api" in build
 
 
 def test_dockerignore_keeps_the_context_small() -> None:
@@ -86,13 +86,13 @@ def test_wheel_holds_everything_and_protos_compile_into_it(tmp_path: Path) -> No
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         zf.extractall(site)
-    assert "services/node_agent/proto/deviceplugin.proto" in names
+    assert "shared/kubelet_api/deviceplugin.proto" in names
     assert any(n.startswith("migrations/versions/") for n in names)
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
-    compile_ = [sys.executable, "-m", "services.node_agent.proto", "--force"]
+    compile_ = [sys.executable, "-m", "shared.kubelet_api", "--force"]
     proc = subprocess.run(compile_, cwd="/", env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (site / "services/node_agent/proto/deviceplugin_pb2.py").exists()
-    check = "import services.node_agent.proto.deviceplugin_pb2 as m, services.cli as c; print(m.__file__, c.__file__)"
+    assert (site / "shared/kubelet_api/deviceplugin_pb2.py").exists()
+    check = "import shared.kubelet_api.deviceplugin_pb2 as m, services.cli as c; print(m.__file__, c.__file__)"
     proc = subprocess.run([sys.executable, "-c", check], cwd="/", env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.count(str(site)) == 2, proc.stdout + proc.stderr

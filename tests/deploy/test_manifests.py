@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from devstack.embedded import nats_server_binary
 from services.cli import build_parser
-from shared.embedded import nats_server_binary
 from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, find, key, pod_spec, unavailable
 
 # Kinds without a schema in kubernetes-validate (CRDs): checked by hand below.

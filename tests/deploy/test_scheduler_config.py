@@ -1,5 +1,6 @@
-"""The kube-scheduler configurations shipped in k8s/scheduler/: the v1beta1 file and the legacy Policy are
-loaded by a real kube-scheduler 1.20; v1beta3 and v1 carry the same extender stanza."""
+"""The kube-scheduler configurations shipped in k8s/scheduler/: the v1 files (default scheduler and second
+scheduler) are loaded by a real current kube-scheduler, the v1beta1 file and the legacy Policy by a real
+kube-scheduler 1.20; v1beta3 carries the same extender stanza."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.devcluster import ControlPlane, Paths
+from devstack.cluster import ControlPlane, Paths
 from tests.deploy.tools import K8S
 
 SCHEDULER = K8S / "scheduler"
@@ -97,20 +98,44 @@ def _load(binaries: Paths, tmp_path: Path, text: str) -> subprocess.CompletedPro
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
 
 
-def test_kube_scheduler_1_20_loads_the_v1beta1_config(k8s_binaries: Paths, tmp_path: Path) -> None:
-    proc = _load(k8s_binaries, tmp_path, (SCHEDULER / "kube-scheduler-config.v1beta1.yaml").read_text())
+def _assert_loaded(proc: subprocess.CompletedProcess[str], tmp_path: Path) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = yaml.safe_load((tmp_path / "out.yaml").read_text())
     ext = _extender(loaded)
     expected = {k: v for k, v in EXPECTED_EXTENDER.items() if v is not False}  # false is omitted on output
     assert {k: ext.get(k) for k in expected} == expected
     assert ext["httpTimeout"] == "30s"
+    return loaded
 
 
+def test_kube_scheduler_1_20_loads_the_v1beta1_config(k8s_1_20_binaries: Paths, tmp_path: Path) -> None:
+    proc = _load(k8s_1_20_binaries, tmp_path, (SCHEDULER / "kube-scheduler-config.v1beta1.yaml").read_text())
+    _assert_loaded(proc, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["kube-scheduler-config.v1.yaml", "second-scheduler/gpushare-scheduler-config.yaml"])
+def test_current_kube_scheduler_loads_the_v1_configs(k8s_binaries: Paths, tmp_path: Path, name: str) -> None:
+    proc = _load(k8s_binaries, tmp_path, (SCHEDULER / name).read_text())
+    loaded = _assert_loaded(proc, tmp_path)
+    assert loaded["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    wanted = (
+        yaml.safe_load((SCHEDULER / name).read_text())["profiles"][0]["schedulerName"]
+        if "second" in name
+        else ("default-scheduler")
+    )
+    assert [p["schedulerName"] for p in loaded["profiles"]] == [wanted]
+
+
+@pytest.mark.parametrize(
+    ("name", "release"), [("kube-scheduler-config.v1beta1.yaml", "1.20"), ("kube-scheduler-config.v1.yaml", "current")]
+)
 @pytest.mark.parametrize(("old", "new"), [("nodeCacheCapable", "nodeCacheCapabel"), ("30s", "30x")])
-def test_kube_scheduler_rejects_a_broken_config(k8s_binaries: Paths, tmp_path: Path, old: str, new: str) -> None:
-    text = (SCHEDULER / "kube-scheduler-config.v1beta1.yaml").read_text().replace(old, new)
-    proc = _load(k8s_binaries, tmp_path, text)
+def test_kube_scheduler_rejects_a_broken_config(
+    request: pytest.FixtureRequest, tmp_path: Path, name: str, release: str, old: str, new: str
+) -> None:
+    binaries = request.getfixturevalue("k8s_1_20_binaries" if release == "1.20" else "k8s_binaries")
+    text = (SCHEDULER / name).read_text().replace(old, new)
+    proc = _load(binaries, tmp_path, text)
     assert proc.returncode != 0
     assert new in proc.stderr
 
@@ -137,14 +162,14 @@ def _run_with_policy(cp: ControlPlane, binaries: Paths, policy: Path, log: Path)
 
 
 def test_kube_scheduler_1_20_runs_with_the_legacy_policy(
-    apiserver: ControlPlane, k8s_binaries: Paths, tmp_path: Path
+    apiserver_1_20: ControlPlane, k8s_1_20_binaries: Paths, tmp_path: Path
 ) -> None:
     code, log = _run_with_policy(
-        apiserver, k8s_binaries, SCHEDULER / "scheduler-policy-config.json", tmp_path / "good.log"
+        apiserver_1_20, k8s_1_20_binaries, SCHEDULER / "scheduler-policy-config.json", tmp_path / "good.log"
     )
     assert code is None, f"kube-scheduler exited {code}:\n{log[-2000:]}"
     assert "gpushare-scheduler" in log or "Creating scheduler from configuration" in log, log[-2000:]
     broken = tmp_path / "broken.json"
     broken.write_text((SCHEDULER / "scheduler-policy-config.json").read_text().replace("30000000000", '"30s"'))
-    code, log = _run_with_policy(apiserver, k8s_binaries, broken, tmp_path / "broken.log")
+    code, log = _run_with_policy(apiserver_1_20, k8s_1_20_binaries, broken, tmp_path / "broken.log")
     assert code not in (None, 0), f"a broken policy should stop kube-scheduler:\n{log[-2000:]}"

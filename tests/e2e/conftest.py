@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.devcluster import ControlPlane, Paths
+from devstack.cluster import ControlPlane, Paths
 from tests import system_tools
 
 ADMIN_TOKEN = "e2e-admin-token"
@@ -43,8 +43,8 @@ async def stack(
     nats_url: str,
     tmp_path_factory: pytest.TempPathFactory,
 ):
-    """A started `services.stack.Stack` with its own database, stream and control plane (module scope)."""
-    from services.stack.stack import MODE_LOCAL, Stack, StackConfig
+    """A started `devstack.stack.Stack` with its own database, stream and control plane (module scope)."""
+    from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
     from tests.conftest import create_database, drop_database
 
     tag = uuid.uuid4().hex[:8]

@@ -11,8 +11,8 @@ import httpx
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from services.stack.demo_run import run_inspect
-from shared.devcluster.waits import poll
+from devstack.cluster.waits import poll
+from devstack.stack.demo_run import run_inspect
 
 BIND_TIMEOUT = 60.0
 LIVE = ("reserved", "bound", "assigned")

@@ -8,9 +8,9 @@ import uuid
 import pytest
 from kubernetes_asyncio import client
 
-from shared.devcluster import ControlPlane, Paths
-from shared.devcluster.nodes import GPU_COUNT, GPU_MEM, create_gpu_node, delete_node
-from shared.devcluster.waits import wait_for_pod_node, wait_for_pods_bound
+from devstack.cluster import ControlPlane, Paths
+from devstack.cluster.nodes import GPU_COUNT, GPU_MEM, create_gpu_node, delete_node
+from devstack.cluster.waits import wait_for_pod_node, wait_for_pods_bound
 
 pytestmark = pytest.mark.e2e
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.stack import spec
-from services.stack.demo import demo_deployments, demo_pod_count
-from services.stack.simulator import bind_args, filter_args, filter_result, pick_host, pods_of_deployments
+from devstack.stack import spec
+from devstack.stack.demo import demo_deployments, demo_pod_count
+from devstack.stack.simulator import bind_args, filter_args, filter_result, pick_host, pods_of_deployments
 from shared.placement.demand import parse_pod
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.devcluster import Paths
+from devstack.cluster import Paths
 from tests.conftest import create_database, drop_database
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.embedded import free_port
+from devstack.embedded import free_port
 from shared.events.bus import BusNames
 from tests.extender.test_replicas_race import tail
 

@@ -16,9 +16,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devstack.cluster.kubelet import KubeletStandIn
 from services.node_agent.agent import RESOURCES, AgentConfig, NodeAgent
 from services.node_agent.discovery import FakeBackend
-from shared.devcluster.kubelet import KubeletStandIn
 from shared.events.bus import EventBus
 from shared.events.catalogue import AllocationPart
 from shared.ledger.ledger import Ledger

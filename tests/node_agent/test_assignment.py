@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shared.devcluster.kubelet import AdmissionError
+from devstack.cluster.kubelet import AdmissionError
 from tests.node_agent.conftest import Harness
 
 
@@ -106,7 +106,7 @@ async def test_prestart_refuses_a_pod_admitted_in_place_of_a_different_shape(har
     await plugin.stub.Allocate(
         k.dp_pb2.AllocateRequest(container_requests=[k.dp_pb2.ContainerAllocateRequest(devicesIDs=ids)])
     )
-    from shared.devcluster.kubelet import Assignment
+    from devstack.cluster.kubelet import Assignment
 
     k.assignments.append(Assignment("default", "shape-b", "", "main", "aliyun.com/gpu-mem", ids))
     with pytest.raises(AdmissionError) as err:

@@ -15,8 +15,8 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devstack.cluster.kubelet import KubeletStandIn
 from services.node_agent.agent import RESOURCES
-from shared.devcluster.kubelet import KubeletStandIn
 from shared.events.bus import BusNames
 from shared.ledger.models import gpus
 

@@ -132,7 +132,7 @@ def test_overuse_tracker_reports_once_after_grace() -> None:
 
 
 def test_proto_compilation_is_idempotent_and_uses_kubelet_packages() -> None:
-    from services.node_agent.proto import compile_protos, load
+    from shared.kubelet_api import compile_protos, load
 
     assert compile_protos() == []  # already compiled (by import): nothing to do
     dp, dp_grpc = load("deviceplugin")

@@ -1,4 +1,4 @@
-"""Against a real kube-apiserver (shared/devcluster): node labels and the ASSIGNED pod annotation."""
+"""Against a real kube-apiserver (devstack/cluster): node labels and the ASSIGNED pod annotation."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 from kubernetes_asyncio import client
 
+from devstack.cluster import ControlPlane
+from devstack.cluster.nodes import create_gpu_node
 from services.node_agent.agent import RESOURCES, NodeAgent
 from services.node_agent.cli import _kube
 from services.node_agent.discovery import FakeBackend
 from shared.annotations import GPU_MEM_ASSIGNED
-from shared.devcluster import ControlPlane
-from shared.devcluster.nodes import create_gpu_node
 from shared.events.catalogue import AllocationPart
 from shared.ledger.reservations import ReservationRequest
 from tests.node_agent.conftest import NODE, Harness

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.devcluster import Paths
-from shared.embedded import EmbeddedNats
+from devstack.cluster import Paths
+from devstack.embedded import EmbeddedNats
 from tests import system_tools
 
 
@@ -28,7 +28,7 @@ async def crash_stack(control_plane_binaries, tmp_path: Path):  # type: ignore[n
     """The `gpushare up` stack (2 nodes x 2 Tesla-T4 16 GiB, kubelet stand-ins, node agents, extender, binder,
     accounting) on the real control plane, with its own PostgreSQL (restartable) and a NATS server this test
     controls; yields (stack, nats)."""
-    from services.stack.stack import MODE_LOCAL, Stack, StackConfig
+    from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
 
     nats = EmbeddedNats(tmp_path / "nats")
     nats_url = await asyncio.to_thread(nats.start)

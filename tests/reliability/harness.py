@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from shared.embedded import free_port
+from devstack.embedded import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from shared.embedded import EmbeddedPostgres
+from devstack.embedded import EmbeddedPostgres
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
 from tests.reliability.harness import check_invariants, ledger_rebuild

@@ -1,10 +1,10 @@
-"""`python -m services.node_agent.proto [--force]`: compile the kubelet `.proto` files (idempotent)."""
+"""`python -m shared.kubelet_api [--force]`: compile the kubelet `.proto` files (idempotent)."""
 
 from __future__ import annotations
 
 import sys
 
-from services.node_agent.proto import PROTOS, compile_protos
+from shared.kubelet_api import PROTOS, compile_protos
 
 
 def main(argv: list[str]) -> int:

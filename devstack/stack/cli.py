@@ -10,8 +10,8 @@ import os
 import signal
 from pathlib import Path
 
-from services.stack import spec
-from services.stack.stack import MODE_SIMULATOR, Stack, StackConfig
+from devstack.stack import spec
+from devstack.stack.stack import MODE_SIMULATOR, Stack, StackConfig
 from shared.settings import Settings
 
 log = logging.getLogger("gpushare.up")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: bool) -> int:
-    from services.stack.demo_run import inspect_output, placement_lines, run_demo
+    from devstack.stack.demo_run import inspect_output, placement_lines, run_demo
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise here
     stop = asyncio.Event()

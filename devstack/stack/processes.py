@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from services.stack.spec import ServiceCommand
+from devstack.stack.spec import ServiceCommand
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ only on the command-line contract. The kubelet stand-ins (one per simulated node
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import logging
 import shutil
 import socket
@@ -28,9 +28,9 @@ from typing import Any
 
 import asyncpg
 
-from services.stack import spec
-from services.stack.processes import ServiceProcess
-from shared.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database
+from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database
+from devstack.stack import spec
+from devstack.stack.processes import ServiceProcess
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Stack:
         if c.simulate:
             self._use_simulator("asked for with --simulate")
             return
-        from shared.devcluster import ControlPlane, ControlPlaneUnavailable, ExtenderConfig
+        from devstack.cluster import ControlPlane, ControlPlaneUnavailable, ExtenderConfig
 
         cp = ControlPlane(
             extender=ExtenderConfig(url_prefix=self.extender_url, http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s"),
@@ -251,7 +251,7 @@ class Stack:
         from kubernetes_asyncio import client
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        from shared.devcluster.nodes import NodeHeartbeat, create_gpu_node, delete_node
+        from devstack.cluster.nodes import NodeHeartbeat, create_gpu_node, delete_node
 
         api = await self.api_client()
         unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
@@ -308,7 +308,7 @@ class Stack:
         return self._spawn(command)
 
     async def _start_kubelet(self, node: str, dp_dir: Path, pr_socket: Path) -> Any:
-        from services.stack.kubelets import start_kubelet
+        from devstack.stack.kubelets import start_kubelet
 
         return await start_kubelet(await self.api_client(), node, dp_dir, pr_socket)
 
@@ -397,16 +397,27 @@ class Stack:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
+SERVICE_PACKAGES = {
+    "extender": "services.extender",
+    "binder": "services.binder",
+    "accounting": "services.accounting",
+    "node-agent": "services.node_agent",
+    "migrate": "shared.ledger.migrate",
+}
+"""The package behind each `gpushare` subcommand the stack runs."""
+
+
 @functools.cache
 def available_subcommands() -> frozenset[str]:
-    """The `gpushare` subcommands this installation has."""
-    from services.cli import build_parser
+    """The `gpushare` subcommands this installation has (probed without importing the CLI)."""
+    return frozenset(name for name, package in SERVICE_PACKAGES.items() if _installed(package))
 
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return frozenset(action.choices)
-    return frozenset()
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _redact(url: str) -> str:

@@ -35,7 +35,7 @@ KUBELET_SOCKET = "kubelet.sock"
 
 def _protos() -> tuple[Any, Any, Any, Any]:
     # the node agent owns the compiled kubelet protos; they are generated on first import
-    from services.node_agent.proto import load
+    from shared.kubelet_api import load
 
     dp_pb2, dp_grpc = load("deviceplugin")
     pr_pb2, pr_grpc = load("podresources")

@@ -1,4 +1,4 @@
-"""A local Kubernetes 1.20 control plane: etcd, apiserver, controller-manager, scheduler.
+"""A local Kubernetes control plane (the current release, or 1.20): etcd, apiserver, controller-manager, scheduler.
 
 No kubelet and no containers: nodes are simulated through the API (see
 ``nodes.py``), and the real kube-scheduler binds pods to them, optionally
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .binaries import ControlPlaneUnavailable, Paths, Progress, ensure_binaries, stderr_progress
+from .releases import CURRENT, Release
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient, Configuration
@@ -39,7 +40,7 @@ SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 @dataclass
 class ExtenderConfig:
-    """One entry of the scheduler's ``extenders:`` list (v1beta1 field names)."""
+    """One entry of the scheduler's ``extenders:`` list (the same field names from v1beta1 to v1)."""
 
     url_prefix: str
     filter_verb: str | None = "filter"
@@ -92,16 +93,21 @@ def scheduler_config(
     scheduler_name: str = "default-scheduler",
     healthz_address: str | None = None,
     extra: dict[str, Any] | None = None,
+    release: Release = CURRENT,
 ) -> dict[str, Any]:
-    """Build a ``kubescheduler.config.k8s.io/v1beta1`` KubeSchedulerConfiguration."""
+    """Build the KubeSchedulerConfiguration `release` reads (v1 from 1.25, v1beta1 for 1.20).
+
+    `healthz_address` only applies to releases whose configuration still has `healthzBindAddress` (before
+    v1); later ones serve /healthz on `--secure-port`.
+    """
     cfg: dict[str, Any] = {
-        "apiVersion": "kubescheduler.config.k8s.io/v1beta1",
+        "apiVersion": release.scheduler_api_version,
         "kind": "KubeSchedulerConfiguration",
         "clientConnection": {"kubeconfig": str(kubeconfig)},
         "leaderElection": {"leaderElect": False},
         "profiles": [{"schedulerName": scheduler_name}],
     }
-    if healthz_address:
+    if healthz_address and release.has_insecure_port_flags:
         cfg["healthzBindAddress"] = healthz_address
         cfg["metricsBindAddress"] = healthz_address
     ext = _as_extender(extender)
@@ -180,7 +186,7 @@ class ControlPlane:
         if self._started:
             return self
         t0 = time.monotonic()
-        paths = self._paths or ensure_binaries(self.progress)
+        paths = self._paths or ensure_binaries(progress=self.progress)
         self._paths = paths
         if self._work_dir_arg:
             self.work_dir = self._work_dir_arg
@@ -230,6 +236,11 @@ class ControlPlane:
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)
+
+    @property
+    def release(self) -> Release:
+        """The Kubernetes release this control plane runs."""
+        return self._paths.release if self._paths is not None else CURRENT
 
     @property
     def pids(self) -> dict[str, int]:
@@ -432,7 +443,7 @@ class ControlPlane:
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
             f"--secure-port={self._api_port}",
-            "--insecure-port=0",
+            *(["--insecure-port=0"] if self.release.has_insecure_port_flags else []),
             f"--cert-dir={certs}",
             f"--token-auth-file={self.work_dir / 'tokens.csv'}",
             "--authorization-mode=AlwaysAllow",
@@ -470,7 +481,7 @@ class ControlPlane:
             "--use-service-account-credentials=false",
             "--leader-elect=false",
             "--secure-port=0",
-            "--port=0",
+            *(["--port=0"] if self.release.has_insecure_port_flags else []),
             f"--v={self.verbosity}",
         ]
         self._spawn(_Proc("kube-controller-manager", args, self.work_dir / "kube-controller-manager.log"))
@@ -486,12 +497,19 @@ class ControlPlane:
             self.scheduler_name,
             healthz_address=healthz,
             extra=self.scheduler_extra,
+            release=self.release,
         )
         cfg_path = self.work_dir / "kube-scheduler.json"
         cfg_path.write_text(json.dumps(cfg, indent=2))
-        args = [str(self._paths.kube_scheduler), f"--config={cfg_path}", "--secure-port=0", f"--v={self.verbosity}"]
+        args = [str(self._paths.kube_scheduler), f"--config={cfg_path}", f"--v={self.verbosity}"]
+        if self.release.has_insecure_port_flags:
+            args.append("--secure-port=0")
+            healthz_url = f"http://{healthz}/healthz"
+        else:  # /healthz is served on the secure port only, and open to anyone by default
+            args += ["--bind-address=127.0.0.1", f"--secure-port={self._sched_port}"]
+            healthz_url = f"https://{healthz}/healthz"
         self._spawn(_Proc("kube-scheduler", args, self.work_dir / "kube-scheduler.log"))
-        self._wait("kube-scheduler", lambda: self._http_ok(f"http://{healthz}/healthz"), "healthy")
+        self._wait("kube-scheduler", lambda: self._http_ok(healthz_url), "healthy")
         self.progress(
             "kube-scheduler running" + (f" with extender {self.extender.url_prefix}" if self.extender else "")
         )

@@ -8,9 +8,9 @@ import sys
 import time
 from typing import Any
 
-from services.stack.demo import DEMO_NAMESPACE, demo_deployments, demo_pod_count, submit_demo
-from services.stack.simulator import SchedulerSimulator, pods_of_deployments
-from services.stack.stack import MODE_SIMULATOR, Stack
+from devstack.stack.demo import DEMO_NAMESPACE, demo_deployments, demo_pod_count, submit_demo
+from devstack.stack.simulator import SchedulerSimulator, pods_of_deployments
+from devstack.stack.stack import MODE_SIMULATOR, Stack
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The kubelet side of one simulated node: `shared.devcluster.kubelet.KubeletStandIn` plus a pod watch.
+"""The kubelet side of one simulated node: `devstack.cluster.kubelet.KubeletStandIn` plus a pod watch.
 
 `KubeletStandIn` plays kubelet's device-plugin side (Registration on `kubelet.sock`, ListAndWatch, Allocate,
 PreStartContainer, the pod-resources API) but admits only the pods it is handed. `NodeKubelet` hands it the
@@ -48,7 +48,7 @@ class NodeKubelet:
         *,
         interval: float = 0.5,
     ) -> None:
-        from shared.devcluster.kubelet import KubeletStandIn
+        from devstack.cluster.kubelet import KubeletStandIn
 
         self.api = api
         self.node = node
@@ -115,7 +115,7 @@ class NodeKubelet:
             await self._admit(uid, pod)
 
     async def _admit(self, uid: str, pod: dict[str, Any]) -> None:
-        from shared.devcluster.kubelet import AdmissionError
+        from devstack.cluster.kubelet import AdmissionError
 
         meta = pod["metadata"]
         key = (meta["namespace"], meta["name"])

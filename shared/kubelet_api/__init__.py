@@ -2,7 +2,7 @@
 
 `deviceplugin.proto` is kubelet's device plugin API (package `v1beta1`), `podresources.proto` its
 pod-resources API (package `v1`). The generated `*_pb2*.py` modules are build output (not committed):
-`python -m services.node_agent.proto` writes them, and `load()` writes them on the fly when missing or
+`python -m shared.kubelet_api` writes them, and `load()` writes them on the fly when missing or
 older than their `.proto`.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]  # the directory holding the `services` package
+ROOT = HERE.parents[1]  # the directory holding the `shared` package
 PROTOS = ("deviceplugin", "podresources")
 PACKAGE = __name__
 

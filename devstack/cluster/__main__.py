@@ -1,0 +1,5 @@
+"""``python -m devstack.cluster``: build/cache the binaries and print their paths."""
+
+from .binaries import main
+
+raise SystemExit(main())

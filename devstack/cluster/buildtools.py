@@ -1,0 +1,129 @@
+"""What the control-plane builds share: the cache folder, progress lines, commands, apt and a build lock."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+Progress = Callable[[str], None]
+
+
+class ControlPlaneUnavailable(RuntimeError):
+    """The control-plane binaries cannot be obtained on this machine."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def stderr_progress(msg: str) -> None:
+    """Default progress sink: one prefixed line on stderr."""
+    print(f"[devcluster] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """Root of the per-user cache (`GPUSHARE_CACHE_DIR` or ~/.cache/gpushare)."""
+    env = os.environ.get("GPUSHARE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpushare"
+
+
+def executables_ok(bin_dir: Path, names: tuple[str, ...]) -> bool:
+    """True when every one of `names` is a non-empty executable file in `bin_dir`."""
+    for name in names:
+        path = bin_dir / name
+        if not (path.is_file() and path.stat().st_size > 0 and os.access(path, os.X_OK)):
+            return False
+    return True
+
+
+def run(
+    cmd: list[str],
+    progress: Progress,
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    heartbeat: Callable[[float], str] | None = None,
+) -> None:
+    """Run a command; on failure raise ControlPlaneUnavailable with its output tail.
+
+    With `log`, output goes there and `heartbeat(elapsed_s)` (when given) is printed every 30 s, so a long
+    build shows it is alive and how far it got.
+    """
+    progress("$ " + " ".join(cmd))
+    full_env = {**os.environ, **(env or {})}
+    full_env.setdefault("DEBIAN_FRONTEND", "noninteractive")
+    try:
+        if log is not None:
+            with log.open("ab") as fh:
+                proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=fh, stderr=subprocess.STDOUT)
+                done = threading.Event()
+                ticker = threading.Thread(target=_tick, args=(done, heartbeat, progress), daemon=True)
+                if heartbeat is not None:
+                    ticker.start()
+                rc = proc.wait()
+                done.set()
+            tail = log.read_bytes()[-3000:].decode(errors="replace") if rc else ""
+        else:
+            res = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, check=False)
+            rc = res.returncode
+            tail = (res.stdout + res.stderr)[-3000:].decode(errors="replace")
+    except FileNotFoundError as exc:
+        raise ControlPlaneUnavailable(f"command not found: {cmd[0]} ({exc})") from exc
+    if rc != 0:
+        raise ControlPlaneUnavailable(f"command failed (exit {rc}): {' '.join(cmd)}\n{tail}")
+
+
+def _tick(done: threading.Event, heartbeat: Callable[[float], str] | None, progress: Progress) -> None:
+    started = time.monotonic()
+    while heartbeat is not None and not done.wait(30.0):
+        progress(heartbeat(time.monotonic() - started))
+
+
+def can_apt() -> bool:
+    """True when Debian packages can be installed here (root with apt-get)."""
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
+_apt_updated = False
+
+
+def apt_install(pkgs: list[str], progress: Progress) -> None:
+    """Install Debian packages (updating the lists once per process)."""
+    if not can_apt():
+        raise ControlPlaneUnavailable(f"need Debian packages {' '.join(pkgs)} but apt-get is unavailable or not root")
+    apt_update(progress)
+    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *pkgs], progress)
+
+
+def apt_update(progress: Progress, *, force: bool = False) -> None:
+    """`apt-get update`, once per process unless `force`."""
+    global _apt_updated
+    if _apt_updated and not force:
+        return
+    run(["apt-get", "update", "-q"], progress)
+    _apt_updated = True
+
+
+@contextmanager
+def file_lock(path: Path, progress: Progress) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (another process building the same thing waits)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another build holding {path}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
