@@ -35,6 +35,7 @@ class NodeView:
     allocated: dict[int, int]
     pending: int | None
     pods: list[tuple[str, str, dict[int, int], int]] = field(default_factory=list)
+    terminating: list[str] = field(default_factory=list)  # `namespace/name` of holders being deleted
 
     @property
     def total(self) -> int:
@@ -66,6 +67,8 @@ def node_view(node: dict[str, Any], unit: str) -> NodeView:
     index_of = {g["uuid"]: g["index"] for g in gpus}
     seen: dict[str, tuple[str, str, dict[int, int], int]] = {}
     for a in node.get("allocations", []):
+        if a.get("terminating_at"):
+            view.terminating.append(f"{a['namespace']}/{a['pod_name']}")
         per_index: dict[int, int] = {}
         pending = 0
         for p in a["parts"]:
@@ -155,6 +158,8 @@ def details(nodes: list[dict[str, Any]], unit: str) -> str:
         text += rows
         text += f"Allocated :\t{v.used} ({_pct(v.used, v.total)}%)\t\n"
         text += f"Total :\t{v.total} \t\n"
+        if v.terminating:  # not in gpushare's layout: only printed when a holder is being deleted
+            text += f"Terminating (share held until gone): {', '.join(sorted(set(v.terminating)))}\n"  # no tab: no column
         text += "-" * line_len + "\n"
         used_all += v.used
         total_all += v.total

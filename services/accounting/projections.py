@@ -31,6 +31,7 @@ from shared.events.catalogue import (
     RefusedEvent,
     ReleasedEvent,
     ReservedEvent,
+    TerminatingEvent,
     UsageEvent,
 )
 from shared.ledger.idempotency import claim
@@ -42,7 +43,9 @@ from .tables import CONSUMER, pending, timeline
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-PROJECTED_KINDS = frozenset({"reserved", "bound", "assigned", "exchanged", "released", "failed", "usage", "refused"})
+PROJECTED_KINDS = frozenset(
+    {"reserved", "bound", "assigned", "exchanged", "terminating", "released", "failed", "usage", "refused"}
+)
 REBUILD_BATCH = 500
 
 
@@ -115,6 +118,9 @@ async def apply(conn: AsyncConnection, event: Event) -> Applied:
             bound = await _reserved_at(conn, event.allocation_id, "bound")
             if first is None and bound is not None:
                 out.latencies.append(("bound_to_assigned", (event.occurred_at - bound).total_seconds()))
+        case TerminatingEvent():
+            detail = "pod is being deleted; its share stays held until the pod is gone"
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "terminating", detail)
         case ReleasedEvent():
             await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "released", event.reason)
         case FailedEvent():

@@ -132,7 +132,7 @@ async def node_detail(conn: AsyncConnection, name: str) -> dict[str, Any] | None
 
 
 def _brief(a: dict[str, Any]) -> dict[str, Any]:
-    return {k: a[k] for k in ("id", "pod_uid", "namespace", "pod_name", "state")}
+    return {k: a[k] for k in ("id", "pod_uid", "namespace", "pod_name", "state", "terminating_at")}
 
 
 async def cluster_totals(conn: AsyncConnection, unit: str) -> dict[str, Any]:
@@ -175,6 +175,7 @@ def _alloc_dict(r: Any, parts: list[Any]) -> dict[str, Any]:
         "bound_at": _iso(r.bound_at),
         "assigned_at": _iso(r.assigned_at),
         "ended_at": _iso(r.ended_at),
+        "terminating_at": _iso(r.terminating_at),
         "parts": [
             {
                 "container": p.container,
@@ -270,15 +271,44 @@ async def timeline_of(conn: AsyncConnection, allocation_ids: list[uuid.UUID]) ->
     ]
 
 
-def _pending_dict(r: Any) -> dict[str, Any]:
+def _pending_dict(r: Any, holders: list[dict[str, Any]]) -> dict[str, Any]:
+    reasons = dict(r.reasons or {})
     return {
         "pod_uid": r.pod_uid,
         "namespace": r.namespace,
         "pod_name": r.pod_name,
         "summary": r.summary,
-        "reasons": dict(r.reasons or {}),
+        "reasons": reasons,
         "refused_at": _iso(r.refused_at),
+        "terminating_holders": [h for h in holders if h["node"] in reasons],
     }
+
+
+async def terminating_holders(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """Live allocations whose pod is being deleted: they hold their share until the pod is gone."""
+    rows = (
+        await conn.execute(
+            select(
+                allocations.c.namespace,
+                allocations.c.pod_name,
+                allocations.c.node,
+                allocations.c.memory_mib,
+                allocations.c.terminating_at,
+            )
+            .where(allocations.c.state.in_(LIVE_STATE_VALUES), allocations.c.terminating_at.is_not(None))
+            .order_by(allocations.c.terminating_at)
+        )
+    ).all()
+    return [
+        {
+            "namespace": r.namespace,
+            "pod_name": r.pod_name,
+            "node": r.node,
+            "memory_mib": r.memory_mib,
+            "terminating_since": _iso(r.terminating_at),
+        }
+        for r in rows
+    ]
 
 
 async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str, Any] | None:
@@ -294,6 +324,7 @@ async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str
     ).first()
     if not allocs and pend is None:
         return None
+    holders = await terminating_holders(conn) if pend is not None else []
     live = [a for a in allocs if a["state"] in LIVE_STATE_VALUES]
     current = live[-1] if live else (allocs[-1] if allocs else None)
     status = current["state"] if current and current["state"] in LIVE_STATE_VALUES else ("pending" if pend else None)
@@ -307,8 +338,8 @@ async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str
         "allocation": current,
         "allocations": allocs,
         "timeline": await timeline_of(conn, [uuid.UUID(a["id"]) for a in allocs]),
-        "pending": _pending_dict(pend) if pend is not None and status == "pending" else None,
-        "last_refusal": _pending_dict(pend) if pend is not None else None,
+        "pending": _pending_dict(pend, holders) if pend is not None and status == "pending" else None,
+        "last_refusal": _pending_dict(pend, holders) if pend is not None else None,
     }
 
 
@@ -322,7 +353,9 @@ async def list_pending(
         query = query.where(pending.c.namespace == namespace)
     live = select(allocations.c.pod_uid).where(allocations.c.state.in_(LIVE_STATE_VALUES))
     query = query.where(pending.c.pod_uid.not_in(live))
-    return [_pending_dict(r) for r in (await conn.execute(query)).all()]
+    rows = (await conn.execute(query)).all()
+    holders = await terminating_holders(conn) if rows else []
+    return [_pending_dict(r, holders) for r in rows]
 
 
 # ---------------------------------------------------------------- usage and right-sizing

@@ -1,9 +1,14 @@
 """Following pods and nodes: give GPU shares back as soon as a pod ends, retire deleted nodes.
 
+A pod ends when its object is deleted or it reaches phase Succeeded/Failed, never at its deletionTimestamp:
+a terminating pod's containers may hold GPU memory for the whole grace period (or for ever, when the pod is
+stuck Terminating), and kube-scheduler keeps counting it too. Its allocation is only marked terminating
+(`Ledger.mark_terminating`), so that inspect and the pending views can say who holds a GPU on the way out.
+
 Only pods that can hold GPU shares matter (they carry `gpushare.io/allocation` or gpushare's
 `ALIYUN_COM_GPU_MEM_IDX`, or request an `aliyun.com/` resource); all others are dropped before any I/O.
 A release is a no-op in the ledger when the pod has no live allocation, so a repeated event is harmless;
-a small memory of recently released UIDs spares the database the repeats of a terminating pod's updates.
+a small memory of recently released (and marked) UIDs spares the database the repeats of a pod's updates.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ def is_gpu_pod(pod: Pod) -> bool:
 
 
 def release_reason(event_type: str, pod: Pod) -> str | None:
-    """Why a pod's allocation should end now (pure), or None while it lives."""
+    """Why a pod's allocation should end now (pure), or None while its containers may still run.
+
+    A terminating pod (deletionTimestamp set, phase still Pending/Running) keeps its share.
+    """
     if event_type == DELETED:
         return "pod deleted"
     if pods.is_terminated(pod):
         return f"pod {pods.phase(pod).lower()}"
-    if pods.is_terminating(pod):
-        return "pod terminating"
     return None
 
 
@@ -60,6 +66,7 @@ class Lifecycle:
         self.pods_synced = asyncio.Event()
         self.nodes_synced = asyncio.Event()
         self._released: OrderedDict[str, None] = OrderedDict()
+        self._marked: OrderedDict[str, None] = OrderedDict()
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """Follow every pod in the cluster until `stop`."""
@@ -94,10 +101,14 @@ class Lifecycle:
         self.index.update(event.type, pod)
         reason = release_reason(event.type, pod)
         uid = pods.pod_uid(pod)
-        if reason is None or not uid or uid in self._released:
+        if not uid or uid in self._released:
+            return 0
+        if reason is None:
+            if pods.is_terminating(pod) and uid not in self._marked:
+                await self._mark_terminating(pod, uid)
             return 0
         released = await self.ledger.release_pod(uid, reason)
-        self._remember(uid)
+        self._remember(self._released, uid)
         if released:
             self.nudger.capacity_freed(pods.node_name(pod) or "")
             self.metrics.released.labels(reason=reason.replace(" ", "_")).inc(released)
@@ -126,7 +137,19 @@ class Lifecycle:
         )
         return released
 
-    def _remember(self, uid: str) -> None:
-        self._released[uid] = None
-        while len(self._released) > REMEMBERED_RELEASES:
-            self._released.popitem(last=False)
+    async def _mark_terminating(self, pod: Pod, uid: str) -> None:
+        marked = await self.ledger.mark_terminating(uid)
+        self._remember(self._marked, uid)
+        if marked:
+            self.metrics.terminating.inc(marked)
+            log.info(
+                "%s is terminating: its GPU share stays held until the pod is gone",
+                pods.pod_key(pod),
+                extra={"pod": pods.pod_key(pod), "pod_uid": uid, "node": pods.node_name(pod)},
+            )
+
+    @staticmethod
+    def _remember(memory: OrderedDict[str, None], uid: str) -> None:
+        memory[uid] = None
+        while len(memory) > REMEMBERED_RELEASES:
+            memory.popitem(last=False)

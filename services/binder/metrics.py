@@ -39,6 +39,11 @@ class BinderMetrics:
             ["reason"],
             registry=r,
         )
+        self.terminating = Counter(
+            "gpushare_binder_terminating_total",
+            "Allocations whose pod began terminating (the share stays held until the pod is gone)",
+            registry=r,
+        )
         self.adopted = Counter(
             "gpushare_binder_adopted_total",
             "Running pods with allocation annotations imported into the ledger by reconciliation",

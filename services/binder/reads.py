@@ -25,6 +25,7 @@ class LiveAllocation:
     node: str
     state: str
     reserved_at: datetime
+    terminating_at: datetime | None = None
 
 
 async def allocation_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> str | None:
@@ -93,6 +94,7 @@ async def live_allocations(engine: AsyncEngine) -> list[LiveAllocation]:
                     allocations.c.node,
                     allocations.c.state,
                     allocations.c.reserved_at,
+                    allocations.c.terminating_at,
                 ).where(allocations.c.state.in_(LIVE_STATE_VALUES))
             )
         ).all()

@@ -54,7 +54,7 @@ def stale_reservations(
         if a.state == "reserved"
         and (now - a.reserved_at).total_seconds() >= grace_s
         and a.pod_uid in pods_by_uid
-        and not pods.is_finished(pods_by_uid[a.pod_uid])
+        and not pods.is_terminated(pods_by_uid[a.pod_uid])
     ]
 
 
@@ -79,6 +79,7 @@ class ReconcileReport:
     """What one pass did."""
 
     released: int = 0
+    terminating: int = 0
     adopted: int = 0
     rebound: int = 0
     conflicts: list[str] = field(default_factory=list)
@@ -87,7 +88,10 @@ class ReconcileReport:
 def find_orphans(
     live: list[LiveAllocation], pods_by_uid: dict[str, Pod], *, now: datetime, grace_s: float
 ) -> list[Orphan]:
-    """Live allocations to release (pure): pod missing (by UID), terminated or terminating."""
+    """Live allocations to release (pure): pod missing (by UID) or terminated.
+
+    A terminating pod is not an orphan: its containers may still hold the GPU (see `unmarked_terminating`).
+    """
     out = []
     for alloc in live:
         pod = pods_by_uid.get(alloc.pod_uid)
@@ -97,13 +101,24 @@ def find_orphans(
             out.append(Orphan(alloc, "pod no longer exists"))
         elif pods.is_terminated(pod):
             out.append(Orphan(alloc, f"pod {pods.phase(pod).lower()}"))
-        elif pods.is_terminating(pod):
-            out.append(Orphan(alloc, "pod terminating"))
     return out
 
 
+def unmarked_terminating(live: list[LiveAllocation], pods_by_uid: dict[str, Pod]) -> list[LiveAllocation]:
+    """Live allocations whose pod is terminating but which the ledger does not yet mark so (pure)."""
+    return [
+        a
+        for a in live
+        if a.terminating_at is None
+        and a.pod_uid in pods_by_uid
+        and pods.is_terminating(pods_by_uid[a.pod_uid])
+        and not pods.is_terminated(pods_by_uid[a.pod_uid])
+    ]
+
+
 def adoption_candidates(all_pods: list[Pod], live_uids: set[str]) -> list[Pod]:
-    """Bound, live pods carrying allocation annotations that the ledger does not know, oldest first (pure).
+    """Bound pods not yet terminated carrying allocation annotations the ledger does not know, oldest first
+    (pure). Terminating pods are adopted too: their containers may still hold the GPU.
 
     Oldest first: when pods claim more than a GPU holds, the pod that was there first keeps its share.
     """
@@ -112,7 +127,7 @@ def adoption_candidates(all_pods: list[Pod], live_uids: set[str]) -> list[Pod]:
         ann = pods.annotations(pod)
         if not (ALLOCATION in ann or GPU_MEM_IDX in ann):
             continue
-        if not pods.node_name(pod) or pods.is_finished(pod) or pods.pod_uid(pod) in live_uids:
+        if not pods.node_name(pod) or pods.is_terminated(pod) or pods.pod_uid(pod) in live_uids:
             continue
         out.append(pod)
     return sorted(out, key=lambda p: (str(pods.metadata(p).get("creationTimestamp") or ""), pods.pod_key(p)))
@@ -236,6 +251,9 @@ class Reconciler:
                     extra={"namespace": a.namespace, "pod": a.pod_name, "node": a.node, "reason": orphan.reason},
                 )
 
+        for a in unmarked_terminating(live, by_uid):
+            report.terminating += await self.ledger.mark_terminating(a.pod_uid)
+
         if self.rebind is not None:
             for a in stale_reservations(live, by_uid, now=datetime.now(UTC), grace_s=self.grace_s):
                 parts = await reads.reservation_parts(engine, a.id)
@@ -264,8 +282,10 @@ class Reconciler:
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
         log.log(
             logging.ERROR if report.conflicts else logging.INFO,
-            "reconciliation: %d released, %d adopted, %d stale reservation(s) handled, %d conflict(s)",
+            "reconciliation: %d released, %d marked terminating, %d adopted, %d stale reservation(s) handled, "
+            "%d conflict(s)",
             report.released,
+            report.terminating,
             report.adopted,
             report.rebound,
             len(report.conflicts),
@@ -298,6 +318,8 @@ class Reconciler:
         if not result.created:
             return  # the pod got its allocation meanwhile (bound by us since the snapshot)
         await self.ledger.mark_bound(result.allocation_id, result.pod_uid, result.node)
+        if pods.is_terminating(pod):
+            report.terminating += await self.ledger.mark_terminating(result.pod_uid)
         report.adopted += 1
         self.metrics.adopted.inc()
         log.warning(

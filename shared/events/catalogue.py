@@ -150,6 +150,21 @@ class AssignedEvent(_EventBase):
     gpu_uuids: Annotated[list[Name], Field(min_length=1, max_length=64)]
 
 
+class TerminatingEvent(_EventBase):
+    """The pod of a live allocation is being deleted (it has a deletionTimestamp).
+
+    Its containers may hold GPU memory for the whole grace period, or for ever if the pod is stuck
+    Terminating, so the share stays held: only the pod object's deletion or a terminal phase releases it.
+    The event only records when termination began, so that inspect and pending views can say who holds a
+    GPU on the way out.
+    """
+
+    kind: Literal["terminating"] = "terminating"
+    allocation_id: uuid.UUID
+    pod_uid: Name
+    node: Name
+
+
 class ReleasedEvent(_EventBase):
     """An allocation ended (pod deleted, finished, node gone, reconciliation)."""
 
@@ -236,6 +251,7 @@ Event = Annotated[
     | BoundEvent
     | FailedEvent
     | AssignedEvent
+    | TerminatingEvent
     | ReleasedEvent
     | ExchangedEvent
     | UsageEvent
@@ -252,6 +268,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "bound",
     "failed",
     "assigned",
+    "terminating",
     "released",
     "exchanged",
     "usage",

@@ -54,13 +54,13 @@ def is_terminated(pod: Pod) -> bool:
 
 
 def is_terminating(pod: Pod) -> bool:
-    """The pod has a deletionTimestamp: it is on its way out."""
+    """The pod has a deletionTimestamp: it is on its way out, but its containers may still run.
+
+    A terminating pod keeps every resource it holds until its object is gone or it reaches a terminal
+    phase, exactly as kube-scheduler keeps counting it: its processes may hold GPU memory for the whole
+    grace period, or for ever when the pod is stuck Terminating.
+    """
     return bool(metadata(pod).get("deletionTimestamp"))
-
-
-def is_finished(pod: Pod) -> bool:
-    """Terminated or terminating: resources it holds should be given back."""
-    return is_terminated(pod) or is_terminating(pod)
 
 
 def owner(pod: Pod) -> tuple[str, str]:

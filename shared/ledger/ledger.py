@@ -24,6 +24,7 @@ from shared.events.catalogue import (
     QuotaEvent,
     ReleasedEvent,
     ReservedEvent,
+    TerminatingEvent,
 )
 from shared.ledger import inventory, outbox, quotas, reservations, transitions
 from shared.ledger.reservations import Reservation, ReservationRequest
@@ -41,6 +42,7 @@ LedgerEvent = (
     | ReleasedEvent
     | FailedEvent
     | ExchangedEvent
+    | TerminatingEvent
 )
 
 
@@ -53,6 +55,8 @@ async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
             return await transitions.apply_transition(conn, event)
         case ExchangedEvent():
             return await transitions.apply_exchange(conn, event)
+        case TerminatingEvent():
+            return await transitions.apply_terminating(conn, event)
         case InventoryEvent():
             return await inventory.apply_inventory(conn, event)
         case HealthEvent():
@@ -175,6 +179,20 @@ class Ledger:
         async with self.engine.connect() as conn:
             rows = await transitions.live_allocation_ids(conn, pod_uid=pod_uid)
         return sum([await self.release(r.id, r.pod_uid, r.node, reason) for r in rows])
+
+    async def mark_terminating(self, pod_uid: str) -> int:
+        """Record that a pod began terminating; its shares stay held. Returns how many allocations were marked.
+
+        A pod marked before is not marked again (no event), so repeated pod updates cost one read.
+        """
+        async with self.engine.connect() as conn:
+            rows = await transitions.live_allocation_ids(conn, pod_uid=pod_uid)
+        events = [
+            TerminatingEvent(allocation_id=r.id, pod_uid=r.pod_uid, node=r.node, source=self.source)
+            for r in rows
+            if r.terminating_at is None
+        ]
+        return sum([bool(await self.record(event)) for event in events])
 
     async def retire_node(self, node: str, reason: str = "node deleted") -> int:
         """Release a node's allocations and retire its GPUs; returns how many allocations ended."""

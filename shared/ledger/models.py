@@ -99,6 +99,7 @@ allocations = Table(
     Column("bound_at", DateTime(timezone=True)),
     Column("assigned_at", DateTime(timezone=True)),
     Column("ended_at", DateTime(timezone=True)),
+    Column("terminating_at", DateTime(timezone=True)),  # the pod got a deletionTimestamp; the share stays held
     CheckConstraint("state IN ('reserved', 'bound', 'assigned', 'released', 'failed')", name="known_state"),
     Index("uq_allocations_live_pod", "pod_uid", unique=True, postgresql_where=text(LIVE_SQL)),
     Index("ix_allocations_node_state", "node", "state"),

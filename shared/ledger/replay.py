@@ -166,6 +166,7 @@ async def load_state(conn: AsyncConnection) -> LedgerState:
             bound_at=r.bound_at,
             assigned_at=r.assigned_at,
             ended_at=r.ended_at,
+            terminating_at=r.terminating_at,
             parts=tuple(part_from_row(p) for p in rows),
             assigned_containers={p.container: p.assigned_at for p in rows if p.assigned_at is not None},
         )
@@ -237,6 +238,7 @@ async def write_state(engine: AsyncEngine, state: LedgerState) -> None:
                         "bound_at": a.bound_at,
                         "assigned_at": a.assigned_at,
                         "ended_at": a.ended_at,
+                        "terminating_at": a.terminating_at,
                     }
                     for i, a in state.allocations.items()
                 ],

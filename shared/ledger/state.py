@@ -25,6 +25,7 @@ from shared.events.catalogue import (
     QuotaEvent,
     ReleasedEvent,
     ReservedEvent,
+    TerminatingEvent,
 )
 from shared.ledger.rules import AllocationState, advances, exchange_plan, gpu_charges, is_live
 
@@ -77,6 +78,7 @@ class AllocationRow:
     bound_at: datetime | None = None
     assigned_at: datetime | None = None
     ended_at: datetime | None = None
+    terminating_at: datetime | None = None
     parts: tuple[AllocationPart, ...] = ()
     assigned_containers: dict[str, datetime] = field(default_factory=dict)
 
@@ -120,7 +122,7 @@ class LedgerState:
                 self._reserved(event)
             case ExchangedEvent():
                 self._exchange(event)
-            case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
+            case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent() | TerminatingEvent():
                 if event.allocation_id not in self.allocations:
                     self.early.setdefault(event.allocation_id, []).append(event)
                 else:
@@ -182,8 +184,12 @@ class LedgerState:
         for early in self.early.pop(event.allocation_id, []):
             self._transition(early)
 
-    def _transition(self, event: BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent) -> None:
+    def _transition(self, event: BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent | TerminatingEvent) -> None:
         alloc = self.allocations[event.allocation_id]
+        if isinstance(event, TerminatingEvent):  # a stamp only, in whatever order it arrives
+            if alloc.terminating_at is None:
+                alloc.terminating_at = event.occurred_at
+            return
         stamp = _STAMP[event.kind]
         if getattr(alloc, stamp) is None:
             setattr(alloc, stamp, event.occurred_at)
@@ -253,6 +259,7 @@ class LedgerState:
                     a.bound_at,
                     a.assigned_at,
                     a.ended_at,
+                    a.terminating_at,
                     tuple(
                         sorted(
                             (p.container_index, p.init, p.gpu_uuid, p.container, p.gpu_index, p.memory_mib, p.compute)

@@ -9,7 +9,14 @@ from datetime import datetime
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from shared.events.catalogue import AssignedEvent, BoundEvent, ExchangedEvent, FailedEvent, ReleasedEvent
+from shared.events.catalogue import (
+    AssignedEvent,
+    BoundEvent,
+    ExchangedEvent,
+    FailedEvent,
+    ReleasedEvent,
+    TerminatingEvent,
+)
 from shared.ledger.models import allocation_parts, allocations, gpus
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
@@ -76,6 +83,20 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
     return changed
 
 
+async def apply_terminating(conn: AsyncConnection, event: TerminatingEvent) -> bool:
+    """Record when an allocation's pod began terminating (the first time only); True when recorded.
+
+    The share stays held: a terminating pod's containers may still use the GPU. Only a stamp, so it applies
+    whatever the state, and a replay that meets it after the release ends with the same row.
+    """
+    result = await conn.execute(
+        update(allocations)
+        .where(and_(allocations.c.id == event.allocation_id, allocations.c.terminating_at.is_(None)))
+        .values(terminating_at=event.occurred_at)
+    )
+    return bool(result.rowcount)
+
+
 async def _give_back(conn: AsyncConnection, allocation_id: uuid.UUID, at: datetime) -> None:
     parts = (
         await conn.execute(select(allocation_parts).where(allocation_parts.c.allocation_id == allocation_id))
@@ -93,8 +114,8 @@ async def _give_back(conn: AsyncConnection, allocation_id: uuid.UUID, at: dateti
 
 
 async def live_allocation_ids(conn: AsyncConnection, *, node: str | None = None, pod_uid: str | None = None) -> list:
-    """Ids (with pod UID and node) of live allocations, optionally on one node or of one pod."""
-    query = select(allocations.c.id, allocations.c.pod_uid, allocations.c.node).where(
+    """Ids (with pod UID, node and `terminating_at`) of live allocations, optionally on one node or of one pod."""
+    query = select(allocations.c.id, allocations.c.pod_uid, allocations.c.node, allocations.c.terminating_at).where(
         allocations.c.state.in_(LIVE_STATE_VALUES)
     )
     if node is not None:

@@ -116,6 +116,24 @@ async def test_pod_view_and_pending(seeded: Stack) -> None:
     assert (await seeded.client.get("/v1/pods/team-a/ghost")).status_code == 404
 
 
+async def test_terminating_holders_are_shown_as_such(seeded: Stack) -> None:
+    assert (await seeded.ledger.mark_terminating("uid-c")) == 1, "train-0 is being deleted"
+    assert (await seeded.ledger.mark_terminating("uid-c")) == 0, "marked once"
+    await seeded.settle()
+    pod = (await seeded.client.get("/v1/pods/team-b/train-0")).json()
+    assert pod["status"] == "assigned" and pod["allocation"]["terminating_at"], "still holding its share"
+    assert [t["step"] for t in pod["timeline"]] == ["reserved", "bound", "assigned", "terminating"]
+    node = (await seeded.client.get("/v1/nodes/node-1")).json()
+    assert node["allocated_memory_mib"] == 8 * GIB
+    assert [(a["pod_name"], bool(a["terminating_at"])) for a in node["gpus"][0]["allocations"]] == [("train-0", True)]
+    (waiting,) = (await seeded.client.get("/v1/pending")).json()["items"]
+    assert waiting["pod_name"] == "huge-0"
+    assert [(h["namespace"], h["pod_name"], h["node"]) for h in waiting["terminating_holders"]] == [
+        ("team-b", "train-0", "node-1")
+    ]
+    assert waiting["terminating_holders"][0]["memory_mib"] == 8 * GIB
+
+
 async def test_usage_per_namespace_and_workload(seeded: Stack) -> None:
     ns = {u["namespace"]: u for u in (await seeded.client.get("/v1/usage/namespaces")).json()["items"]}
     assert set(ns) == {"team-a", "team-b", "team-c"}

@@ -168,6 +168,17 @@ def test_details_empty_node_multi_gpu_pod_and_pending() -> None:
     )
 
 
+def test_details_name_terminating_holders_below_gpushares_table() -> None:
+    busy = node("busy", "10.0.0.8", [(0, 16, 6)], pods=[("leaving", "ml", [(0, 2)]), ("solo", "web", [(0, 4)])])
+    busy["allocations"][0]["terminating_at"] = "2026-12-03T10:00:00+00:00"
+    out = inspect_view.details([busy], "GiB")
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert "leaving      ml         2" in lines, "gpushare's rows stay as they are"
+    assert lines[lines.index("Total :      16") + 1] == "Terminating (share held until gone): ml/leaving"
+    plain = inspect_view.details([node("busy", "10.0.0.8", [(0, 16, 4)], pods=[("solo", "web", [(0, 4)])])], "GiB")
+    assert "Terminating" not in plain
+
+
 def test_wide_and_json() -> None:
     nodes = [node("n1", "10.0.0.1", [(0, 15, 2), (1, 15, 0)])]
     nodes[0]["gpus"][0]["used_memory_mib"] = 1331

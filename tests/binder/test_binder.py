@@ -146,15 +146,31 @@ async def test_release_on_completion_delete_and_terminating(cluster, ledger, eng
 
     await cluster.delete_pod(deleted.metadata.name, grace=0)
     row = await state_becomes(engine, reservations[1], "released", within=10)
-    assert row.reason in ("pod deleted", "pod terminating")  # a grace-0 delete may show the timestamp first
+    assert row.reason == "pod deleted"
 
-    # a bound pod deleted with a grace period lingers with a deletionTimestamp (no kubelet): release at once
-    await cluster.delete_pod(terminating.metadata.name, grace=30)
+    # a bound pod deleted with a grace period lingers with a deletionTimestamp (no kubelet finishes it): its
+    # containers may still hold GPU memory, so the share stays held and is only marked terminating
+    await cluster.delete_pod(terminating.metadata.name, grace=60)
+    row = await wait_for(
+        lambda: _terminating_row(engine, reservations[2]), what="the allocation to be marked terminating"
+    )
+    assert row.state == "bound" and row.ended_at is None
+    assert (await gpu_usage(engine, node))[node.gpus[0]] == 2 * GIB
+    assert binder.metrics.value("gpushare_binder_terminating_total") >= 1  # a grace-0 delete may be marked too
+    assert await binder.reconciler.run_once() is not None  # reconciliation follows the same rule
+    assert (await allocation(engine, reservations[2].allocation_id)).state == "bound"
+
+    await cluster.delete_pod(terminating.metadata.name, grace=0)  # force deletion: the object is gone
     row = await state_becomes(engine, reservations[2], "released", within=10)
-    assert row.reason == "pod terminating"
+    assert row.reason == "pod deleted" and row.terminating_at is not None
 
     assert await gpu_usage(engine, node) == {node.gpus[0]: 0, node.gpus[1]: 0}
     assert binder.metrics.value("gpushare_binder_released_total", reason="pod_succeeded") == 1
+
+
+async def _terminating_row(engine, reservation):  # type: ignore[no-untyped-def]
+    row = await allocation(engine, reservation.allocation_id)
+    return row if row.terminating_at is not None else None
 
 
 async def test_deleted_node_is_retired(cluster, ledger, engine, start_binder) -> None:

@@ -19,6 +19,7 @@ from services.binder.reconcile import (
     adoption_request,
     find_orphans,
     stale_reservations,
+    unmarked_terminating,
 )
 from shared.annotations import GPU_MEM_IDX, GPU_MEM_POD
 from shared.kube import pods
@@ -78,7 +79,7 @@ def test_decide(state, the_pod, action, outcome) -> None:
 def test_pod_helpers() -> None:
     p = pod(node="n1", phase="Succeeded")
     assert pods.owner(p) == ("ReplicaSet", "rs")
-    assert pods.is_terminated(p) and pods.is_finished(p) and not pods.is_terminating(p)
+    assert pods.is_terminated(p) and not pods.is_terminating(p)
     assert pods.container_amounts(p, "aliyun.com/gpu-mem") == [("main", 1, False, 2)]
     assert pods.requests_resource_prefix(p) and is_gpu_pod(p)
     plain = {"metadata": {"uid": "x"}, "spec": {"containers": [{"name": "c"}]}}
@@ -86,7 +87,10 @@ def test_pod_helpers() -> None:
     assert is_gpu_pod({"metadata": {"annotations": {GPU_MEM_IDX: "0"}}, "spec": {}})
     assert release_reason("DELETED", pod()) == "pod deleted"
     assert release_reason("MODIFIED", pod(phase="Failed")) == "pod failed"
-    assert release_reason("MODIFIED", pod(deleting=True)) == "pod terminating"
+    # a terminating pod's containers may still use the GPU: its share stays until the object is gone
+    assert release_reason("MODIFIED", pod(node="n", phase="Running", deleting=True)) is None
+    assert release_reason("MODIFIED", pod(node="n", phase="Succeeded", deleting=True)) == "pod succeeded"
+    assert release_reason("DELETED", pod(node="n", phase="Running", deleting=True)) == "pod deleted"
     assert release_reason("MODIFIED", pod(node="n")) is None
 
 
@@ -148,8 +152,10 @@ async def test_call_with_retry_retries_transient_then_gives_up() -> None:
     assert len(calls) == 1  # answers are not retried
 
 
-def _alloc(uid: str, state: str, age_s: float) -> LiveAllocation:
-    return LiveAllocation(uuid.uuid4(), uid, "ns", f"p-{uid}", "n1", state, NOW - timedelta(seconds=age_s))
+def _alloc(uid: str, state: str, age_s: float, terminating: bool = False) -> LiveAllocation:
+    return LiveAllocation(
+        uuid.uuid4(), uid, "ns", f"p-{uid}", "n1", state, NOW - timedelta(seconds=age_s), NOW if terminating else None
+    )
 
 
 def test_orphans_and_stale_reservations() -> None:
@@ -161,20 +167,28 @@ def test_orphans_and_stale_reservations() -> None:
         _alloc("alive", "bound", 100),
         _alloc("waiting", "reserved", 50),
         _alloc("fresh", "reserved", 1),
+        _alloc("leaving", "assigned", 100),
+        _alloc("left-marked", "assigned", 100, terminating=True),
+        _alloc("left-done", "assigned", 100, terminating=True),
     ]
     by_uid = {
         "done": pod(uid="done", node="n1", phase="Succeeded"),
         "alive": pod(uid="alive", node="n1", phase="Running"),
         "waiting": pod(uid="waiting"),
         "fresh": pod(uid="fresh"),
+        "leaving": pod(uid="leaving", node="n1", phase="Running", deleting=True),
+        "left-marked": pod(uid="left-marked", node="n1", phase="Running", deleting=True),
+        "left-done": pod(uid="left-done", node="n1", phase="Failed", deleting=True),
     }
     orphans = {o.allocation.pod_uid: o.reason for o in find_orphans(live, by_uid, now=NOW, grace_s=30)}
     assert orphans == {
         "gone-old": "pod no longer exists",
         "gone-bound": "pod no longer exists",
         "done": "pod succeeded",
-    }
+        "left-done": "pod failed",
+    }, "a terminating pod keeps its share until it is gone or terminated"
     assert [a.pod_uid for a in stale_reservations(live, by_uid, now=NOW, grace_s=30)] == ["waiting"]
+    assert [a.pod_uid for a in unmarked_terminating(live, by_uid)] == ["leaving"]
 
 
 def test_adoption_of_gpushare_pods() -> None:
@@ -191,11 +205,19 @@ def test_adoption_of_gpushare_pods() -> None:
         adoption_request(pod(uid="x", node="n1", ann={GPU_MEM_IDX: "3"}), gpus, MemoryUnit.GIB)
     with pytest.raises(AdoptionError):
         adoption_request(pod(uid="x", node="n1", ann={GPU_MEM_IDX: "0,1"}), gpus, MemoryUnit.GIB)
+    leaving = pod(uid="t", node="n1", phase="Running", deleting=True, ann={GPU_MEM_IDX: "0"})
+    finished = pod(uid="f", node="n1", phase="Succeeded", ann={GPU_MEM_IDX: "0"})
     candidates = adoption_candidates(
-        [legacy, pod(uid="unbound", ann={GPU_MEM_IDX: "0"}), pod(uid="known", node="n1", ann={GPU_MEM_IDX: "0"})],
+        [
+            legacy,
+            pod(uid="unbound", ann={GPU_MEM_IDX: "0"}),
+            pod(uid="known", node="n1", ann={GPU_MEM_IDX: "0"}),
+            leaving,
+            finished,
+        ],
         {"known"},
     )
-    assert [pods.pod_uid(p) for p in candidates] == ["l"]
+    assert [pods.pod_uid(p) for p in candidates] == ["l", "t"], "a terminating pod still holds its GPU: adopt it"
 
 
 async def test_capacity_nudger_coalesces_stamps_per_node(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,3 +95,47 @@ async def check_inspect(stack, api, namespace: str, node: str, pods: list[str]) 
     for pod in pods:
         assert pod in detail, (pod, detail)
     assert INFER[0] not in detail, detail
+
+
+async def test_a_terminating_pod_keeps_its_share_until_it_is_gone(stack, api, namespace) -> None:
+    """Deleted with a 60 s grace period on a node where nothing finishes it, a pod stays Terminating and its
+    processes may still hold GPU memory: a pod that needs that memory waits until the object is gone."""
+    node = stack.node_names[0]
+    holder = h.gpu_pod("leaving", [10])
+    holder["spec"]["terminationGracePeriodSeconds"] = 60
+    await h.create_pod(api, namespace, holder)
+    await h.wait_bound(api, namespace, ["leaving"])
+    await h.wait_ledger(stack.database_url, namespace, ["leaving"])
+
+    core = client.CoreV1Api(api)
+    await core.delete_namespaced_pod("leaving", namespace, grace_period_seconds=60)
+    pod = await core.read_namespaced_pod("leaving", namespace)
+    assert pod.metadata.deletion_timestamp is not None, "no kubelet finishes it: the pod stays Terminating"
+
+    async def marked() -> dict | None:
+        view = await h.accounting_pod(stack, namespace, "leaving")
+        allocation = (view or {}).get("allocation") or {}
+        return view if allocation.get("terminating_at") else None
+
+    view = await h.poll(marked, 30, what="the ledger to mark the holder terminating")
+    assert view["status"] in ("bound", "assigned"), "the share stays held"
+    (gpu,) = await h.gpu_rows(stack.database_url, node)
+    assert gpu["allocated_memory_mib"] == 10 * 1024
+
+    await h.create_pod(api, namespace, h.gpu_pod("next", [8]))
+    assert await h.stays_pending(api, namespace, "next", 8.0), "6 GiB are free while the holder terminates"
+
+    async def waiting_on_holder() -> dict | None:
+        view = await h.accounting_pod(stack, namespace, "next")
+        pending = (view or {}).get("pending") or {}
+        return pending if pending.get("terminating_holders") else None
+
+    pending = await h.poll(waiting_on_holder, 30, what="the pending view to name the terminating holder")
+    assert [(x["pod_name"], x["node"]) for x in pending["terminating_holders"]] == [("leaving", node)]
+    detail = await h.inspect(stack, "-d", node)
+    assert f"Terminating (share held until gone): {namespace}/leaving" in detail, detail
+
+    await core.delete_namespaced_pod("leaving", namespace, grace_period_seconds=0)  # force deletion
+    await h.wait_released(stack.database_url, namespace, "leaving")
+    placed = await h.wait_bound(api, namespace, ["next"], timeout_s=30)
+    assert placed["next"] == node

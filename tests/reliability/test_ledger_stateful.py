@@ -244,6 +244,19 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.model.allocations))
     @rule(data=st.data())
+    def terminating(self, data: st.DataObject) -> None:
+        _, alloc = self._pick(data)
+        expected = sum(
+            1
+            for a in self.model.allocations.values()
+            if a.pod_uid == alloc.pod_uid and is_live(a.state) and a.terminating_at is None
+        )
+        marked = self.runner.run(self.ledger.mark_terminating(alloc.pod_uid))
+        assert marked == expected, "a live allocation is marked once; its share stays held"
+        assert self._staged() == expected
+
+    @precondition(lambda self: bool(self.model.allocations))
+    @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
         a_id, alloc = self._pick(data)
         expected = alloc.state.value == "reserved"
