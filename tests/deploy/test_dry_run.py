@@ -1,9 +1,10 @@
-"""Server-side dry run of every rendered object against a real kube-apiserver 1.20.
+"""Server-side dry run of every rendered object against a real current kube-apiserver and against 1.20.
 
-Objects whose API group/version the 1.20 server does not serve are skipped with a note, and the skipped
-set is pinned: only ServiceMonitor (a CRD of the Prometheus Operator). PodDisruptionBudgets are `policy/v1`
-(served from 1.21); on 1.20 they are dry-run as `policy/v1beta1`, the same spec, as docs/install.md tells
-1.20 users to apply them.
+Objects whose API group/version a server does not serve are skipped with a note, and the skipped set is
+pinned: ServiceMonitor (a CRD of the Prometheus Operator) everywhere, and on 1.20 the admission policy
+(admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy is GA from 1.30). PodDisruptionBudgets are
+`policy/v1` (served from 1.21); on 1.20 they are dry-run as `policy/v1beta1`, the same spec, as
+docs/install.md tells 1.20 users to apply them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from devstack.cluster import ControlPlane
 from tests.deploy.tools import KUSTOMIZATIONS, NAMESPACE, key
 
 EXPECTED_SKIPS = {"monitoring.coreos.com/v1"}
+SERVERS = ("current", "1.20")
+
+
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest) -> ControlPlane:
+    """A real kube-apiserver of each release the manifests are checked against."""
+    return request.getfixturevalue("apiserver" if request.param == "current" else "apiserver_1_20")
 
 
 def _kubectl(kubectl: str, cp: ControlPlane, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -27,13 +35,13 @@ def _kubectl(kubectl: str, cp: ControlPlane, *args: str, stdin: str | None = Non
 
 
 @pytest.fixture(scope="module")
-def served(kubectl: str, apiserver: ControlPlane) -> set[str]:
-    proc = _kubectl(kubectl, apiserver, "api-versions")
+def served(kubectl: str, server: ControlPlane) -> set[str]:
+    proc = _kubectl(kubectl, server, "api-versions")
     assert proc.returncode == 0, proc.stderr
     versions = set(proc.stdout.split())
     assert "apps/v1" in versions
     # The namespace must exist for namespaced objects to be dry-run into it.
-    ns = _kubectl(kubectl, apiserver, "create", "namespace", NAMESPACE)
+    ns = _kubectl(kubectl, server, "create", "namespace", NAMESPACE)
     assert ns.returncode == 0 or "AlreadyExists" in ns.stderr, ns.stderr
     return versions
 
@@ -47,29 +55,30 @@ def _for_1_20(obj: dict[str, Any], served: set[str]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_server_side_dry_run(
-    kubectl: str, apiserver: ControlPlane, served: set[str], rendered: dict[str, list[dict[str, Any]]], name: str
+    kubectl: str, server: ControlPlane, served: set[str], rendered: dict[str, list[dict[str, Any]]], name: str
 ) -> None:
     objects = [_for_1_20(o, served) for o in rendered[name]]
     applicable = [o for o in objects if o["apiVersion"] in served]
     skipped = {o["apiVersion"] for o in objects} - served
-    assert skipped <= EXPECTED_SKIPS, f"unexpected APIs missing from 1.20: {skipped - EXPECTED_SKIPS}"
+    release = server.release.version
+    assert skipped <= EXPECTED_SKIPS, f"unexpected APIs missing from {release}: {skipped - EXPECTED_SKIPS}"
     for api in sorted(skipped):
         kinds = sorted(key(o) for o in objects if o["apiVersion"] == api)
-        warnings.warn(f"{name}: not dry-run, {api} is not served by Kubernetes 1.20: {kinds}", stacklevel=1)
+        warnings.warn(f"{name}: not dry-run, {api} is not served by Kubernetes {release}: {kinds}", stacklevel=1)
     assert len(applicable) >= 20
     proc = _kubectl(
-        kubectl, apiserver, "apply", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump_all(applicable)
+        kubectl, server, "apply", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump_all(applicable)
     )
     assert proc.returncode == 0, f"{name}: dry run refused:\n{proc.stderr}"
     assert len(proc.stdout.split()) == len(applicable), proc.stdout
 
 
-def test_dry_run_catches_an_invalid_object(kubectl: str, apiserver: ControlPlane, served: set[str]) -> None:
+def test_dry_run_catches_an_invalid_object(kubectl: str, server: ControlPlane, served: set[str]) -> None:
     bad = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "bad", "namespace": NAMESPACE},
         "spec": {"ports": [{"port": 70000}]},
     }
-    proc = _kubectl(kubectl, apiserver, "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(bad))
+    proc = _kubectl(kubectl, server, "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(bad))
     assert proc.returncode != 0 and "70000" in proc.stderr

@@ -86,10 +86,14 @@ def test_policy_matches_and_spells_the_legacy_way() -> None:
 
 
 def _write_config(tmp_path: Path, text: str) -> list[str]:
+    """The config with a local kubeconfig (in the cluster, a config without one uses the pod's account)."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG)
     config = tmp_path / "config.yaml"
-    config.write_text(text.replace("/etc/kubernetes/scheduler.conf", str(kubeconfig)))
+    text = text.replace("/etc/kubernetes/scheduler.conf", str(kubeconfig))
+    if "clientConnection" not in text:
+        text += f"clientConnection:\n  kubeconfig: {kubeconfig}\n"
+    config.write_text(text)
     return ["--config", str(config), "--write-config-to", str(tmp_path / "out.yaml")]
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from devstack.cluster import ControlPlane, Paths
+from devstack.cluster.releases import parse_release
 from tests import system_tools
 
 ADMIN_TOKEN = "e2e-admin-token"
@@ -32,7 +33,8 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The whole gpushare stack (services as subprocesses, kubelet stand-ins, simulated nodes) on its own control
-# plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster.
+# plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster, and STACK_K8S
+# ("1.20") to run on another Kubernetes release than the current one.
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,9 @@ async def stack(
     from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
     from tests.conftest import create_database, drop_database
 
+    release = getattr(request.module, "STACK_K8S", None)
+    if release is not None:
+        control_plane_binaries = system_tools.control_plane_binaries(parse_release(release))
     tag = uuid.uuid4().hex[:8]
     db_name = f"gpushare_e2e_{tag}"
     database_url = await asyncio.to_thread(create_database, pg_server_url, db_name)

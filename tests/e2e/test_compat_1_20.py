@@ -1,0 +1,101 @@
+"""The compatibility run on Kubernetes 1.20 (built with Debian's Go 1.19 and reflect2 1.0.2).
+
+The seed packing scenario and the terminating-pod rule pass through kube-scheduler 1.20 with the v1beta1
+configuration, as they do on the current release. And the 1.20 kube-apiserver survives the burst that used to
+kill it: with the reflect2 1.0.1 that 1.20 vendors, Go >= 1.18 builds died under a 1,000-pod burst with
+"unexpected fault address" in `mapiterinit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kubernetes_asyncio import client
+
+from devstack.cluster import Paths
+from devstack.cluster.binaries import k8s_cache_dir
+from devstack.cluster.build_debian import REFLECT2_STAMP
+from devstack.cluster.nodes import create_gpu_node
+from devstack.cluster.releases import COMPAT
+from devstack.cluster.waits import poll
+from tests import system_tools
+from tests.e2e.test_sharing import test_a_terminating_pod_keeps_its_share_until_it_is_gone as _terminating_rule
+from tests.e2e.test_sharing import test_seven_pods_fill_one_gpu_then_the_next_waits as _seed_packing
+
+pytestmark = pytest.mark.e2e
+
+STACK_K8S = "1.20"
+STACK_NODES = 1
+STACK_GPUS = "1x16GiB:Tesla-T4"
+
+BURST_PODS = 1000
+BURST_NODES = 10
+BURST_IN_FLIGHT = 32
+CRASH_MARKERS = ("unexpected fault address", "fatal error:", "panic:")
+
+
+async def test_seed_packing_on_1_20(stack, api, namespace) -> None:
+    assert stack.control_plane.release == COMPAT
+    await _seed_packing(stack, api, namespace)
+
+
+async def test_terminating_rule_on_1_20(stack, api, namespace) -> None:
+    await _terminating_rule(stack, api, namespace)
+
+
+def test_the_1_20_build_carries_reflect2_1_0_2() -> None:
+    paths = system_tools.compat_binaries()
+    tree = k8s_cache_dir(COMPAT) / "src" / "kubernetes"
+    if not tree.is_dir():
+        pytest.skip(f"prebuilt 1.20 binaries ({paths.kube_apiserver.parent}) without their source tree")
+    vendored = tree / "vendor" / "github.com" / "modern-go" / "reflect2"
+    assert (vendored / REFLECT2_STAMP).is_file() and (vendored / "go_above_118.go").is_file()
+    assert (tree / "_output" / "bin" / REFLECT2_STAMP).is_file(), "the binaries were built after the swap"
+
+
+async def test_1_20_apiserver_survives_a_1000_pod_burst() -> None:
+    paths: Paths = system_tools.compat_binaries()
+    with system_tools.running_control_plane(paths) as cp:
+        async with cp.api_client() as api:
+            core = client.CoreV1Api(api)
+            for i in range(BURST_NODES):
+                await create_gpu_node(api, f"burst-{i}", gpus=[(16, "Tesla-T4")] * 8)
+            await core.create_namespace({"metadata": {"name": "burst"}})
+            started = time.monotonic()
+            gate = asyncio.Semaphore(BURST_IN_FLIGHT)
+
+            async def create(i: int) -> None:
+                body = {
+                    "metadata": {"name": f"p-{i:04d}"},
+                    "spec": {
+                        "terminationGracePeriodSeconds": 0,
+                        "containers": [
+                            {
+                                "name": "c",
+                                "image": "busybox:1.36",
+                                "resources": {"requests": {"cpu": "1m", "memory": "1Mi"}},
+                            }
+                        ],
+                    },
+                }
+                async with gate:
+                    await core.create_namespaced_pod("burst", body)
+
+            await asyncio.gather(*(create(i) for i in range(BURST_PODS)))
+
+            async def all_bound() -> int | None:
+                items = (await core.list_namespaced_pod("burst", _request_timeout=60)).items
+                bound = sum(1 for p in items if p.spec.node_name)
+                return bound if bound == BURST_PODS else None
+
+            await poll(all_bound, 300, interval=2, what=f"{BURST_PODS} pods bound by kube-scheduler 1.20")
+            elapsed = time.monotonic() - started
+            await core.delete_collection_namespaced_pod("burst", grace_period_seconds=0)
+        alive = cp.running()
+        log = cp.log_tail("kube-apiserver", 200_000)
+    assert all(alive.values()), f"a control-plane process died during the burst: {alive}"
+    crashes = [m for m in CRASH_MARKERS if m in log]
+    assert not crashes, f"kube-apiserver 1.20 logged {crashes} under the burst"
+    print(f"{BURST_PODS} pods created and bound in {elapsed:.1f}s on kube-apiserver {COMPAT}")
