@@ -158,8 +158,9 @@ def details(nodes: list[dict[str, Any]], unit: str) -> str:
         text += rows
         text += f"Allocated :\t{v.used} ({_pct(v.used, v.total)}%)\t\n"
         text += f"Total :\t{v.total} \t\n"
-        if v.terminating:  # not in gpushare's layout: only printed when a holder is being deleted
-            text += f"Terminating (share held until gone): {', '.join(sorted(set(v.terminating)))}\n"  # no tab: no column
+        if v.terminating:  # not in gpushare's layout: printed only when a holder is being deleted; no tab, so
+            # the line is no column cell and leaves gpushare's table as it is
+            text += f"Terminating (share held until gone): {', '.join(sorted(set(v.terminating)))}\n"
         text += "-" * line_len + "\n"
         used_all += v.used
         total_all += v.total
