@@ -35,13 +35,27 @@ RESOURCE_CORE = "aliyun.com/gpu-core"
 RESOURCE_COUNT = "aliyun.com/gpu-count"
 
 
-def allocation_record(allocation_id: uuid.UUID, node: str, parts: list[AllocationPart]) -> dict[str, Any]:
-    """The JSON body of the `gpushare.io/allocation` annotation."""
+def allocation_record(
+    allocation_id: uuid.UUID, node: str, parts: list[AllocationPart], version: int = 1
+) -> dict[str, Any]:
+    """The JSON body of the `gpushare.io/allocation` annotation (`version`: the ledger's, raised by exchanges)."""
     return {
         "id": str(allocation_id),
         "node": node,
+        "version": version,
         "parts": [p.model_dump() for p in parts],
     }
+
+
+def record_version(value: str | None) -> int:
+    """The version of a `gpushare.io/allocation` annotation (records written before versions: 1; none: 0)."""
+    if not value:
+        return 0
+    try:
+        raw = json.loads(value)
+        return int(raw.get("version", 1)) if isinstance(raw, dict) else 0
+    except (ValueError, TypeError):
+        return 0
 
 
 def parse_allocation(value: str) -> tuple[uuid.UUID, str, list[AllocationPart]]:
@@ -53,16 +67,17 @@ def parse_allocation(value: str) -> tuple[uuid.UUID, str, list[AllocationPart]]:
         raise ValueError(f"unreadable {ALLOCATION} annotation: {exc}") from None
 
 
-def binding_annotations(
+def record_annotations(
     allocation_id: uuid.UUID,
     node: str,
     parts: list[AllocationPart],
     gpu_memory_mib: dict[str, int],
     unit: MemoryUnit,
     *,
-    now_ns: int | None = None,
+    version: int = 1,
 ) -> dict[str, str]:
-    """All annotations written with the Binding.
+    """The annotations that describe where the allocation is: gpushare's GPU index, pod and device memory,
+    and the project's full record.
 
     `gpu_memory_mib` maps GPU UUID to that GPU's schedulable memory (for `ALIYUN_COM_GPU_MEM_DEV`).
     `ALIYUN_COM_GPU_MEM_IDX` is the GPU index, or the comma-separated indices when the pod spans GPUs
@@ -76,7 +91,22 @@ def binding_annotations(
         GPU_MEM_IDX: ",".join(str(i) for i in indices),
         GPU_MEM_POD: str(pod_total_mib // unit.mib),
         GPU_MEM_DEV: str(gpu_memory_mib.get(first_gpu, 0) // unit.mib),
+        ALLOCATION: json.dumps(allocation_record(allocation_id, node, parts, version), separators=(",", ":")),
+    }
+
+
+def binding_annotations(
+    allocation_id: uuid.UUID,
+    node: str,
+    parts: list[AllocationPart],
+    gpu_memory_mib: dict[str, int],
+    unit: MemoryUnit,
+    *,
+    now_ns: int | None = None,
+) -> dict[str, str]:
+    """All annotations written with the Binding: the record (version 1) and gpushare's not-yet-assigned flag."""
+    return {
+        **record_annotations(allocation_id, node, parts, gpu_memory_mib, unit),
         GPU_MEM_ASSIGNED: "false",
         GPU_MEM_ASSUME_TIME: str(now_ns if now_ns is not None else time.time_ns()),
-        ALLOCATION: json.dumps(allocation_record(allocation_id, node, parts), separators=(",", ":")),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Sequence
@@ -67,9 +68,8 @@ class CommonFlags:
 
     def argv(self) -> list[str]:
         """The flags as arguments."""
-        args = [
-            "--database-url",
-            self.database_url,
+        args = ["--database-url", self.database_url] if self.database_url else []
+        args += [
             "--nats-url",
             self.nats_url,
             "--stream-name",
@@ -149,7 +149,7 @@ def node_agent_command(
     kubeconfig: str | None,
     address: str = "",
 ) -> ServiceCommand:
-    """One node agent in fake-GPU mode."""
+    """One node agent in fake-GPU mode (no database URL: agents reach the ledger over NATS only)."""
     args = [
         "--node",
         node,
@@ -166,7 +166,7 @@ def node_agent_command(
     ]
     if kubeconfig:
         args += ["--kubeconfig", kubeconfig]
-    argv = gpushare_argv("node-agent", *args, common=common)
+    argv = gpushare_argv("node-agent", *args, common=dataclasses.replace(common, database_url=""))
     return ServiceCommand(
         f"node-agent-{node}", argv, f"http://127.0.0.1:{metrics_port}/healthz", f"http://127.0.0.1:{metrics_port}"
     )

@@ -39,6 +39,18 @@ class BinderMetrics:
             ["reason"],
             registry=r,
         )
+        self.gateway_requests = Counter(
+            "gpushare_binder_gateway_requests_total",
+            "Node agents' snapshot requests and commands answered by the ledger gateway",
+            ["verb"],
+            registry=r,
+        )
+        self.annotations = Counter(
+            "gpushare_binder_annotation_syncs_total",
+            "Pod annotation updates after assignments and exchanges, by outcome",
+            ["reason"],
+            registry=r,
+        )
         self.terminating = Counter(
             "gpushare_binder_terminating_total",
             "Allocations whose pod began terminating (the share stays held until the pod is gone)",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from shared.events.agent_rpc import ContainerRecord, NodeSnapshot, ShareRecord
 from shared.events.catalogue import AllocationPart
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row
 from shared.ledger.rules import LIVE_STATE_VALUES
@@ -26,6 +28,7 @@ class LiveAllocation:
     state: str
     reserved_at: datetime
     terminating_at: datetime | None = None
+    version: int = 1
 
 
 async def allocation_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> str | None:
@@ -95,6 +98,7 @@ async def live_allocations(engine: AsyncEngine) -> list[LiveAllocation]:
                     allocations.c.state,
                     allocations.c.reserved_at,
                     allocations.c.terminating_at,
+                    allocations.c.version,
                 ).where(allocations.c.state.in_(LIVE_STATE_VALUES))
             )
         ).all()
@@ -123,3 +127,122 @@ async def reservation_parts(engine: AsyncEngine, allocation_id: uuid.UUID) -> li
             )
         ).all()
     return [part_from_row(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """An allocation as its pod's annotations describe it."""
+
+    allocation_id: uuid.UUID
+    pod_uid: str
+    namespace: str
+    pod_name: str
+    node: str
+    state: str
+    version: int
+    parts: list[AllocationPart]
+    assigned: bool  # a container has been handed its GPU
+    gpu_memory: dict[str, int]  # schedulable MiB of the allocation's GPUs
+
+
+async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord | None:
+    """The allocation's current record (None when the ledger has no such allocation), read in one transaction."""
+    async with engine.connect() as conn:
+        row = (await conn.execute(select(allocations).where(allocations.c.id == allocation_id))).first()
+        if row is None:
+            return None
+        rows = (
+            await conn.execute(
+                select(allocation_parts)
+                .where(allocation_parts.c.allocation_id == allocation_id)
+                .order_by(
+                    allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index
+                )
+            )
+        ).all()
+        uuids = sorted({r.gpu_uuid for r in rows})
+        memory = (await conn.execute(select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid.in_(uuids)))).all()
+    return PodRecord(
+        allocation_id=row.id,
+        pod_uid=row.pod_uid,
+        namespace=row.namespace,
+        pod_name=row.pod_name,
+        node=row.node,
+        state=row.state,
+        version=int(row.version),
+        parts=[part_from_row(r) for r in rows],
+        assigned=any(r.assigned_at is not None for r in rows),
+        gpu_memory={r.uuid: int(r.memory_mib) for r in memory},
+    )
+
+
+ENDED_MEMORY = timedelta(minutes=10)
+
+
+async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now: datetime) -> NodeSnapshot:
+    """Every container of a live allocation on `node`, and the node's allocations that ended recently."""
+    query = (
+        select(
+            allocations.c.id,
+            allocations.c.pod_uid,
+            allocations.c.namespace,
+            allocations.c.pod_name,
+            allocations.c.reserved_at,
+            allocations.c.pod_created_at,
+            allocations.c.version,
+            allocation_parts.c.container,
+            allocation_parts.c.container_index,
+            allocation_parts.c.init,
+            allocation_parts.c.gpu_uuid,
+            allocation_parts.c.gpu_index,
+            allocation_parts.c.memory_mib,
+            allocation_parts.c.compute,
+            allocation_parts.c.assigned_at,
+        )
+        .join(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)
+        .where(and_(allocations.c.node == node, allocations.c.state.in_(LIVE_STATE_VALUES)))
+        .order_by(allocations.c.id, allocation_parts.c.container_index, allocation_parts.c.gpu_index)
+    )
+    ended_query = select(allocations.c.id).where(
+        and_(
+            allocations.c.node == node,
+            allocations.c.state.not_in(LIVE_STATE_VALUES),
+            allocations.c.ended_at >= now - ENDED_MEMORY,
+        )
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+        ended = [r.id for r in (await conn.execute(ended_query)).all()]
+    grouped: dict[tuple[uuid.UUID, str, int, bool], list[Any]] = {}
+    for r in rows:
+        grouped.setdefault((r.id, r.container, r.container_index, r.init), []).append(r)
+    containers = [
+        ContainerRecord(
+            allocation_id=alloc_id,
+            pod_uid=parts[0].pod_uid,
+            namespace=parts[0].namespace,
+            pod_name=parts[0].pod_name,
+            container=container,
+            container_index=index,
+            init=init,
+            shares=[
+                ShareRecord(gpu_uuid=p.gpu_uuid, gpu_index=p.gpu_index, memory_mib=p.memory_mib, compute=p.compute)
+                for p in parts
+            ],
+            reserved_at=parts[0].reserved_at,
+            pod_created_at=parts[0].pod_created_at,
+            assigned=all(p.assigned_at is not None for p in parts),
+            version=int(parts[0].version),
+        )
+        for (alloc_id, container, index, init), parts in grouped.items()
+    ]
+    return NodeSnapshot(node=node, stream_seq=stream_seq, containers=containers, ended=ended)
+
+
+async def allocation_node_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> tuple[str, str] | None:
+    """(node, state) of an allocation, or None when the ledger has no such allocation."""
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(select(allocations.c.node, allocations.c.state).where(allocations.c.id == allocation_id))
+        ).first()
+    return (row.node, row.state) if row is not None else None

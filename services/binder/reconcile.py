@@ -29,7 +29,7 @@ from services.binder import reads
 from services.binder.lifecycle import is_gpu_pod
 from services.binder.metrics import BinderMetrics
 from services.binder.reads import LiveAllocation
-from shared.annotations import ALLOCATION, GPU_MEM_IDX, GPU_MEM_POD, RESOURCE_MEM, parse_allocation
+from shared.annotations import ALLOCATION, GPU_MEM_IDX, GPU_MEM_POD, RESOURCE_MEM, parse_allocation, record_version
 from shared.events.catalogue import AllocationPart, ReservedEvent
 from shared.kube import pods
 from shared.kube.pods import Pod, list_pods
@@ -80,6 +80,7 @@ class ReconcileReport:
 
     released: int = 0
     terminating: int = 0
+    annotated: int = 0
     adopted: int = 0
     rebound: int = 0
     conflicts: list[str] = field(default_factory=list)
@@ -114,6 +115,19 @@ def unmarked_terminating(live: list[LiveAllocation], pods_by_uid: dict[str, Pod]
         and pods.is_terminating(pods_by_uid[a.pod_uid])
         and not pods.is_terminated(pods_by_uid[a.pod_uid])
     ]
+
+
+def stale_annotations(live: list[LiveAllocation], pods_by_uid: dict[str, Pod]) -> list[LiveAllocation]:
+    """Bound allocations whose pod carries an older record than the ledger's (an exchange whose annotation
+    patch was lost), pure. A pod not yet bound has no record to repair."""
+    out = []
+    for a in live:
+        pod = pods_by_uid.get(a.pod_uid)
+        if pod is None or a.state == "reserved" or not pods.node_name(pod):
+            continue
+        if record_version(pods.annotations(pod).get(ALLOCATION)) < a.version:
+            out.append(a)
+    return out
 
 
 def adoption_candidates(all_pods: list[Pod], live_uids: set[str]) -> list[Pod]:
@@ -204,9 +218,11 @@ class Reconciler:
         metrics: BinderMetrics,
         grace_s: float = 30.0,
         rebind: Callable[[ReservedEvent], Awaitable[None]] | None = None,
+        annotate: Callable[[uuid.UUID], Awaitable[object]] | None = None,
     ) -> None:
         self.ledger = ledger
         self.rebind = rebind
+        self.annotate = annotate
         self.api = api
         self.unit = unit
         self.metrics = metrics
@@ -254,6 +270,14 @@ class Reconciler:
         for a in unmarked_terminating(live, by_uid):
             report.terminating += await self.ledger.mark_terminating(a.pod_uid)
 
+        if self.annotate is not None:
+            for a in stale_annotations(live, by_uid):
+                try:
+                    await self.annotate(a.id)
+                    report.annotated += 1
+                except Exception as exc:  # tried again next pass
+                    log.warning("reconciliation could not annotate %s/%s: %r", a.namespace, a.pod_name, exc)
+
         if self.rebind is not None:
             for a in stale_reservations(live, by_uid, now=datetime.now(UTC), grace_s=self.grace_s):
                 parts = await reads.reservation_parts(engine, a.id)
@@ -282,10 +306,11 @@ class Reconciler:
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
         log.log(
             logging.ERROR if report.conflicts else logging.INFO,
-            "reconciliation: %d released, %d marked terminating, %d adopted, %d stale reservation(s) handled, "
-            "%d conflict(s)",
+            "reconciliation: %d released, %d marked terminating, %d annotation(s) repaired, %d adopted, "
+            "%d stale reservation(s) handled, %d conflict(s)",
             report.released,
             report.terminating,
+            report.annotated,
             report.adopted,
             report.rebound,
             len(report.conflicts),

@@ -1,4 +1,5 @@
-"""The binder assembled: reservation consumer, pod and node watches, periodic reconciliation."""
+"""The binder assembled: reservation consumer, annotation follower, the node agents' ledger gateway, pod and node
+watches, periodic reconciliation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 
 from kubernetes_asyncio import client
 
+from services.binder.annotate import AnnotationSync
+from services.binder.gateway import LedgerGateway
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
 from services.binder.metrics import BinderMetrics
@@ -58,15 +61,39 @@ class Binder:
             ack_wait_s=30.0,
             max_deliver=20,
         )
+        self.annotations = AnnotationSync(
+            ledger.engine, api, unit=config.unit, metrics=self.metrics, retry=config.retry
+        )
+        # assignments and exchanges rewrite pod annotations from the ledger's record (durable: a crash between
+        # the ledger write and the patch only delays the patch)
+        self.annotation_consumer = DurableConsumer(
+            bus,
+            f"{config.durable}-annotations",
+            self.annotations,
+            kinds=["assigned", "exchanged"],
+            concurrency=max(1, config.concurrency // 2),
+            batch=max(16, config.concurrency * 2),
+            ack_wait_s=30.0,
+            max_deliver=20,
+        )
+        self.gateway = LedgerGateway(ledger, bus, metrics=self.metrics, concurrency=config.concurrency)
         self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
         self.reconciler = Reconciler(
-            ledger, api, unit=config.unit, metrics=self.metrics, grace_s=config.reserve_grace_s, rebind=self.handler
+            ledger,
+            api,
+            unit=config.unit,
+            metrics=self.metrics,
+            grace_s=config.reserve_grace_s,
+            rebind=self.handler,
+            annotate=self.annotations.sync,
         )
 
     def ready(self) -> bool:
         """Consuming, both watches listed, and one reconciliation done."""
         return (
             self.consumer.ready.is_set()
+            and self.annotation_consumer.ready.is_set()
+            and self.gateway.ready.is_set()
             and self.lifecycle.pods_synced.is_set()
             and self.lifecycle.nodes_synced.is_set()
             and self.reconciler.passes > 0
@@ -79,6 +106,8 @@ class Binder:
             asyncio.create_task(self.lifecycle.watch_pods(stop), name="pod-watch"),
             asyncio.create_task(self.lifecycle.watch_nodes(stop), name="node-watch"),
             asyncio.create_task(self.consumer.run(stop), name="consumer"),
+            asyncio.create_task(self.annotation_consumer.run(stop), name="annotations"),
+            asyncio.create_task(self.gateway.run(stop), name="agent-gateway"),
         ]
         stopper = asyncio.create_task(stop.wait())
         try:

@@ -1,9 +1,14 @@
 """The node agent: discovery and inventory, health, the three device plugins, usage and metrics.
 
-agent = NodeAgent(config, backend, ledger=..., bus=...)
-await agent.start()            # inventory recorded, plugins serving and registering
+agent = NodeAgent(config, backend, bus=...)
+await agent.start()            # GPUs discovered, plugins serving and registering, ledger loops started
 ...                            # background loops run until `agent.stop` is set
 await agent.close()
+
+The agent's only channel to the ledger is the bus (`ledger_link`): a snapshot of its node from the binder's
+gateway plus the node's events keep its view current, and inventory, health, assignments and exchanges go to
+the gateway as commands. When the ledger cannot be reached the agent keeps serving kubelet from what it knows,
+reports not ready, and retries with capped backoff; only a fatal error stops it (with a non-zero exit).
 """
 
 from __future__ import annotations
@@ -19,22 +24,21 @@ from typing import Any
 
 from services.node_agent import labels as node_labels
 from services.node_agent.assigner import Assigner
-from services.node_agent.assignment import PendingContainer, device_id
+from services.node_agent.assignment import device_id
 from services.node_agent.discovery import GpuBackend, GpuDevice, HealthChange, schedulable_mib
+from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUnavailable
 from services.node_agent.metrics import AgentMetrics
 from services.node_agent.plugin import PluginServer, dp_pb2
 from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
-from services.node_agent.view import allocated_by_gpu, load_containers
+from services.node_agent.view import NodeView, allocated_by_gpu
 from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
 from shared.events.bus import EventBus
-from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, UsageEvent
-from shared.ledger.ledger import Ledger
+from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UsageEvent
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
 
 RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)
-REFRESH_KINDS = ("reserved", "bound", "released", "exchanged", "failed", "assigned")
 
 
 @dataclass
@@ -49,8 +53,9 @@ class AgentConfig:
     type_label_key: str = "gpu-type"
     usage_interval_s: float = 5.0
     inventory_interval_s: float = 30.0
-    view_poll_s: float = 5.0
-    view_min_interval_s: float = 1.0  # reloads coalesce: a burst of events costs one ledger read per interval
+    resync_interval_s: float = 300.0  # a fresh snapshot now and then repairs whatever the stream could not
+    ledger_deadline_s: float = 10.0  # how long one snapshot or command may take, retries included
+    retry_max_s: float = 30.0  # the longest pause between attempts while the ledger is unreachable
     overuse_grace_s: float = 60.0
     evict_overusers: bool = False
     proc_root: Path = Path("/proc")
@@ -59,14 +64,12 @@ class AgentConfig:
 
 @dataclass
 class NodeAgent:
-    """One node's agent. Kubernetes access (`patch_pod`, `patch_node_labels`, `evict_pod`) is optional."""
+    """One node's agent. Kubernetes access (`patch_node_labels`, `evict_pod`) is optional."""
 
     config: AgentConfig
     backend: GpuBackend
-    ledger: Ledger
     bus: EventBus
     metrics: AgentMetrics = field(default_factory=AgentMetrics)
-    patch_pod: Callable[[str, str, dict[str, str]], Awaitable[None]] | None = None
     patch_node_labels: Callable[[str, dict[str, str]], Awaitable[None]] | None = None
     evict_pod: Callable[[str, str], Awaitable[None]] | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -75,21 +78,26 @@ class NodeAgent:
         self.gpus: list[GpuDevice] = []
         self.health: dict[str, bool] = {}
         self.driver = self.cuda = ""
+        self.failed: BaseException | None = None  # a fatal error stopped the agent
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._view: list[PendingContainer] = []
-        self._view_dirty = asyncio.Event()
+        self.link = LedgerLink(self.bus, self.config.node, max_backoff_s=min(5.0, self.config.retry_max_s))
+        self.view = NodeView(self.config.node)
+        self._reload_lock = asyncio.Lock()
+        self._inventory_sent = False  # the ledger holds the inventory last discovered
+        self._inventory_due = asyncio.Event()
         self.overuse = OveruseTracker(self.config.overuse_grace_s)
         self.last_usage: UsageEvent | None = None
         self.assigner = Assigner(
-            ledger=self.ledger,
+            link=self.link,
+            view=self.view,
+            reload=self.reload_view,
             node=self.config.node,
             unit=self.config.unit,
             pod_resources_socket=self.config.pod_resources_socket,
             gpu_memory_mib=lambda: {g.uuid: schedulable_mib(g.memory_total_mib, self.config.unit) for g in self.gpus},
             gpu_total_mib=lambda: {g.uuid: g.memory_total_mib for g in self.gpus},
             mps=self.config.mps,
-            patch_pod=self.patch_pod,
             on_outcome=lambda reason: self.metrics.plugin_outcomes.labels(self.config.node, reason).inc(),
         )
         self.plugins = [
@@ -98,8 +106,12 @@ class NodeAgent:
 
     # -- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        """Discover, record the inventory, label the node, start plugins and loops."""
-        await self.refresh_inventory(force=True)
+        """Discover the GPUs, start the plugins, then the loops that keep the ledger and the view current.
+
+        Nothing here waits for the ledger: kubelet is served from the start, and `ready()` says when the
+        ledger holds the inventory and the view is loaded.
+        """
+        await self.discover()
         for p in self.plugins:
             await p.start()
             self._spawn(p.watch(self.stop))
@@ -107,8 +119,10 @@ class NodeAgent:
         self._spawn(self._usage_loop())
         self._spawn(self._inventory_loop())
         self._spawn(self._view_loop())
-        with contextlib.suppress(Exception):
-            await self._subscribe()
+
+    def ready(self) -> bool:
+        """GPUs discovered, the inventory recorded, the view loaded and the ledger reachable."""
+        return bool(self.gpus) and self._inventory_sent and self.view.loaded and self.link.reachable
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -116,6 +130,7 @@ class NodeAgent:
         def _done(t: asyncio.Task[Any]) -> None:
             if not t.cancelled() and t.exception() is not None:
                 log.error("node agent task failed: %r", t.exception(), exc_info=t.exception())
+                self.failed = t.exception()
                 self.stop.set()
 
         task.add_done_callback(_done)
@@ -128,18 +143,46 @@ class NodeAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for p in self.plugins:
             await p.stop()
-        if getattr(self, "_sub", None) is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        await self.link.unfollow()
 
-    async def _subscribe(self) -> None:
-        """Core NATS subscription: refresh the allocation view on this node's life-cycle events."""
-        node_token = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.config.node) or "_"
+    # -- the view of the ledger -----------------------------------------------------------------
+    async def reload_view(self) -> bool:
+        """Load a snapshot of the node and follow its events from there; False when the ledger is unreachable.
 
-        async def on_msg(msg: Any) -> None:
-            self._view_dirty.set()
+        Concurrent callers share one reload.
+        """
+        if self._reload_lock.locked():
+            async with self._reload_lock:
+                return self.view.loaded
+        async with self._reload_lock:
+            try:
+                snapshot = await self.link.snapshot(deadline_s=self.config.ledger_deadline_s)
+                self.view.load(snapshot)
+                await self.link.follow(snapshot.stream_seq, self._on_event)
+            except (LedgerUnavailable, OSError, TimeoutError) as exc:
+                log.warning("could not load the node's view of the ledger: %s", exc, extra={"node": self.config.node})
+                return False
+            except Exception as exc:  # the stream subscription: NATS may be between reconnects
+                log.warning("could not follow the node's events: %r", exc, extra={"node": self.config.node})
+                return False
+        self._update_gpu_metrics()
+        return True
 
-        self._sub = await self.bus.nc.subscribe(f"{self.bus.names.prefix}.*.{node_token}", cb=on_msg)
+    def _on_event(self, event: Event) -> None:
+        if self.view.apply(event):
+            self._update_gpu_metrics()
+
+    async def _view_loop(self) -> None:
+        """Load the view (retrying with capped backoff while the ledger is away), then resync periodically."""
+        attempt = 0
+        while not self.stop.is_set():
+            if await self.reload_view():
+                attempt, pause = 0, self.config.resync_interval_s
+            else:
+                attempt += 1
+                pause = min(self.config.retry_max_s, 0.5 * 2**attempt)
+            if await _sleep_or_stop(self.stop, pause):
+                return
 
     # -- inventory and health -----------------------------------------------------------------
     def gpu_infos(self) -> list[GpuInfo]:
@@ -159,29 +202,40 @@ class NodeAgent:
             for g in self.gpus
         ]
 
-    async def refresh_inventory(self, *, force: bool = False) -> bool:
-        """Re-discover; record an InventoryEvent when something changed (or `force`). True if recorded."""
+    async def discover(self) -> bool:
+        """Re-discover the GPUs; True when something changed (the ledger then needs the new inventory)."""
         gpus = await asyncio.to_thread(self.backend.devices)
         driver, cuda = await asyncio.to_thread(self.backend.versions)
-        if not force and gpus == self.gpus and (driver, cuda) == (self.driver, self.cuda):
+        if gpus == self.gpus and (driver, cuda) == (self.driver, self.cuda):
             return False
         self.gpus, self.driver, self.cuda = gpus, driver, cuda
         for g in gpus:
             self.health.setdefault(g.uuid, True)
-        await self.ledger.record(
+        self._inventory_sent = False
+        self._notify()
+        self._update_gpu_metrics()
+        return True
+
+    async def refresh_inventory(self, *, force: bool = False) -> bool:
+        """Re-discover; send the inventory to the ledger when something changed, it was not sent yet, or
+        `force`. True when sent. Raises `LedgerUnavailable` / `CommandRefused` when it could not be."""
+        changed = await self.discover()
+        if not (force or changed or not self._inventory_sent):
+            return False
+        await self.link.send(
             InventoryEvent(
                 node=self.config.node,
                 gpus=self.gpu_infos(),
-                driver_version=driver,
-                cuda_version=cuda,
+                driver_version=self.driver,
+                cuda_version=self.cuda,
                 address=self.config.address,
                 source="node-agent",
-            )
+            ),
+            deadline_s=self.config.ledger_deadline_s,
         )
-        log.info("inventory recorded", extra={"node": self.config.node, "gpus": len(gpus)})
-        self._notify()
+        self._inventory_sent = True
+        log.info("inventory recorded", extra={"node": self.config.node, "gpus": len(self.gpus)})
         await self._label_node()
-        self._update_gpu_metrics()
         return True
 
     async def _label_node(self) -> None:
@@ -204,19 +258,28 @@ class NodeAgent:
         if change.gpu_uuid not in self.health or self.health[change.gpu_uuid] == change.healthy:
             return False
         self.health[change.gpu_uuid] = change.healthy
-        await self.ledger.record(
-            HealthEvent(
-                node=self.config.node,
-                gpu_uuid=change.gpu_uuid,
-                healthy=change.healthy,
-                reason=change.reason,
-                source="node-agent",
+        self._notify()  # kubelet hears it at once, whether or not the ledger does
+        try:
+            await self.link.send(
+                HealthEvent(
+                    node=self.config.node,
+                    gpu_uuid=change.gpu_uuid,
+                    healthy=change.healthy,
+                    reason=change.reason,
+                    source="node-agent",
+                ),
+                deadline_s=self.config.ledger_deadline_s,
             )
-        )
+        except (LedgerUnavailable, CommandRefused) as exc:
+            # the inventory carries every GPU's health: resending it brings the ledger up to date
+            log.warning(
+                "could not record GPU %s health in the ledger (%s); resending the inventory", change.gpu_uuid, exc
+            )
+            self._inventory_sent = False
+            self._inventory_due.set()
         log.warning(
             "GPU %s is now %s: %s", change.gpu_uuid, "healthy" if change.healthy else "unhealthy", change.reason
         )
-        self._notify()
         self._update_gpu_metrics()
         return True
 
@@ -227,8 +290,19 @@ class NodeAgent:
                 await self.apply_health(change)
 
     async def _inventory_loop(self) -> None:
-        while not await _sleep_or_stop(self.stop, self.config.inventory_interval_s):
-            await self.refresh_inventory()
+        """Keep the ledger's inventory current: at start, on change (checked every interval), after a failed
+        health write; while the ledger is unreachable, retry with capped backoff and one log line per try."""
+        attempt = 0
+        while not self.stop.is_set():
+            self._inventory_due.clear()
+            try:
+                await self.refresh_inventory()
+                attempt, pause = 0, self.config.inventory_interval_s
+            except (LedgerUnavailable, CommandRefused) as exc:
+                attempt += 1
+                pause = min(self.config.retry_max_s, 0.5 * 2**attempt)
+                log.warning("inventory not recorded (%s); retrying in %.0fs", exc, pause)
+            await _wait_any((self._inventory_due, self.stop), pause)
 
     # -- device plugin handler ------------------------------------------------------------------
     def changed(self) -> asyncio.Event:
@@ -265,43 +339,25 @@ class NodeAgent:
         """gpu-mem carries the assignment and the env; gpu-core / gpu-count are counted only."""
         if resource != RESOURCE_MEM:
             return {}
-        env = await self.assigner.allocate(device_ids)
-        self._view_dirty.set()
-        return env
+        return await self.assigner.allocate(device_ids)
 
     async def prestart(self, resource: str, device_ids: list[str]) -> None:
         """gpu-mem: confirm the container against kubelet's pod-resources API."""
         if resource == RESOURCE_MEM:
             await self.assigner.prestart(device_ids)
-            self._view_dirty.set()
 
-    # -- allocation view, usage, metrics --------------------------------------------------------
-    async def _view_loop(self) -> None:
-        while not self.stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._view_dirty.wait(), self.config.view_poll_s)
-            self._view_dirty.clear()
-            if self.stop.is_set():
-                return
-            try:
-                self._view = await load_containers(self.ledger.engine, self.config.node)
-            except Exception as exc:
-                log.warning("could not read the ledger: %s", exc)
-                continue
-            self._update_gpu_metrics()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), self.config.view_min_interval_s)
-
+    # -- usage, metrics ---------------------------------------------------------------------------
     def _update_gpu_metrics(self) -> None:
         m, node = self.metrics, self.config.node
-        allocated = allocated_by_gpu(self._view)
+        view = self.view.containers()
+        allocated = allocated_by_gpu(view)
         for g in self.gpus:
             labels = (node, g.uuid, str(g.index), g.model)
             m.gpu_total.labels(*labels).set(schedulable_mib(g.memory_total_mib, self.config.unit))
             m.gpu_allocated.labels(*labels).set(allocated.get(g.uuid, 0))
             m.gpu_healthy.labels(*labels).set(1 if self.health.get(g.uuid, True) else 0)
         pods: dict[tuple[str, str], int] = {}
-        for c in self._view:
+        for c in view:
             if not c.init:
                 key = (c.namespace, c.pod_name)
                 pods[key] = pods.get(key, 0) + sum(s.memory_mib for s in c.shares)
@@ -312,8 +368,7 @@ class NodeAgent:
         """Sample processes, publish a UsageEvent on the bus, update metrics, track over-use."""
         processes = await asyncio.to_thread(self.backend.processes)
         utilization = await asyncio.to_thread(self.backend.utilization)
-        view = await load_containers(self.ledger.engine, self.config.node)
-        self._view = view
+        view = self.view.containers()
         samples = build_samples(processes, utilization, pid_to_pod_uid(self.config.proc_root), view)
         event = UsageEvent(node=self.config.node, samples=samples, source="node-agent")
         await self.bus.publish(event)
@@ -364,6 +419,16 @@ class NodeAgent:
                 await self.sample_usage()
             except Exception as exc:
                 log.warning("usage sampling failed: %s", exc)
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], seconds: float) -> None:
+    """Wait until one of `events` is set or `seconds` passed."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:

@@ -1,18 +1,22 @@
 """The I/O shell of exact assignment: GetPreferredAllocation, Allocate and PreStartContainer for
-`aliyun.com/gpu-mem`, against the ledger and kubelet's pod-resources API.
+`aliyun.com/gpu-mem`, against the agent's view of the ledger and kubelet's pod-resources API.
 
-Allocate picks the pending container (see `assignment`) and remembers the decision under the device
-set. PreStartContainer asks kubelet which container really holds the devices: the chosen one ->
-`assigned`; another pending container of identical share shape -> the ledger exchanges the two shares
-(so it records what each container really received), then `assigned`; anything else -> refused, and the
-container does not start. No node-wide lock: decisions are in-memory steps without awaits between
-choosing and claiming.
+GetPreferredAllocation and Allocate answer from the local view (`view.NodeView`, fed by the node's events);
+when Allocate finds no match, the view may lag a reservation that was just made, so it is reloaded from the
+ledger's gateway once before refusing. Allocate picks the pending container (see `assignment`) and remembers
+the decision under the device set. PreStartContainer asks kubelet which container really holds the devices:
+the chosen one -> `assigned`; another pending container of identical share shape -> the ledger exchanges the
+two shares (so it records what each container really received), then `assigned`; anything else -> refused,
+and the container does not start. The confirmation must reach the ledger before the container starts: it is
+a command to the gateway with a bounded deadline, and when the ledger cannot be reached in time PreStart
+fails with a short reason (kubelet retries). No node-wide lock: decisions are in-memory steps without awaits
+between choosing and claiming.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,16 +32,16 @@ from services.node_agent.assignment import (
     preferred_devices,
     units_by_gpu,
 )
-from services.node_agent.view import load_containers
-from shared.annotations import GPU_MEM_ASSIGNED, GPU_MEM_ASSUME_TIME, RESOURCE_MEM
-from shared.ledger.ledger import Ledger
-from shared.ledger.rules import ExchangeRefused
+from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUnavailable
+from services.node_agent.view import NodeView
+from shared.annotations import RESOURCE_MEM
+from shared.events.catalogue import AssignedEvent, ExchangedEvent, decode_event
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
 
 Key = tuple[uuid.UUID, str]
-PatchPod = Callable[[str, str, dict[str, str]], Awaitable[None]]
+CONFIRM_DEADLINE_S = 20.0  # kubelet waits for PreStartContainer; a later retry of its own starts over
 
 
 @dataclass
@@ -54,30 +58,36 @@ class Assigner:
     def __init__(
         self,
         *,
-        ledger: Ledger,
+        link: LedgerLink,
+        view: NodeView,
+        reload: Callable[[], Awaitable[bool]],
         node: str,
         unit: MemoryUnit,
         pod_resources_socket: str,
         gpu_memory_mib: Callable[[], dict[str, int]],
         gpu_total_mib: Callable[[], dict[str, int]],
         mps: bool = False,
-        patch_pod: PatchPod | None = None,
         on_outcome: Callable[[str], None] | None = None,
+        confirm_deadline_s: float = CONFIRM_DEADLINE_S,
     ) -> None:
-        self.ledger = ledger
+        self.link = link
+        self.view = view
+        self.reload = reload
         self.node = node
         self.unit = unit
         self.pod_resources_socket = pod_resources_socket
         self.gpu_memory_mib = gpu_memory_mib
         self.gpu_total_mib = gpu_total_mib
         self.mps = mps
-        self.patch_pod = patch_pod
         self.on_outcome = on_outcome or (lambda _reason: None)
+        self.confirm_deadline_s = confirm_deadline_s
         self.decisions: dict[frozenset[str], list[Decision]] = {}
 
     async def containers(self) -> list[PendingContainer]:
-        """A fresh view of the node's live containers; forgets decisions of ended allocations."""
-        view = await load_containers(self.ledger.engine, self.node)
+        """The node's live containers from the view; forgets decisions of ended allocations."""
+        if not self.view.loaded:
+            await self.reload()
+        view = self.view.containers()
         live = {c.key for c in view}
         for key in list(self.decisions):
             kept = [d for d in self.decisions[key] if d.target in live]
@@ -109,16 +119,17 @@ class Assigner:
         """
         view = await self.containers()
         try:
-            try:
-                chosen = match_container(view, self.claimed(), device_ids, self.unit)
-            except AssignmentError as first:
-                try:
-                    chosen = match_container(view, self.claimed(started_only=True), device_ids, self.unit)
-                except AssignmentError:
-                    raise first from None
+            chosen = self._match(view, device_ids)
         except AssignmentError:
-            self.on_outcome("no_match")
-            raise
+            # the view may lag a reservation made a moment ago: read the ledger once before refusing
+            if not await self.reload():
+                self.on_outcome("no_match")
+                raise
+            try:
+                chosen = self._match(await self.containers(), device_ids)
+            except AssignmentError:
+                self.on_outcome("no_match")
+                raise
         self.decisions.setdefault(frozenset(device_ids), []).append(Decision(chosen.key))
         log.info(
             "Allocate: %d units -> %s/%s container %s",
@@ -130,6 +141,15 @@ class Assigner:
         )
         self.on_outcome("allocated")
         return container_env(chosen, self.gpu_memory_mib(), self.gpu_total_mib(), self.unit, mps=self.mps)
+
+    def _match(self, view: list[PendingContainer], device_ids: list[str]) -> PendingContainer:
+        try:
+            return match_container(view, self.claimed(), device_ids, self.unit)
+        except AssignmentError as first:
+            try:
+                return match_container(view, self.claimed(started_only=True), device_ids, self.unit)
+            except AssignmentError:
+                raise first from None
 
     async def prestart(self, device_ids: list[str]) -> None:
         """Confirm (or correct through an exchange) who received `device_ids`; AssignmentError otherwise."""
@@ -166,7 +186,7 @@ class Assigner:
                 owner = next(
                     (
                         o
-                        for o in sorted(view, key=lambda o: o.reserved_at)
+                        for o in sorted(view, key=lambda o: o.admission_order)
                         if not o.assigned
                         and o.key != h.key
                         and o.units(self.unit) == want
@@ -222,11 +242,15 @@ class Assigner:
 
     async def _exchange(self, expected: PendingContainer, actual: PendingContainer) -> None:
         """Swap `expected`'s share (the devices' GPUs) with `actual`'s, then mark `actual` assigned."""
-        try:
-            await self.ledger.exchange(self.node, expected.key, actual.key)
-        except ExchangeRefused as exc:
-            self.on_outcome("refused")
-            raise AssignmentError(f"the ledger refused to exchange the shares: {exc}") from None
+        command = ExchangedEvent(
+            node=self.node,
+            first_allocation_id=expected.allocation_id,
+            first_container=expected.container,
+            second_allocation_id=actual.allocation_id,
+            second_container=actual.container,
+            source="node-agent",
+        )
+        await self._command(command, refused_outcome="refused")
         self._retarget(actual.key, expected.key)
         log.warning(
             "kubelet admitted %s/%s/%s where %s/%s/%s was expected; exchanged their equal shares in the ledger",
@@ -242,19 +266,32 @@ class Assigner:
         await self._confirm(refreshed.get(actual.key, actual))
 
     async def _confirm(self, c: PendingContainer) -> None:
+        """Record in the ledger that `c` received its GPU(s) (the binder then sets the pod's assigned flag)."""
         if not c.assigned:
-            await self.ledger.mark_assigned(
-                c.allocation_id, c.pod_uid, self.node, c.container, [s.gpu_uuid for s in c.shares]
+            command = AssignedEvent(
+                allocation_id=c.allocation_id,
+                pod_uid=c.pod_uid,
+                node=self.node,
+                container=c.container,
+                gpu_uuids=[s.gpu_uuid for s in c.shares],
+                source="node-agent",
             )
+            await self._command(command, refused_outcome="refused")
             self.on_outcome("assigned")
             log.info("assigned %s/%s container %s", c.namespace, c.pod_name, c.container)
-            if self.patch_pod is not None:
-                try:
-                    await self.patch_pod(
-                        c.namespace, c.pod_name, {GPU_MEM_ASSIGNED: "true", GPU_MEM_ASSUME_TIME: str(time.time_ns())}
-                    )
-                except Exception as exc:  # the ledger is authoritative; the annotation is for gpushare tools
-                    log.warning("could not annotate pod %s/%s: %s", c.namespace, c.pod_name, exc)
+
+    async def _command(self, command: AssignedEvent | ExchangedEvent, *, refused_outcome: str) -> None:
+        """Send a command and fold the staged event into the view at once; AssignmentError with a short reason
+        when the ledger refuses it or cannot be reached before the deadline."""
+        try:
+            reply = await self.link.send(command, deadline_s=self.confirm_deadline_s)
+        except CommandRefused as exc:
+            self.on_outcome(refused_outcome)
+            raise AssignmentError(str(exc)) from None
+        except LedgerUnavailable as exc:
+            self.on_outcome("ledger_unavailable")
+            raise AssignmentError(f"the GPU assignment could not be recorded in the ledger: {exc}") from None
+        self.view.apply(decode_event(json.dumps(reply.event)) if reply.event is not None else command)
 
 
 def _names(holders: list[tuple]) -> str:

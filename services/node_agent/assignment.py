@@ -53,6 +53,14 @@ class PendingContainer:
     reserved_at: datetime
     assigned: bool = False
     pod_memory_mib: int = 0
+    pod_created_at: datetime | None = None
+
+    @property
+    def admission_order(self) -> tuple[datetime, datetime]:
+        """When kubelet will admit this container's pod relative to others: pods by creation time (whole
+        seconds, as the API stores it), then, for pods created together, in the order they were bound (which
+        follows the order they were reserved)."""
+        return (self.pod_created_at or self.reserved_at, self.reserved_at)
 
     @property
     def key(self) -> tuple[uuid.UUID, str]:
@@ -95,15 +103,15 @@ def units_by_gpu(device_ids: Iterable[str]) -> Counter[str]:
     return Counter(gpu_of(d) for d in device_ids)
 
 
-def _order(c: PendingContainer) -> tuple[datetime, str, bool, int]:
-    # oldest reservation first; within a pod, init containers first, then by container index
-    return (c.reserved_at, str(c.allocation_id), not c.init, c.container_index)
+def _order(c: PendingContainer) -> tuple[tuple[datetime, datetime], str, bool, int]:
+    # kubelet's admission order first; within a pod, init containers first, then by container index
+    return (c.admission_order, str(c.allocation_id), not c.init, c.container_index)
 
 
 def candidates(
     pending: Sequence[PendingContainer], claimed: set[tuple[uuid.UUID, str]], size: int, unit: MemoryUnit
 ) -> list[PendingContainer]:
-    """Unassigned, unclaimed containers holding exactly `size` units, oldest first."""
+    """Unassigned, unclaimed containers holding exactly `size` units, in kubelet's admission order."""
     return sorted(
         (c for c in pending if not c.assigned and c.key not in claimed and c.total_units(unit) == size),
         key=_order,

@@ -22,7 +22,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="run the node agent (GPU discovery, kubelet device plugins, exact assignment, usage)",
         description="Discover the node's GPUs (NVML, or --fake-gpus), record them in the ledger, serve the "
         "aliyun.com/gpu-mem, gpu-core and gpu-count device plugins to kubelet, hand each container exactly "
-        "the GPU the ledger reserved for it, and publish usage and health.",
+        "the GPU the ledger reserved for it, and publish usage and health. The agent talks to the ledger over "
+        "NATS only (the binder answers for it): it needs no database URL.",
     )
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default $NODE_NAME)")
     p.add_argument(
@@ -42,7 +43,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9119, help="port of /metrics, /healthz, /readyz (default 9119)")
     p.add_argument("--mps", action="store_true", help="the node runs the MPS control daemon: hand out MPS limits")
     p.add_argument("--type-label-key", default="gpu-type", help="node label key for the short GPU type ('' = none)")
-    p.add_argument("--kubeconfig", help="kubeconfig for node labels and pod annotations (default: in-cluster)")
+    p.add_argument("--kubeconfig", help="kubeconfig for node labels and evictions (default: in-cluster)")
     p.add_argument("--usage-interval", type=float, default=5.0, help="seconds between usage samples (default 5)")
     p.add_argument(
         "--overuse-grace", type=float, default=60.0, help="seconds a pod may use more than allocated (default 60)"
@@ -87,12 +88,9 @@ async def _kube(kubeconfig: str | None) -> dict[str, Any]:
     try:
         api = await api_client(kubeconfig)
     except (ConfigException, OSError) as exc:
-        log.warning("no Kubernetes access (%s): node labels and pod annotations are skipped", exc)
+        log.warning("no Kubernetes access (%s): node labels and evictions are skipped", exc)
         return {}
     core = client.CoreV1Api(api)
-
-    async def patch_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
-        await core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
 
     async def patch_node_labels(node: str, labels: dict[str, str]) -> None:
         await core.patch_node(node, {"metadata": {"labels": labels}})
@@ -107,7 +105,7 @@ async def _kube(kubeconfig: str | None) -> dict[str, Any]:
             body["apiVersion"] = "policy/v1beta1"  # clusters before 1.22
             await core.create_namespaced_pod_eviction(name, namespace, body)
 
-    return {"patch_pod": patch_pod, "patch_node_labels": patch_node_labels, "evict_pod": evict_pod, "api": api}
+    return {"patch_node_labels": patch_node_labels, "evict_pod": evict_pod, "api": api}
 
 
 async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> int:
@@ -130,14 +128,14 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         proc_root=Path(args.proc_root),
         address=args.node_address,
     )
-    async with ServiceRuntime("node-agent", settings, pool_size=4) as rt:
+    async with ServiceRuntime("node-agent", settings, database=False) as rt:
         kube = await _kube(args.kubeconfig)
         api = kube.pop("api", None)
-        assert rt.ledger is not None and rt.bus is not None
-        agent = NodeAgent(config, backend, ledger=rt.ledger, bus=rt.bus, stop=rt.stop, **kube)
+        assert rt.bus is not None
+        agent = NodeAgent(config, backend, bus=rt.bus, stop=rt.stop, **kube)
         await agent.start()
         app = FastAPI(title="gpushare node agent", docs_url=None, redoc_url=None)
-        install_common(app, ready=lambda: bool(agent.gpus) and not rt.stop.is_set(), registry=agent.metrics.registry)
+        install_common(app, ready=lambda: agent.ready() and not rt.stop.is_set(), registry=agent.metrics.registry)
 
         @app.get("/v1/devices")
         async def devices() -> dict[str, Any]:
@@ -154,4 +152,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
             await agent.close()
             if api is not None:
                 await api.close()
+    if agent.failed is not None:
+        log.error("node agent stopped by a fatal error: %r", agent.failed)
+        return 1
     return 0

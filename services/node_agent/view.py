@@ -1,69 +1,167 @@
-"""The agent's read-only view of live allocations on its node, loaded from the ledger tables."""
+"""The agent's view of the live allocations on its node: a snapshot from the ledger's gateway, kept current by
+the node's events from the stream (pure: no I/O).
+
+Every event applies idempotently, so the events that follow the snapshot's stream sequence may repeat what
+the snapshot already holds: a reservation known or recently ended is not added again, states only move
+forward, and an exchange moves shares only when it is newer than the allocation's version.
+"""
 
 from __future__ import annotations
 
-from sqlalchemy import and_, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+import uuid
+from collections import OrderedDict
+from dataclasses import replace
 
 from services.node_agent.assignment import PendingContainer, Share
-from shared.ledger.models import allocation_parts, allocations
-from shared.ledger.rules import gpu_charges
+from shared.events.agent_rpc import ContainerRecord, NodeSnapshot
+from shared.events.catalogue import (
+    AssignedEvent,
+    Event,
+    ExchangedEvent,
+    FailedEvent,
+    ReleasedEvent,
+    ReservedEvent,
+)
+from shared.ledger.rules import gpu_charges, moved_to
 
-LIVE = ("reserved", "bound", "assigned")
+ENDED_REMEMBERED = 4096
 
 
-async def load_containers(engine: AsyncEngine, node: str) -> list[PendingContainer]:
-    """Every container with GPU shares in a live allocation on `node` (assigned ones flagged)."""
-    query = (
-        select(
-            allocations.c.id,
-            allocations.c.pod_uid,
-            allocations.c.namespace,
-            allocations.c.pod_name,
-            allocations.c.reserved_at,
-            allocation_parts.c.container,
-            allocation_parts.c.container_index,
-            allocation_parts.c.init,
-            allocation_parts.c.gpu_uuid,
-            allocation_parts.c.gpu_index,
-            allocation_parts.c.memory_mib,
-            allocation_parts.c.compute,
-            allocation_parts.c.assigned_at,
-        )
-        .join(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)
-        .where(and_(allocations.c.node == node, allocations.c.state.in_(LIVE)))
-    )
-    async with engine.connect() as conn:
-        rows = (await conn.execute(query)).all()
-    grouped: dict[tuple, list] = {}
-    for r in rows:
-        grouped.setdefault((r.id, r.container, r.container_index, r.init), []).append(r)
-    pod_memory: dict = {}
-    for r in rows:
-        if not r.init:
-            pod_memory[r.id] = pod_memory.get(r.id, 0) + r.memory_mib
-    out = []
-    for (alloc_id, container, index, init), parts in grouped.items():
-        first = parts[0]
-        out.append(
-            PendingContainer(
-                allocation_id=alloc_id,
-                pod_uid=first.pod_uid,
-                namespace=first.namespace,
-                pod_name=first.pod_name,
+class NodeView:
+    """Live containers of one node, by (allocation id, container name)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._containers: dict[tuple[uuid.UUID, str], PendingContainer] = {}
+        self._versions: dict[uuid.UUID, int] = {}
+        self._ended: OrderedDict[uuid.UUID, None] = OrderedDict()
+        self.loaded = False
+        self.stream_seq = 0
+
+    def load(self, snapshot: NodeSnapshot) -> None:
+        """Replace the view with a snapshot (events after `snapshot.stream_seq` are applied on top)."""
+        self._containers = {}
+        self._versions = {}
+        for alloc_id in snapshot.ended:
+            self._end(alloc_id)
+        by_alloc: dict[uuid.UUID, list[ContainerRecord]] = {}
+        for record in snapshot.containers:
+            by_alloc.setdefault(record.allocation_id, []).append(record)
+        for alloc_id, records in by_alloc.items():
+            self._ended.pop(alloc_id, None)
+            pod_memory = sum(s.memory_mib for r in records if not r.init for s in r.shares)
+            self._versions[alloc_id] = records[0].version
+            for r in records:
+                self._containers[(alloc_id, r.container)] = PendingContainer(
+                    allocation_id=alloc_id,
+                    pod_uid=r.pod_uid,
+                    namespace=r.namespace,
+                    pod_name=r.pod_name,
+                    container=r.container,
+                    container_index=r.container_index,
+                    init=r.init,
+                    shares=tuple(
+                        Share(s.gpu_uuid, s.gpu_index, s.memory_mib, s.compute)
+                        for s in sorted(r.shares, key=lambda s: s.gpu_index)
+                    ),
+                    reserved_at=r.reserved_at,
+                    assigned=r.assigned,
+                    pod_memory_mib=pod_memory,
+                    pod_created_at=r.pod_created_at,
+                )
+        self.loaded = True
+        self.stream_seq = snapshot.stream_seq
+
+    def containers(self) -> list[PendingContainer]:
+        """Every container of a live allocation on the node."""
+        return list(self._containers.values())
+
+    def version(self, allocation_id: uuid.UUID) -> int | None:
+        """The allocation's version as the view knows it (None: not live here)."""
+        return self._versions.get(allocation_id)
+
+    def apply(self, event: Event) -> bool:
+        """Fold one of the node's events in; True when the view changed."""
+        match event:
+            case ReservedEvent():
+                return self._reserved(event)
+            case AssignedEvent():
+                key = (event.allocation_id, event.container)
+                current = self._containers.get(key)
+                if current is None or current.assigned:
+                    return False
+                self._containers[key] = replace(current, assigned=True)
+                return True
+            case ExchangedEvent():
+                return self._exchanged(event)
+            case ReleasedEvent() | FailedEvent():
+                return self._end(event.allocation_id)
+        return False
+
+    def _reserved(self, event: ReservedEvent) -> bool:
+        if event.node != self.node or event.allocation_id in self._ended or event.allocation_id in self._versions:
+            return False
+        pod_memory = sum(p.memory_mib for p in event.parts if not p.init)
+        grouped: dict[tuple[str, int, bool], list[Share]] = {}
+        for p in event.parts:
+            grouped.setdefault((p.container, p.container_index, p.init), []).append(
+                Share(p.gpu_uuid, p.gpu_index, p.memory_mib, p.compute)
+            )
+        for (container, index, init), shares in grouped.items():
+            self._containers[(event.allocation_id, container)] = PendingContainer(
+                allocation_id=event.allocation_id,
+                pod_uid=event.pod_uid,
+                namespace=event.namespace,
+                pod_name=event.pod_name,
                 container=container,
                 container_index=index,
                 init=init,
-                shares=tuple(
-                    Share(p.gpu_uuid, p.gpu_index, p.memory_mib, p.compute)
-                    for p in sorted(parts, key=lambda p: p.gpu_index)
-                ),
-                reserved_at=first.reserved_at,
-                assigned=all(p.assigned_at is not None for p in parts),
-                pod_memory_mib=pod_memory.get(alloc_id, 0),
+                shares=tuple(sorted(shares, key=lambda s: s.gpu_index)),
+                reserved_at=event.occurred_at,
+                pod_memory_mib=pod_memory,
+                pod_created_at=event.pod_created_at,
             )
-        )
-    return out
+        self._versions[event.allocation_id] = 1
+        return True
+
+    def _exchanged(self, event: ExchangedEvent) -> bool:
+        """Apply an exchange's result to each allocation it makes newer (a stale or repeated copy: nothing)."""
+        changed = False
+        for alloc_id in dict.fromkeys((event.first_allocation_id, event.second_allocation_id)):
+            version = event.version_of(alloc_id)
+            if version is None or alloc_id not in self._versions or version <= self._versions[alloc_id]:
+                continue
+            for key, c in list(self._containers.items()):
+                if key[0] != alloc_id:
+                    continue
+                shares = []
+                for s in c.shares:
+                    target = moved_to(alloc_id, _SharePart(c.container, s.gpu_uuid, s.gpu_index), event.moves)
+                    shares.append(s if target is None else Share(target[0], target[1], s.memory_mib, s.compute))
+                self._containers[key] = replace(c, shares=tuple(sorted(shares, key=lambda s: s.gpu_index)))
+            self._versions[alloc_id] = version
+            changed = True
+        return changed
+
+    def _end(self, allocation_id: uuid.UUID) -> bool:
+        self._ended[allocation_id] = None
+        self._ended.move_to_end(allocation_id)
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+        if self._versions.pop(allocation_id, None) is None:
+            return False
+        for key in [k for k in self._containers if k[0] == allocation_id]:
+            del self._containers[key]
+        return True
+
+
+class _SharePart:
+    """A share seen as a movable part (what `rules.moved_to` reads)."""
+
+    __slots__ = ("container", "gpu_index", "gpu_uuid")
+
+    def __init__(self, container: str, gpu_uuid: str, gpu_index: int) -> None:
+        self.container, self.gpu_uuid, self.gpu_index = container, gpu_uuid, gpu_index
 
 
 def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:

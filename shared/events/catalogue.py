@@ -49,10 +49,10 @@ class _EventBase(BaseModel):
     def subject_token(self) -> str:
         """The last subject token: the node concerned, or `_` for cluster-wide events."""
         node = getattr(self, "node", None)
-        return _token(node) if node else "_"
+        return node_token(node) if node else "_"
 
 
-def _token(name: str) -> str:
+def node_token(name: str) -> str:
     """A NATS subject token for a node name (dots, wildcards and spaces are not allowed in tokens)."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "_"
 
@@ -118,6 +118,9 @@ class ReservedEvent(_EventBase):
     owner_name: Annotated[str, Field(max_length=253)] = ""
     node: Name
     parts: Annotated[list[AllocationPart], Field(min_length=1, max_length=1024)]
+    pod_created_at: datetime | None = Field(
+        default=None, description="The pod's creationTimestamp: kubelet admits pods in this order"
+    )
 
 
 class BoundEvent(_EventBase):
@@ -175,6 +178,18 @@ class ReleasedEvent(_EventBase):
     reason: ShortText = ""
 
 
+class PartMove(BaseModel):
+    """Where one part of a container's share went in an exchange."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allocation_id: uuid.UUID
+    container: Name
+    from_gpu_uuid: Name
+    to_gpu_uuid: Name
+    to_gpu_index: Annotated[int, Field(ge=0, le=1024)]
+
+
 class ExchangedEvent(_EventBase):
     """Two containers on one node swapped their equal-sized GPU shares.
 
@@ -182,6 +197,11 @@ class ExchangedEvent(_EventBase):
     Allocate carries no pod identity). When kubelet admitted another pod than the one the agent expected,
     and both wait for shares of identical size, the ledger swaps the two shares so that it records what
     each container really received. Capacity per GPU is unchanged by construction.
+
+    The ledger fills in the result: every part's move and each allocation's new `version` (raised by one per
+    exchange). Applying the result instead of swapping again makes the event idempotent: a copy applied
+    twice, or applied on top of a snapshot that already holds it, changes nothing (the version says so).
+    A command from the node agent carries no result; events from before the result existed are swapped.
     """
 
     kind: Literal["exchanged"] = "exchanged"
@@ -190,6 +210,14 @@ class ExchangedEvent(_EventBase):
     first_container: Name
     second_allocation_id: uuid.UUID
     second_container: Name
+    moves: Annotated[list[PartMove], Field(max_length=256)] = Field(default_factory=list)
+    versions: Annotated[dict[str, Annotated[int, Field(ge=1)]], Field(max_length=2)] = Field(
+        default_factory=dict, description="allocation id -> its version after the exchange"
+    )
+
+    def version_of(self, allocation_id: uuid.UUID) -> int | None:
+        """The allocation's version after this exchange (None when the event carries no result)."""
+        return self.versions.get(str(allocation_id))
 
 
 class UsageSample(BaseModel):

@@ -70,7 +70,14 @@ class DurableConsumer:
             return names.subject(next(iter(self.kinds)), ">")
         return f"{names.prefix}.>"
 
+    def _filter_subjects(self) -> list[str] | None:
+        """One filter per kind when several kinds are wanted (the server then sends nothing else)."""
+        if self.kinds and len(self.kinds) > 1:
+            return [self.bus.names.subject(kind, ">") for kind in sorted(self.kinds)]
+        return None
+
     async def _subscribe(self) -> Any:
+        several = self._filter_subjects()
         config = ConsumerConfig(
             durable_name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -78,7 +85,8 @@ class DurableConsumer:
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver + 1,
             max_ack_pending=max(1000, self.batch * 4),
-            filter_subject=self._filter_subject(),
+            filter_subject=None if several else self._filter_subject(),
+            filter_subjects=several,
         )
         return await self.bus.js.pull_subscribe(
             self._filter_subject(), durable=self.durable, stream=self.bus.names.stream, config=config

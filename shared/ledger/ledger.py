@@ -26,7 +26,7 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger import inventory, outbox, quotas, reservations, transitions
+from shared.ledger import idempotency, inventory, outbox, quotas, reservations, transitions
 from shared.ledger.reservations import Reservation, ReservationRequest
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,24 @@ class Ledger:
             self.on_commit()
 
     async def record(self, event: LedgerEvent) -> object:
-        """Apply one event and stage it, in one transaction."""
+        """Apply one event and stage it, in one transaction (an exchange is staged with its result)."""
         async with self.engine.begin() as conn:
             result = await apply_event(conn, event)
-            await outbox.stage(conn, self.prefix, event)
+            await outbox.stage(conn, self.prefix, result if isinstance(result, ExchangedEvent) else event)
+        self._committed()
+        return result
+
+    async def record_once(self, event: LedgerEvent, consumer: str) -> object | None:
+        """`record`, unless `consumer` already applied this event id (then nothing is written: None).
+
+        For commands that are not idempotent by themselves (an exchange applied twice swaps back) and that a
+        sender may repeat after a lost reply.
+        """
+        async with self.engine.begin() as conn:
+            if not await idempotency.claim(conn, consumer, event.event_id):
+                return None
+            result = await apply_event(conn, event)
+            await outbox.stage(conn, self.prefix, result if isinstance(result, ExchangedEvent) else event)
         self._committed()
         return result
 
@@ -159,7 +173,8 @@ class Ledger:
     ) -> bool:
         """Swap two containers' equal-sized shares (allocation id, container name each).
 
-        Raises `rules.ExchangeRefused` (and writes nothing) when the shares differ.
+        Raises `rules.ExchangeRefused` (and writes nothing) when the shares differ or a container would
+        exchange with itself.
         """
         return bool(
             await self.record(

@@ -100,6 +100,8 @@ allocations = Table(
     Column("assigned_at", DateTime(timezone=True)),
     Column("ended_at", DateTime(timezone=True)),
     Column("terminating_at", DateTime(timezone=True)),  # the pod got a deletionTimestamp; the share stays held
+    Column("version", Integer, nullable=False, server_default="1"),  # raised by every exchange
+    Column("pod_created_at", DateTime(timezone=True)),  # kubelet admits pods in creation order
     CheckConstraint("state IN ('reserved', 'bound', 'assigned', 'released', 'failed')", name="known_state"),
     Index("uq_allocations_live_pod", "pod_uid", unique=True, postgresql_where=text(LIVE_SQL)),
     Index("ix_allocations_node_state", "node", "state"),

@@ -167,6 +167,8 @@ async def load_state(conn: AsyncConnection) -> LedgerState:
             assigned_at=r.assigned_at,
             ended_at=r.ended_at,
             terminating_at=r.terminating_at,
+            version=r.version,
+            pod_created_at=r.pod_created_at,
             parts=tuple(part_from_row(p) for p in rows),
             assigned_containers={p.container: p.assigned_at for p in rows if p.assigned_at is not None},
         )
@@ -239,6 +241,8 @@ async def write_state(engine: AsyncEngine, state: LedgerState) -> None:
                         "assigned_at": a.assigned_at,
                         "ended_at": a.ended_at,
                         "terminating_at": a.terminating_at,
+                        "version": a.version,
+                        "pod_created_at": a.pod_created_at,
                     }
                     for i, a in state.allocations.items()
                 ],

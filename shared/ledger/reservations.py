@@ -50,6 +50,7 @@ class ReservationRequest:
     owner_kind: str = ""
     owner_name: str = ""
     allocation_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    pod_created_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ def reserved_event(req: ReservationRequest, *, source: str = "") -> ReservedEven
         owner_name=req.owner_name,
         node=req.node,
         parts=list(req.parts),
+        pod_created_at=req.pod_created_at,
         source=source,
     )
 
@@ -126,6 +128,7 @@ async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
             memory_mib=total_memory,
             compute=total_compute,
             reserved_at=at,
+            pod_created_at=event.pod_created_at,
         )
         .on_conflict_do_nothing(index_elements=["pod_uid"], index_where=text(LIVE_SQL))
         .returning(allocations.c.id)

@@ -112,3 +112,20 @@ def exchange_plan(first: list[Any], second: list[Any]) -> list[tuple[Any, str, i
         plan.append((pa, pb.gpu_uuid, pb.gpu_index, pa.gpu_uuid, pa.gpu_index))
         plan.append((pb, pa.gpu_uuid, pa.gpu_index, pb.gpu_uuid, pb.gpu_index))
     return plan
+
+
+class MovablePart(Protocol):
+    """A part that an exchange can move (event parts and rows alike)."""
+
+    container: str
+    gpu_uuid: str
+    gpu_index: int
+
+
+def moved_to(allocation_id: Any, part: MovablePart, moves: Iterable[Any]) -> tuple[str, int] | None:
+    """(GPU UUID, index) an exchange's `moves` send this part of `allocation_id` to, or None (pure)."""
+    for move in moves:
+        if move.allocation_id == allocation_id and move.container == part.container:
+            if move.from_gpu_uuid == part.gpu_uuid:
+                return move.to_gpu_uuid, move.to_gpu_index
+    return None

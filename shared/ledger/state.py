@@ -27,7 +27,7 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger.rules import AllocationState, advances, exchange_plan, gpu_charges, is_live
+from shared.ledger.rules import AllocationState, advances, exchange_plan, gpu_charges, is_live, moved_to
 
 
 @dataclass
@@ -79,6 +79,8 @@ class AllocationRow:
     assigned_at: datetime | None = None
     ended_at: datetime | None = None
     terminating_at: datetime | None = None
+    version: int = 1
+    pod_created_at: datetime | None = None
     parts: tuple[AllocationPart, ...] = ()
     assigned_containers: dict[str, datetime] = field(default_factory=dict)
 
@@ -97,9 +99,16 @@ class LedgerState:
     live_by_pod: dict[str, uuid.UUID] = field(default_factory=dict)
     early: dict[uuid.UUID, list[Any]] = field(default_factory=dict)
     applied: int = 0
+    seen: set[uuid.UUID] = field(default_factory=set)
+    duplicates: int = 0
 
     def apply(self, event: Event) -> None:
-        """Fold one event in (events that do not change the ledger are ignored)."""
+        """Fold one event in (events that do not change the ledger are ignored, and so is a second copy of an
+        event: the outbox relay may republish a batch, and the stream drops copies only within its window)."""
+        if event.event_id in self.seen:
+            self.duplicates += 1
+            return
+        self.seen.add(event.event_id)
         match event:
             case InventoryEvent():
                 self._inventory(event)
@@ -177,6 +186,7 @@ class LedgerState:
             compute=sum(c for _, c in charges.values()),
             reason="",
             reserved_at=event.occurred_at,
+            pod_created_at=event.pod_created_at,
             parts=tuple(event.parts),
         )
         self.live_by_pod[event.pod_uid] = event.allocation_id
@@ -205,29 +215,42 @@ class LedgerState:
             alloc.state = new_state
 
     def _exchange(self, event: ExchangedEvent) -> None:
-        """Swap two containers' shares. Only live allocations hold capacity, so a release that reached the
-        stream before the exchange (different relays can publish out of commit order) ends the same way."""
+        """Move two containers' shares as the event's result says (an allocation already at or past the
+        event's version is left alone), or swap them for an event without a result. Only live allocations
+        hold capacity, so a release that reached the stream before the exchange ends the same way."""
         a = self.allocations.get(event.first_allocation_id)
         b = self.allocations.get(event.second_allocation_id)
         if a is None or b is None:
             return
+        if event.moves:
+            targets = {}
+            for a_id in {event.first_allocation_id, event.second_allocation_id}:
+                alloc, version = self.allocations[a_id], event.version_of(a_id) or 0
+                if version > alloc.version:
+                    targets[a_id] = (alloc, version)
+            for a_id, (alloc, version) in targets.items():
+                self._move(alloc, version, lambda p, a_id=a_id: moved_to(a_id, p, event.moves))
+            return
         first = [p for p in a.parts if p.container == event.first_container]
         second = [p for p in b.parts if p.container == event.second_container]
         plan = exchange_plan(first, second)
-        involved = {id(a): a, id(b): b}.values()
-        for alloc in involved:
-            if is_live(alloc.state):
-                self._charge(gpu_charges(alloc.parts), -1)
         moved = {id(part): (new_uuid, new_index) for part, new_uuid, new_index, _, _ in plan}
-        for alloc in involved:
-            alloc.parts = tuple(
-                p.model_copy(update={"gpu_uuid": moved[id(p)][0], "gpu_index": moved[id(p)][1]})
-                if id(p) in moved
-                else p
-                for p in alloc.parts
+        for alloc in {id(a): a, id(b): b}.values():
+            self._move(alloc, alloc.version, lambda p: moved.get(id(p)))  # the ledger did not count these
+
+    def _move(self, alloc: AllocationRow, version: int, where: Any) -> None:
+        """Re-seat an allocation's parts (`where(part)` -> (GPU UUID, index) or None) and set its version."""
+        if is_live(alloc.state):
+            self._charge(gpu_charges(alloc.parts), -1)
+        new_parts = []
+        for p in alloc.parts:
+            target = where(p)
+            new_parts.append(
+                p if target is None else p.model_copy(update={"gpu_uuid": target[0], "gpu_index": target[1]})
             )
-            if is_live(alloc.state):
-                self._charge(gpu_charges(alloc.parts), +1)
+        alloc.parts, alloc.version = tuple(new_parts), version
+        if is_live(alloc.state):
+            self._charge(gpu_charges(alloc.parts), +1)
 
     def _charge(self, charges: dict[str, tuple[int, int]], sign: int) -> None:
         for gpu_uuid, (memory, compute) in charges.items():
@@ -260,6 +283,8 @@ class LedgerState:
                     a.assigned_at,
                     a.ended_at,
                     a.terminating_at,
+                    a.version,
+                    a.pod_created_at,
                     tuple(
                         sorted(
                             (p.container_index, p.init, p.gpu_uuid, p.container, p.gpu_index, p.memory_mib, p.compute)
@@ -285,4 +310,5 @@ class LedgerState:
             quotas=dict(self.quotas),
             live_by_pod=dict(self.live_by_pod),
             early={k: list(v) for k, v in self.early.items()},
+            seen=set(self.seen),
         )

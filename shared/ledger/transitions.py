@@ -14,6 +14,7 @@ from shared.events.catalogue import (
     BoundEvent,
     ExchangedEvent,
     FailedEvent,
+    PartMove,
     ReleasedEvent,
     TerminatingEvent,
 )
@@ -125,8 +126,15 @@ async def live_allocation_ids(conn: AsyncConnection, *, node: str | None = None,
     return list((await conn.execute(query)).all())
 
 
-async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> bool:
-    """Swap two live containers' equal-sized shares (see `ExchangedEvent`); True when done."""
+async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> ExchangedEvent:
+    """Swap two live containers' equal-sized shares (see `ExchangedEvent`); returns the event with its result
+    (every part's move and both allocations' new versions), which is what the outbox must carry.
+
+    Raises `ExchangeRefused` (the caller rolls back) when the shares differ, a container would exchange with
+    itself, or either allocation is not live on the event's node.
+    """
+    if (event.first_allocation_id, event.first_container) == (event.second_allocation_id, event.second_container):
+        raise ExchangeRefused("a container cannot exchange its share with itself")
     ids = sorted({event.first_allocation_id, event.second_allocation_id}, key=str)
     rows = {
         r.id: r
@@ -193,7 +201,30 @@ async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> bool:
             )
             if done.first() is None:
                 raise ExchangeRefused(f"swapping would overcommit GPU {gpu_uuid}")
-    return True
+    versions = {
+        str(i): int(
+            (
+                await conn.execute(
+                    update(allocations)
+                    .where(allocations.c.id == i)
+                    .values(version=allocations.c.version + 1)
+                    .returning(allocations.c.version)
+                )
+            ).scalar_one()
+        )
+        for i in ids
+    }
+    moves = [
+        PartMove(
+            allocation_id=part.allocation_id,
+            container=part.container,
+            from_gpu_uuid=old_uuid,
+            to_gpu_uuid=new_uuid,
+            to_gpu_index=new_index,
+        )
+        for part, new_uuid, new_index, old_uuid, _ in plan
+    ]
+    return event.model_copy(update={"moves": moves, "versions": versions})
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devstack.cluster.kubelet import KubeletStandIn
+from services.binder.gateway import LedgerGateway
+from services.binder.metrics import BinderMetrics
 from services.node_agent.agent import RESOURCES, AgentConfig, NodeAgent
 from services.node_agent.discovery import FakeBackend
 from shared.events.bus import EventBus
@@ -92,14 +94,43 @@ class Harness:
         return state, [r.gpu_uuid for r in rows], all(r.assigned_at is not None for r in rows)
 
 
+async def wait_ready(agent: NodeAgent, timeout_s: float = 30.0) -> None:
+    """Wait until the agent's inventory is in the ledger and its view is loaded."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not agent.ready():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("the node agent did not become ready")
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
-async def harness(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[Harness]:
-    """Agent with GPUs 2x16GiB T4 + 1x80GiB A100, registered with a running kubelet stand-in."""
-    root = Path(tempfile.mkdtemp(prefix="na-", dir="/tmp"))
+async def gateway(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Ledger, OutboxRelay]]:
+    """The binder's ledger gateway (the agents' only way to the ledger), with an outbox relay; yields the
+    (ledger, relay) that the gateway and the test share."""
     stop = asyncio.Event()
     relay = OutboxRelay(engine, bus, poll_s=0.2)
-    relay_task = asyncio.create_task(relay.run(stop))
-    ledger = Ledger(engine, prefix=bus.names.prefix, source="node-agent", on_commit=relay.kick)
+    ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
+    gw = LedgerGateway(ledger, bus, metrics=BinderMetrics())
+    tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(gw.run(stop))]
+    await asyncio.wait_for(gw.ready.wait(), 10)
+    try:
+        yield ledger, relay
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(relay.flush(), 5)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+@pytest.fixture
+async def harness(gateway: tuple[Ledger, OutboxRelay], bus: EventBus) -> AsyncIterator[Harness]:
+    """Agent with GPUs 2x16GiB T4 + 1x80GiB A100, registered with a running kubelet stand-in."""
+    root = Path(tempfile.mkdtemp(prefix="na-", dir="/tmp"))
+    ledger, relay = gateway
     kubelet = KubeletStandIn(root / "dp", root / "pr.sock")
     await kubelet.start()
     backend = FakeBackend(NODE, "2x16GiB:Tesla-T4,1x80GiB:A100")
@@ -108,22 +139,16 @@ async def harness(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[Harness]:
         device_plugin_dir=root / "dp",
         pod_resources_socket=str(root / "pr.sock"),
         usage_interval_s=3600,
-        view_poll_s=0.5,
         overuse_grace_s=0.0,
         proc_root=root / "proc",
     )
-    agent = NodeAgent(config, backend, ledger=ledger, bus=bus)
+    agent = NodeAgent(config, backend, bus=bus)
     await agent.start()
     await kubelet.wait_registered(RESOURCES, timeout_s=30)
+    await wait_ready(agent)
     try:
         yield Harness(agent, kubelet, ledger, backend, bus, root, relay)
     finally:
         await agent.close()
         await kubelet.stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(relay.flush(), 5)
-        stop.set()
-        relay_task.cancel()
-        with contextlib.suppress(BaseException):
-            await relay_task
         shutil.rmtree(root, ignore_errors=True)

@@ -162,8 +162,7 @@ async def test_agent_restart_between_allocate_and_prestart_still_exact(harness: 
     env_second = (await k.admit(second, start=False))["main"]  # handed GPU 0 (first's reservation)
     await harness.agent.close()
     agent = NodeAgent(
-        harness.agent.config, FakeBackend(harness.agent.config.node, harness.backend.spec), ledger=harness.ledger,
-        bus=harness.bus,
+        harness.agent.config, FakeBackend(harness.agent.config.node, harness.backend.spec), bus=harness.bus,
     )  # fmt: skip
     await agent.start()
     try:

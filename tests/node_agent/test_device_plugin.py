@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from services.node_agent.agent import RESOURCES
 from services.node_agent.plugin import socket_name
 from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
 from tests.node_agent.conftest import Harness
+from tests.waiting import eventually
 
 
 async def test_registration_and_device_lists(harness: Harness) -> None:
@@ -42,14 +45,22 @@ async def test_list_and_watch_reports_health_change_and_recovery(harness: Harnes
 
     from shared.ledger.models import gpus
 
-    async with harness.ledger.engine.connect() as conn:
-        row = (await conn.execute(select(gpus.c.healthy, gpus.c.health_reason).where(gpus.c.uuid == gpu1))).one()
-    assert not row.healthy and "XID 79" in row.health_reason
+    async def ledger_health() -> tuple[bool, str]:
+        async with harness.ledger.engine.connect() as conn:
+            row = (await conn.execute(select(gpus.c.healthy, gpus.c.health_reason).where(gpus.c.uuid == gpu1))).one()
+        return row.healthy, row.health_reason
+
+    # kubelet hears first; the ledger follows through the binder's gateway
+    await eventually(lambda: _is(ledger_health(), False), what="the ledger to record the GPU unhealthy")
+    assert "XID 79" in (await ledger_health())[1]
 
     harness.backend.set_health(gpu1, True)
     await k.wait_for(lambda: health_of(RESOURCE_MEM, f"{gpu1}-_-0") == "Healthy", 15)
-    async with harness.ledger.engine.connect() as conn:
-        assert (await conn.execute(select(gpus.c.healthy).where(gpus.c.uuid == gpu1))).scalar_one()
+    await eventually(lambda: _is(ledger_health(), True), what="the ledger to record the GPU healthy again")
+
+
+async def _is(health: Awaitable[tuple[bool, str]], healthy: bool) -> bool:
+    return (await health)[0] is healthy
 
 
 async def test_kubelet_restart_leads_to_reregistration(harness: Harness) -> None:
@@ -76,7 +87,6 @@ async def test_agent_restart_registers_again_with_same_identity(harness: Harness
     second = NodeAgent(
         harness.agent.config,
         type(harness.backend)(harness.agent.config.node, harness.backend.spec),
-        ledger=harness.ledger,
         bus=harness.bus,
     )
     await second.start()

@@ -1,0 +1,120 @@
+"""Pod annotations follow the ledger: after an assignment or an exchange, both pods' records are rewritten.
+
+The ledger is the source of every record; this consumer of the `assigned` and `exchanged` events (a durable
+one, so a crash between the ledger write and the patch only delays the patch) reads the allocation's current
+record and brings the pod's annotations to it: gpushare's `ALIYUN_COM_GPU_MEM_IDX` / `_DEV` / `_POD`, the
+project's `gpushare.io/allocation` (with the allocation's version) and the assigned flag. A patch never puts an
+older record over a newer one: it is skipped when the pod already carries the ledger's version or a later
+one, and it is conditional on the pod's resourceVersion, so two binders cannot interleave a read and a write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from services.binder import reads
+from services.binder.metrics import BinderMetrics
+from services.binder.reads import PodRecord
+from shared.annotations import ALLOCATION, GPU_MEM_ASSIGNED, GPU_MEM_ASSUME_TIME, record_annotations, record_version
+from shared.events.catalogue import AssignedEvent, Event, ExchangedEvent
+from shared.kube import pods
+from shared.kube.pods import Pod, get_pod
+from shared.kube.retry import RetryPolicy, call_with_retry
+from shared.ledger.rules import is_live
+from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
+
+CONFLICT_ROUNDS = 5
+
+
+def annotation_patch(record: PodRecord, current: dict[str, str], unit: MemoryUnit, now_ns: int) -> dict[str, str]:
+    """The annotations to change so the pod tells the ledger's record (pure; empty: nothing to do).
+
+    Nothing when the pod already carries a newer record than `record` (a later exchange was written first).
+    """
+    if record_version(current.get(ALLOCATION)) > record.version:
+        return {}
+    wanted = record_annotations(
+        record.allocation_id, record.node, record.parts, record.gpu_memory, unit, version=record.version
+    )
+    if record.assigned and current.get(GPU_MEM_ASSIGNED) != "true":
+        wanted[GPU_MEM_ASSIGNED] = "true"
+        wanted[GPU_MEM_ASSUME_TIME] = str(now_ns)
+    return {key: value for key, value in wanted.items() if current.get(key) != value}
+
+
+class AnnotationSync:
+    """Handles `assigned` and `exchanged` events (idempotent: it writes the ledger's current record)."""
+
+    def __init__(
+        self,
+        engine: object,
+        api: client.ApiClient,
+        *,
+        unit: MemoryUnit,
+        metrics: BinderMetrics,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        self.engine = engine
+        self.api = api
+        self.unit = unit
+        self.metrics = metrics
+        self.retry = retry
+
+    async def __call__(self, event: Event) -> None:
+        if isinstance(event, AssignedEvent):
+            await self.sync(event.allocation_id)
+        elif isinstance(event, ExchangedEvent):
+            for allocation_id in dict.fromkeys((event.first_allocation_id, event.second_allocation_id)):
+                await self.sync(allocation_id)
+
+    async def sync(self, allocation_id: uuid.UUID) -> str:
+        """Bring one pod's annotations to its allocation's record; returns what happened (the metric's reason)."""
+        record = await reads.pod_record(self.engine, allocation_id)  # type: ignore[arg-type]
+        if record is None or not is_live(record.state):
+            return self._count("skipped_ended")
+        for _ in range(CONFLICT_ROUNDS):
+            pod = await self._kube(lambda: get_pod(self.api, record.namespace, record.pod_name), "GET pod")
+            if pod is None or pods.pod_uid(pod) != record.pod_uid:
+                return self._count("skipped_pod_gone")
+            patch = annotation_patch(record, pods.annotations(pod), self.unit, time.time_ns())
+            if not patch:
+                return self._count("up_to_date")
+            try:
+                await self._kube(lambda pod=pod, patch=patch: self._patch(pod, patch), "PATCH pod annotations")
+            except ApiException as exc:
+                if exc.status == 409:  # the pod changed since the GET: read again, compare again
+                    continue
+                if exc.status == 404:
+                    return self._count("skipped_pod_gone")
+                raise
+            log.info(
+                "annotations of %s/%s follow the ledger (version %d): %s",
+                record.namespace,
+                record.pod_name,
+                record.version,
+                ", ".join(sorted(patch)),
+                extra={"pod": f"{record.namespace}/{record.pod_name}", "allocation_id": str(allocation_id)},
+            )
+            return self._count("patched")
+        raise RuntimeError(f"annotations of {record.namespace}/{record.pod_name} kept conflicting; will retry")
+
+    async def _patch(self, pod: Pod, patch: dict[str, str]) -> None:
+        meta = pods.metadata(pod)
+        body = {"metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": patch}}
+        await client.CoreV1Api(self.api).patch_namespaced_pod(meta.get("name"), meta.get("namespace"), body)
+
+    async def _kube(self, fn, what: str):  # type: ignore[no-untyped-def]
+        return await call_with_retry(
+            fn, policy=self.retry, what=what, on_retry=lambda _: self.metrics.kube_retries.inc()
+        )
+
+    def _count(self, outcome: str) -> str:
+        self.metrics.annotations.labels(reason=outcome).inc()
+        return outcome

@@ -1,0 +1,132 @@
+"""The ledger's gateway for node agents: node snapshots and agent commands over NATS request/reply.
+
+Node agents hold no database connection (a DaemonSet on every GPU node would otherwise need one each, and
+database credentials on every node). The binder answers for them, in a queue group so that any replica can:
+
+* `<prefix>-rpc.snapshot.<node>`: the node's live containers and the stream sequence the snapshot covers
+  (read *before* the ledger, so every event after it is either already in the snapshot, and re-applied
+  idempotently by the agent, or new);
+* `<prefix>-rpc.command.<node>`: an inventory, health, assigned or exchanged event, applied to the ledger
+  with its event staged in the outbox like every ledger change. An agent speaks only for its own node. An
+  exchange is applied at most once per event id (a repeat after a lost reply is answered "done"); the others
+  are idempotent by nature. A refused command says why; a failing database gives a short, retryable answer
+  (the driver's text stays in this log, never in a pod's condition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.aio.msg import Msg
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from services.binder import reads
+from services.binder.metrics import BinderMetrics
+from shared.events.agent_rpc import (
+    COMMAND_KINDS,
+    GATEWAY_QUEUE,
+    CommandReply,
+    ErrorReply,
+    rpc_prefix,
+)
+from shared.events.bus import EventBus
+from shared.events.catalogue import AssignedEvent, EventDecodeError, ExchangedEvent, decode_event, node_token
+from shared.ledger.ledger import Ledger
+from shared.ledger.rules import ExchangeRefused, is_live
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "agent-gateway"
+UNAVAILABLE = "the ledger is unavailable right now (database unreachable or busy); retry"
+TRANSIENT = (DBAPIError, OperationalError, OSError, asyncio.TimeoutError)
+
+
+class LedgerGateway:
+    """Answers node agents' snapshot requests and commands."""
+
+    def __init__(self, ledger: Ledger, bus: EventBus, *, metrics: BinderMetrics, concurrency: int = 16) -> None:
+        self.ledger = ledger
+        self.bus = bus
+        self.metrics = metrics
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sub: Any = None
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve requests until `stop` (the subscription survives NATS reconnects)."""
+        self._sub = await self.bus.nc.subscribe(
+            f"{rpc_prefix(self.bus.names.prefix)}.>", queue=GATEWAY_QUEUE, cb=self._on_msg
+        )
+        self.ready.set()
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._serve(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")
+        verb, node = (parts[-2], parts[-1]) if len(parts) >= 3 else ("", "")
+        async with self._slots:
+            if verb == "snapshot":
+                body = await self.snapshot(node)
+            elif verb == "command":
+                body = (await self.command(node, msg.data)).model_dump_json().encode()
+            else:
+                body = ErrorReply(error=f"unknown request {verb!r}").model_dump_json().encode()
+        self.metrics.gateway_requests.labels(verb=verb or "unknown").inc()
+        if msg.reply:
+            with contextlib.suppress(Exception):  # the agent gave up waiting; it asks again
+                await msg.respond(body)
+
+    async def snapshot(self, node: str) -> bytes:
+        """The node's snapshot as JSON (or an error body)."""
+        try:
+            info = await self.bus.js.stream_info(self.bus.names.stream)
+            snap = await reads.node_snapshot(self.ledger.engine, node, int(info.state.last_seq), now=datetime.now(UTC))
+        except TRANSIENT as exc:
+            log.warning("snapshot for node %s failed: %r", node, exc, extra={"node": node})
+            return ErrorReply(error=UNAVAILABLE, retryable=True).model_dump_json().encode()
+        return snap.model_dump_json().encode()
+
+    async def command(self, node: str, data: bytes) -> CommandReply:
+        """Apply one agent command for `node` (the subject's node token)."""
+        try:
+            event = decode_event(data)
+        except EventDecodeError as exc:
+            return CommandReply(ok=False, error=f"unreadable command: {exc}")
+        if event.kind not in COMMAND_KINDS:
+            return CommandReply(ok=False, error=f"{event.kind} is not a node agent command")
+        if node_token(event.node) != node:  # type: ignore[union-attr]
+            return CommandReply(ok=False, error=f"a node agent speaks only for its own node, not {event.node}")  # type: ignore[union-attr]
+        try:
+            if isinstance(event, AssignedEvent):
+                where = await reads.allocation_node_state(self.ledger.engine, event.allocation_id)
+                if where is None:
+                    return CommandReply(ok=False, error=f"the ledger has no allocation {event.allocation_id}")
+                if where[0] != event.node or not is_live(where[1]):
+                    return CommandReply(ok=False, error=f"allocation {event.allocation_id} is {where[1]} on {where[0]}")
+            if isinstance(event, ExchangedEvent):
+                result = await self.ledger.record_once(event, CONSUMER)
+            else:
+                result = await self.ledger.record(event)  # type: ignore[arg-type]
+        except ExchangeRefused as exc:
+            return CommandReply(ok=False, error=f"the ledger refused the exchange: {exc}")
+        except TRANSIENT as exc:
+            log.warning("command %s from node %s failed: %r", event.kind, node, exc, extra={"node": node})
+            return CommandReply(ok=False, error=UNAVAILABLE, retryable=True)
+        staged = result if isinstance(result, ExchangedEvent) else event
+        return CommandReply(ok=True, event=staged.model_dump(mode="json"))
