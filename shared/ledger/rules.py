@@ -7,9 +7,9 @@ every consumer idempotent and lets a replay apply events in any order and reach 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 
 class AllocationState(StrEnum):
@@ -112,3 +112,39 @@ def exchange_plan(first: list[Any], second: list[Any]) -> list[tuple[Any, str, i
         plan.append((pa, pb.gpu_uuid, pb.gpu_index, pa.gpu_uuid, pa.gpu_index))
         plan.append((pb, pa.gpu_uuid, pa.gpu_index, pb.gpu_uuid, pb.gpu_index))
     return plan
+
+
+class ExchangeablePart(ChargeablePart, Protocol):
+    """A part `swap_shares` can move: which container holds it, and on which GPU."""
+
+    container: str
+    gpu_index: int
+
+
+P = TypeVar("P", bound=ExchangeablePart)
+
+
+def swap_shares(
+    first: Sequence[P],
+    first_container: str,
+    second: Sequence[P],
+    second_container: str,
+    relocate: Callable[[P, str, int], P],
+) -> tuple[tuple[P, ...], tuple[P, ...]]:
+    """Two allocations' parts after an exchange (`ExchangedEvent`): `first_container`'s shares (among the
+    parts `first`) and `second_container`'s (among `second`) trade GPUs, as `exchange_plan` pairs them and
+    `shared.ledger.transitions.apply_exchange` writes them. Raises `ExchangeRefused`.
+
+    `relocate(part, gpu_uuid, gpu_index)` makes a moved copy of a part. When both containers belong to one
+    allocation, pass its parts twice: both results are then its new parts.
+    """
+    plan = exchange_plan(
+        [p for p in first if p.container == first_container],
+        [p for p in second if p.container == second_container],
+    )
+    moved = {id(part): (gpu_uuid, gpu_index) for part, gpu_uuid, gpu_index, _, _ in plan}
+
+    def after(parts: Sequence[P]) -> tuple[P, ...]:
+        return tuple(relocate(p, *moved[id(p)]) if id(p) in moved else p for p in parts)
+
+    return after(first), after(second)

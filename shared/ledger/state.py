@@ -26,7 +26,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.rules import AllocationState, advances, exchange_plan, gpu_charges, is_live
+from shared.ledger.rules import AllocationState, advances, gpu_charges, is_live, swap_shares
 
 
 @dataclass
@@ -82,6 +82,10 @@ class AllocationRow:
 
 
 _STAMP = {"bound": "bound_at", "assigned": "assigned_at", "released": "ended_at", "failed": "ended_at"}
+
+
+def _relocated(part: AllocationPart, gpu_uuid: str, gpu_index: int) -> AllocationPart:
+    return part.model_copy(update={"gpu_uuid": gpu_uuid, "gpu_index": gpu_index})
 
 
 @dataclass
@@ -205,21 +209,13 @@ class LedgerState:
         b = self.allocations.get(event.second_allocation_id)
         if a is None or b is None:
             return
-        first = [p for p in a.parts if p.container == event.first_container]
-        second = [p for p in b.parts if p.container == event.second_container]
-        plan = exchange_plan(first, second)
+        first, second = swap_shares(a.parts, event.first_container, b.parts, event.second_container, _relocated)
         involved = {id(a): a, id(b): b}.values()
         for alloc in involved:
             if is_live(alloc.state):
                 self._charge(gpu_charges(alloc.parts), -1)
-        moved = {id(part): (new_uuid, new_index) for part, new_uuid, new_index, _, _ in plan}
+        a.parts, b.parts = first, second  # one allocation (a is b): both are its new parts
         for alloc in involved:
-            alloc.parts = tuple(
-                p.model_copy(update={"gpu_uuid": moved[id(p)][0], "gpu_index": moved[id(p)][1]})
-                if id(p) in moved
-                else p
-                for p in alloc.parts
-            )
             if is_live(alloc.state):
                 self._charge(gpu_charges(alloc.parts), +1)
 
