@@ -34,10 +34,10 @@ from shared.events.catalogue import (
     UsageEvent,
 )
 from shared.ledger.idempotency import claim
-from shared.ledger.models import applied_events, usage_samples
+from shared.ledger.models import applied_events
 from shared.ledger.replay import read_events
 
-from .tables import CONSUMER, pending, timeline
+from .tables import CONSUMER, PROJECTION_TABLES, pending, timeline, usage_samples
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class Projector:
 
 async def truncate_projections(conn: AsyncConnection) -> None:
     """Empty the read models and forget which events they applied."""
-    await conn.execute(text(f"TRUNCATE {timeline.name}, {pending.name}, {usage_samples.name} RESTART IDENTITY"))
+    await conn.execute(text(f"TRUNCATE {', '.join(t.name for t in PROJECTION_TABLES)} RESTART IDENTITY"))
     await conn.execute(delete(applied_events).where(applied_events.c.consumer == CONSUMER))
 
 

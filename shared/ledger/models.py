@@ -16,7 +16,6 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
-    Float,
     ForeignKey,
     Index,
     Integer,
@@ -33,15 +32,15 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from shared.events.catalogue import AllocationPart
 from shared.ledger.rules import LIVE_STATE_VALUES
 
-metadata = MetaData(
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "ck": "ck_%(table_name)s_%(constraint_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    }
-)
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}  # how the migrations name constraints and indexes (accounting's tables follow it too)
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 LIVE_SQL = "state IN (" + ", ".join(f"'{s}'" for s in LIVE_STATE_VALUES) + ")"
 
@@ -141,25 +140,6 @@ applied_events = Table(
     Column("event_id", UUID(as_uuid=True), nullable=False),
     Column("applied_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("consumer", "event_id"),
-)
-
-usage_samples = Table(
-    "usage_samples",
-    metadata,
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
-    Column("event_id", UUID(as_uuid=True), nullable=False),
-    Column("ts", DateTime(timezone=True), nullable=False),
-    Column("node", Text, nullable=False),
-    Column("gpu_uuid", Text, nullable=False),
-    Column("pod_uid", Text, nullable=False, server_default=""),
-    Column("namespace", Text, nullable=False, server_default=""),
-    Column("pod_name", Text, nullable=False, server_default=""),
-    Column("container", Text, nullable=False, server_default=""),
-    Column("used_memory_mib", Integer, nullable=False),
-    Column("utilization_pct", Float, nullable=False, server_default="0"),
-    Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
-    Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
-    Index("ix_usage_samples_event_id", "event_id"),
 )
 
 outbox = Table(

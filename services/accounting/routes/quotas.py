@@ -1,0 +1,86 @@
+"""Namespace quotas (`/v1/quotas`): read by anyone, written through the ledger with the admin token."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.events.catalogue import QuotaEvent
+
+from .. import queries
+from ..deps import Admin, Conn, Engine, MaybeLedger, writable
+from ..params import Namespace
+from ..schemas import Quota, QuotaDeleted, QuotaList, refusals
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/quotas", tags=["quotas"])
+
+
+class QuotaBody(BaseModel):
+    """A namespace quota: GPU memory in MiB and/or compute in percent of one GPU (at least one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_mib: int | None = Field(default=None, ge=0, le=16 * 1024 * 1024)
+    compute: int | None = Field(default=None, ge=0, le=6400)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> QuotaBody:
+        if self.memory_mib is None and self.compute is None:
+            raise ValueError("give memory_mib and/or compute (to remove a quota, DELETE it)")
+        return self
+
+
+def _no_quota(namespace: str) -> HTTPException:
+    return HTTPException(404, f"namespace {namespace} has no GPU quota")
+
+
+@router.get("", summary="Every namespace quota", response_model=QuotaList)
+async def quotas(conn: Conn) -> dict[str, Any]:
+    return {"items": await queries.list_quotas(conn)}
+
+
+@router.get("/{namespace}", summary="One namespace's quota", response_model=Quota, responses=refusals(404, 422))
+async def quota(conn: Conn, namespace: Namespace) -> dict[str, Any]:
+    found = await queries.get_quota(conn, namespace)
+    if found is None:
+        raise _no_quota(namespace)
+    return found
+
+
+@router.put(
+    "/{namespace}",
+    summary="Set a namespace's quota (bearer token)",
+    dependencies=[Admin],
+    response_model=Quota,
+    responses=refusals(400, 401, 403, 404, 422, 503),
+)
+async def put_quota(engine: Engine, ledger: MaybeLedger, namespace: Namespace, body: QuotaBody) -> dict[str, Any]:
+    await writable(ledger).record(QuotaEvent(namespace=namespace, memory_mib=body.memory_mib, compute=body.compute))
+    log.info("quota set", extra={"namespace": namespace, "memory_mib": body.memory_mib, "compute": body.compute})
+    async with engine.connect() as conn:
+        found = await queries.get_quota(conn, namespace)
+    if found is None:  # removed again by a concurrent DELETE
+        raise _no_quota(namespace)
+    return found
+
+
+@router.delete(
+    "/{namespace}",
+    summary="Remove a namespace's quota (bearer token)",
+    dependencies=[Admin],
+    response_model=QuotaDeleted,
+    responses=refusals(401, 403, 404, 422, 503),
+)
+async def delete_quota(engine: Engine, ledger: MaybeLedger, namespace: Namespace) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        existing = await queries.get_quota(conn, namespace)
+    if existing is None:
+        raise _no_quota(namespace)
+    await writable(ledger).record(QuotaEvent(namespace=namespace))
+    log.info("quota removed", extra={"namespace": namespace})
+    return {"namespace": namespace, "deleted": True}
