@@ -15,6 +15,7 @@ from services.binder.metrics import BinderMetrics
 from services.binder.pod_index import PodIndex
 from services.binder.reconcile import Reconciler
 from shared.events.bus import EventBus
+from shared.events.catalogue import ReservedEvent, kind_of
 from shared.events.consumer import DurableConsumer
 from shared.kube.retry import RetryPolicy
 from shared.ledger.ledger import Ledger
@@ -52,7 +53,7 @@ class Binder:
             bus,
             config.durable,
             self.handler,
-            kinds=["reserved"],
+            kinds=[kind_of(ReservedEvent)],
             concurrency=config.concurrency,
             batch=max(16, config.concurrency * 4),
             ack_wait_s=30.0,

@@ -25,16 +25,14 @@ from services.node_agent.metrics import AgentMetrics
 from services.node_agent.plugin import PluginServer, dp_pb2
 from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
 from services.node_agent.view import allocated_by_gpu, load_containers
-from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
 from shared.events.bus import EventBus
-from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, UsageEvent
+from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, UsageEvent, node_token
+from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
 from shared.ledger.ledger import Ledger
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
-
-RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)
-REFRESH_KINDS = ("reserved", "bound", "released", "exchanged", "failed", "assigned")
 
 
 @dataclass
@@ -43,8 +41,8 @@ class AgentConfig:
 
     node: str
     unit: MemoryUnit = MemoryUnit.GIB
-    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    device_plugin_dir: Path = DEVICE_PLUGIN_DIR
+    pod_resources_socket: str = POD_RESOURCES_SOCKET
     mps: bool = False
     type_label_key: str = "gpu-type"
     usage_interval_s: float = 5.0
@@ -134,12 +132,12 @@ class NodeAgent:
 
     async def _subscribe(self) -> None:
         """Core NATS subscription: refresh the allocation view on this node's life-cycle events."""
-        node_token = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.config.node) or "_"
 
         async def on_msg(msg: Any) -> None:
             self._view_dirty.set()
 
-        self._sub = await self.bus.nc.subscribe(f"{self.bus.names.prefix}.*.{node_token}", cb=on_msg)
+        subject = self.bus.names.subject("*", node_token(self.config.node))
+        self._sub = await self.bus.nc.subscribe(subject, cb=on_msg)
 
     # -- inventory and health -----------------------------------------------------------------
     def gpu_infos(self) -> list[GpuInfo]:

@@ -7,9 +7,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.node_agent.assignment import PendingContainer, Share
 from shared.ledger.models import allocation_parts, allocations
-from shared.ledger.rules import gpu_charges
-
-LIVE = ("reserved", "bound", "assigned")
+from shared.ledger.rules import LIVE_STATE_VALUES, gpu_charges
 
 
 async def load_containers(engine: AsyncEngine, node: str) -> list[PendingContainer]:
@@ -31,7 +29,7 @@ async def load_containers(engine: AsyncEngine, node: str) -> list[PendingContain
             allocation_parts.c.assigned_at,
         )
         .join(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)
-        .where(and_(allocations.c.node == node, allocations.c.state.in_(LIVE)))
+        .where(and_(allocations.c.node == node, allocations.c.state.in_(LIVE_STATE_VALUES)))
     )
     async with engine.connect() as conn:
         rows = (await conn.execute(query)).all()

@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from shared.events.catalogue import AllocationPart
-from shared.ledger.rules import LIVE_STATE_VALUES
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -42,7 +42,12 @@ NAMING_CONVENTION = {
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
-LIVE_SQL = "state IN (" + ", ".join(f"'{s}'" for s in LIVE_STATE_VALUES) + ")"
+
+def _state_in(states: tuple[str, ...]) -> str:
+    return "state IN (" + ", ".join(f"'{s}'" for s in states) + ")"
+
+
+LIVE_SQL = _state_in(LIVE_STATE_VALUES)
 
 nodes = Table(
     "nodes",
@@ -98,7 +103,7 @@ allocations = Table(
     Column("bound_at", DateTime(timezone=True)),
     Column("assigned_at", DateTime(timezone=True)),
     Column("ended_at", DateTime(timezone=True)),
-    CheckConstraint("state IN ('reserved', 'bound', 'assigned', 'released', 'failed')", name="known_state"),
+    CheckConstraint(_state_in(tuple(s.value for s in AllocationState)), name="known_state"),
     Index("uq_allocations_live_pod", "pod_uid", unique=True, postgresql_where=text(LIVE_SQL)),
     Index("ix_allocations_node_state", "node", "state"),
     Index("ix_allocations_namespace_state", "namespace", "state"),

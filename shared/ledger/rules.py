@@ -25,8 +25,16 @@ class AllocationState(StrEnum):
 LIVE_STATES: frozenset[AllocationState] = frozenset(
     {AllocationState.RESERVED, AllocationState.BOUND, AllocationState.ASSIGNED}
 )
-LIVE_STATE_VALUES: tuple[str, ...] = ("reserved", "bound", "assigned")  # the same, as SQL sees them
+LIVE_STATE_VALUES: tuple[str, ...] = tuple(s.value for s in AllocationState if s in LIVE_STATES)  # as SQL sees them
 TERMINAL_STATES: frozenset[AllocationState] = frozenset({AllocationState.RELEASED, AllocationState.FAILED})
+
+# The allocation's timestamp each step sets (the first time it is applied): column and LedgerState field.
+STAMPS: dict[AllocationState, str] = {
+    AllocationState.BOUND: "bound_at",
+    AllocationState.ASSIGNED: "assigned_at",
+    AllocationState.RELEASED: "ended_at",
+    AllocationState.FAILED: "ended_at",
+}
 
 _RANK = {
     AllocationState.RESERVED: 1,

@@ -26,7 +26,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.rules import AllocationState, advances, gpu_charges, is_live, swap_shares
+from shared.ledger.rules import STAMPS, AllocationState, advances, gpu_charges, is_live, swap_shares
 
 
 @dataclass
@@ -79,9 +79,6 @@ class AllocationRow:
     ended_at: datetime | None = None
     parts: tuple[AllocationPart, ...] = ()
     assigned_containers: dict[str, datetime] = field(default_factory=dict)
-
-
-_STAMP = {"bound": "bound_at", "assigned": "assigned_at", "released": "ended_at", "failed": "ended_at"}
 
 
 def _relocated(part: AllocationPart, gpu_uuid: str, gpu_index: int) -> AllocationPart:
@@ -188,12 +185,12 @@ class LedgerState:
 
     def _transition(self, event: BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent) -> None:
         alloc = self.allocations[event.allocation_id]
-        stamp = _STAMP[event.kind]
+        new_state = AllocationState(event.kind)
+        stamp = STAMPS[new_state]
         if getattr(alloc, stamp) is None:
             setattr(alloc, stamp, event.occurred_at)
         if isinstance(event, AssignedEvent):
             alloc.assigned_containers.setdefault(event.container, event.occurred_at)
-        new_state = AllocationState(event.kind)
         if advances(alloc.state, new_state):
             if isinstance(event, ReleasedEvent | FailedEvent):
                 alloc.reason = event.reason

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.events.catalogue import QuotaEvent
+from shared.events.catalogue import MAX_COMPUTE, MAX_MIB, QuotaEvent
 
 from .. import queries
 from ..deps import Admin, Conn, Engine, MaybeLedger, writable
@@ -25,8 +25,8 @@ class QuotaBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    memory_mib: int | None = Field(default=None, ge=0, le=16 * 1024 * 1024)
-    compute: int | None = Field(default=None, ge=0, le=6400)
+    memory_mib: int | None = Field(default=None, ge=0, le=MAX_MIB)
+    compute: int | None = Field(default=None, ge=0, le=MAX_COMPUTE)
 
     @model_validator(mode="after")
     def _one_limit(self) -> QuotaBody:
