@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -16,6 +16,15 @@ from shared.ledger.ledger import Ledger
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def found(value: T | None, missing: str) -> T:
+    """`value`, or 404 with `missing` as the error when there is none."""
+    if value is None:
+        raise HTTPException(404, missing)
+    return value
 
 
 def get_engine(request: Request) -> AsyncEngine:

@@ -350,3 +350,8 @@ REFUSALS: dict[int, dict[str, Any]] = {
 def refusals(*codes: int) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a route that may refuse with these status codes."""
     return {code: REFUSALS[code] for code in codes}
+
+
+def lookup(summary: str, answer: type[Answer]) -> dict[str, Any]:
+    """Route arguments of a `GET` of one named thing: its answer, or 404 (and 422 for a malformed name)."""
+    return {"summary": summary, "response_model": answer, "responses": refusals(404, 422)}

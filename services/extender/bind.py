@@ -44,31 +44,19 @@ class Refused:
     error: str
 
 
+@dataclass
 class Bind:
     """Answers bind calls: the reservation is authoritative, the view only steers the pick."""
 
-    def __init__(
-        self,
-        view: ClusterView,
-        sync: ViewSync,
-        ledger: Ledger,
-        engine: AsyncEngine,
-        waiter: OutcomeWaiter,
-        pods: PodCache,
-        *,
-        unit: MemoryUnit,
-        policy: Policy,
-        timeout_s: float,
-    ) -> None:
-        self.view = view
-        self.sync = sync
-        self.ledger = ledger
-        self.engine = engine
-        self.waiter = waiter
-        self.pods = pods
-        self.unit = unit
-        self.policy = policy
-        self.timeout_s = timeout_s
+    view: ClusterView
+    sync: ViewSync
+    ledger: Ledger
+    engine: AsyncEngine
+    waiter: OutcomeWaiter
+    pods: PodCache
+    unit: MemoryUnit
+    policy: Policy
+    timeout_s: float  # how long to wait for the binder's verdict
 
     async def __call__(self, args: BindingArgs) -> str:
         """Reserve, wait for the binder, and return "" (bound) or the error text for kube-scheduler."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from services.extender import metrics
@@ -20,25 +21,16 @@ log = logging.getLogger(__name__)
 Verdicts = tuple[list[str], dict[str, str], dict[str, str]]  # (fit, full now, never fit)
 
 
+@dataclass
 class Filter:
     """Answers filter calls from the view; remembers each pod for bind and keeps the scores for prioritize."""
 
-    def __init__(
-        self,
-        view: ClusterView,
-        scores: ScoreCache,
-        pods: PodCache,
-        refusals: RefusalPublisher,
-        *,
-        unit: MemoryUnit,
-        policy: Policy,
-    ) -> None:
-        self.view = view
-        self.scores = scores
-        self.pods = pods
-        self.refusals = refusals
-        self.unit = unit
-        self.policy = policy
+    view: ClusterView
+    scores: ScoreCache
+    pods: PodCache
+    refusals: RefusalPublisher
+    unit: MemoryUnit
+    policy: Policy
 
     async def __call__(self, args: ExtenderArgs) -> dict[str, Any]:
         """Answer a filter call."""

@@ -67,18 +67,8 @@ class ExtenderService:
         self.pods = PodCache(size=pod_cache_size, kubeconfig=kubeconfig, kube_enabled=kube_enabled)
         self.sync = ViewSync(self.view, engine, self.waiter, period_s=resync_s)
         refusals = RefusalPublisher(bus, size=pod_cache_size)
-        self._filter = Filter(self.view, self.scores, self.pods, refusals, unit=unit, policy=policy)
-        self._bind = Bind(
-            self.view,
-            self.sync,
-            ledger,
-            engine,
-            self.waiter,
-            self.pods,
-            unit=unit,
-            policy=policy,
-            timeout_s=bind_timeout_s,
-        )
+        self._filter = Filter(self.view, self.scores, self.pods, refusals, unit, policy)
+        self._bind = Bind(self.view, self.sync, ledger, engine, self.waiter, self.pods, unit, policy, bind_timeout_s)
         self._sub: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
 

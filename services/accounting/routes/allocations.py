@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Query
 
 from .. import queries
-from ..deps import Conn
+from ..deps import Conn, found
 from ..params import MAX_PAGE, NAME_RE, Name, Namespace, NsFilter, Since, StateFilter, Until, time_range
-from ..schemas import AllocationPage, PendingList, PodView, refusals
+from ..schemas import AllocationPage, PendingList, PodView, lookup, refusals
 
 router = APIRouter(prefix="/v1", tags=["allocations"])
 
@@ -44,17 +44,9 @@ async def allocations(
     }
 
 
-@router.get(
-    "/pods/{namespace}/{name}",
-    summary="A pod: allocation, timeline, reasons",
-    response_model=PodView,
-    responses=refusals(404, 422),
-)
+@router.get("/pods/{namespace}/{name}", **lookup("A pod: allocation, timeline, reasons", PodView))
 async def pod(conn: Conn, namespace: Namespace, name: Name) -> dict[str, Any]:
-    found = await queries.pod_view(conn, namespace, name)
-    if found is None:
-        raise HTTPException(404, f"accounting knows no pod {namespace}/{name}")
-    return found
+    return found(await queries.pod_view(conn, namespace, name), f"accounting knows no pod {namespace}/{name}")
 
 
 @router.get(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 
 from .. import queries
-from ..deps import AppSettings, Conn
+from ..deps import AppSettings, Conn, found
 from ..params import Name
-from ..schemas import Cluster, NodeDetail, NodeList, refusals
+from ..schemas import Cluster, NodeDetail, NodeList, lookup, refusals
 
 router = APIRouter(prefix="/v1", tags=["cluster"])
 
@@ -25,14 +25,7 @@ async def nodes(conn: Conn, settings: AppSettings, include_retired: bool = False
     return {"items": items, "memory_unit": settings.resource_memory_unit.value}
 
 
-@router.get(
-    "/nodes/{name}",
-    summary="One node, its GPUs and their allocations",
-    response_model=NodeDetail,
-    responses=refusals(404, 422),
-)
+@router.get("/nodes/{name}", **lookup("One node, its GPUs and their allocations", NodeDetail))
 async def node(conn: Conn, settings: AppSettings, name: Name) -> dict[str, Any]:
-    found = await queries.node_detail(conn, name)
-    if found is None:
-        raise HTTPException(404, f"no node {name!r} in the ledger")
-    return {**found, "memory_unit": settings.resource_memory_unit.value}
+    detail = found(await queries.node_detail(conn, name), f"no node {name!r} in the ledger")
+    return {**detail, "memory_unit": settings.resource_memory_unit.value}

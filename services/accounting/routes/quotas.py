@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.events.catalogue import MAX_COMPUTE, MAX_MIB, QuotaEvent
 
 from .. import queries
-from ..deps import Admin, Conn, Engine, MaybeLedger, writable
+from ..deps import Admin, Conn, Engine, MaybeLedger, found, writable
 from ..params import Namespace
-from ..schemas import Quota, QuotaDeleted, QuotaList, refusals
+from ..schemas import Quota, QuotaDeleted, QuotaList, lookup, refusals
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,18 @@ class QuotaBody(BaseModel):
         return self
 
 
-def _no_quota(namespace: str) -> HTTPException:
-    return HTTPException(404, f"namespace {namespace} has no GPU quota")
+def _no_quota(namespace: str) -> str:
+    return f"namespace {namespace} has no GPU quota"
+
+
+def _change(summary: str, answer: type[BaseModel], *refused: int) -> dict[str, Any]:
+    """Route arguments of a quota change: the admin token, the answer's model, the documented refusals."""
+    return {
+        "summary": f"{summary} (bearer token)",
+        "dependencies": [Admin],
+        "response_model": answer,
+        "responses": refusals(401, 403, 404, 422, 503, *refused),
+    }
 
 
 @router.get("", summary="Every namespace quota", response_model=QuotaList)
@@ -44,43 +54,23 @@ async def quotas(conn: Conn) -> dict[str, Any]:
     return {"items": await queries.list_quotas(conn)}
 
 
-@router.get("/{namespace}", summary="One namespace's quota", response_model=Quota, responses=refusals(404, 422))
+@router.get("/{namespace}", **lookup("One namespace's quota", Quota))
 async def quota(conn: Conn, namespace: Namespace) -> dict[str, Any]:
-    found = await queries.get_quota(conn, namespace)
-    if found is None:
-        raise _no_quota(namespace)
-    return found
+    return found(await queries.get_quota(conn, namespace), _no_quota(namespace))
 
 
-@router.put(
-    "/{namespace}",
-    summary="Set a namespace's quota (bearer token)",
-    dependencies=[Admin],
-    response_model=Quota,
-    responses=refusals(400, 401, 403, 404, 422, 503),
-)
+@router.put("/{namespace}", **_change("Set a namespace's quota", Quota, 400))
 async def put_quota(engine: Engine, ledger: MaybeLedger, namespace: Namespace, body: QuotaBody) -> dict[str, Any]:
     await writable(ledger).record(QuotaEvent(namespace=namespace, memory_mib=body.memory_mib, compute=body.compute))
     log.info("quota set", extra={"namespace": namespace, "memory_mib": body.memory_mib, "compute": body.compute})
-    async with engine.connect() as conn:
-        found = await queries.get_quota(conn, namespace)
-    if found is None:  # removed again by a concurrent DELETE
-        raise _no_quota(namespace)
-    return found
+    async with engine.connect() as conn:  # not found: removed again by a concurrent DELETE
+        return found(await queries.get_quota(conn, namespace), _no_quota(namespace))
 
 
-@router.delete(
-    "/{namespace}",
-    summary="Remove a namespace's quota (bearer token)",
-    dependencies=[Admin],
-    response_model=QuotaDeleted,
-    responses=refusals(401, 403, 404, 422, 503),
-)
+@router.delete("/{namespace}", **_change("Remove a namespace's quota", QuotaDeleted))
 async def delete_quota(engine: Engine, ledger: MaybeLedger, namespace: Namespace) -> dict[str, Any]:
     async with engine.connect() as conn:
-        existing = await queries.get_quota(conn, namespace)
-    if existing is None:
-        raise _no_quota(namespace)
+        found(await queries.get_quota(conn, namespace), _no_quota(namespace))
     await writable(ledger).record(QuotaEvent(namespace=namespace))
     log.info("quota removed", extra={"namespace": namespace})
     return {"namespace": namespace, "deleted": True}

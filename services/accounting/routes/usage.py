@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from sqlalchemy.ext.asyncio import AsyncConnection
+from pydantic import BaseModel
 
 from .. import queries
 from ..deps import AppSettings, Conn
@@ -17,34 +16,21 @@ from ..schemas import NamespaceUsageList, Suggestions, WorkloadUsageList, refusa
 router = APIRouter(prefix="/v1", tags=["usage"], responses=refusals(422))
 
 
-@router.get(
-    "/usage/namespaces",
-    summary="GPU-memory-hours allocated vs used per namespace",
-    response_model=NamespaceUsageList,
-)
-async def usage_namespaces(
-    conn: Conn, since: Since = None, until: Until = None, namespace: NsFilter = None
-) -> dict[str, Any]:
-    return await _usage(conn, since, until, namespace, by="namespace")
+def _usage_route(by: str, answer: type[BaseModel], summary: str) -> None:
+    """`GET /v1/usage/<by>s`: GPU-memory-hours allocated vs used per namespace or per workload."""
+
+    async def usage(conn: Conn, since: Since = None, until: Until = None, namespace: NsFilter = None) -> dict[str, Any]:
+        since, until = window(since, until)
+        items = await queries.usage(conn, since=since, until=until, by=by, namespace=namespace)
+        return {"since": since.isoformat(), "until": until.isoformat(), "items": items}
+
+    router.add_api_route(
+        f"/usage/{by}s", usage, methods=["GET"], name=f"usage_{by}s", summary=summary, response_model=answer
+    )
 
 
-@router.get(
-    "/usage/workloads",
-    summary="GPU-memory-hours allocated vs used per workload",
-    response_model=WorkloadUsageList,
-)
-async def usage_workloads(
-    conn: Conn, since: Since = None, until: Until = None, namespace: NsFilter = None
-) -> dict[str, Any]:
-    return await _usage(conn, since, until, namespace, by="workload")
-
-
-async def _usage(
-    conn: AsyncConnection, since: datetime | None, until: datetime | None, namespace: str | None, *, by: str
-) -> dict[str, Any]:
-    since, until = window(since, until)
-    items = await queries.usage(conn, since=since, until=until, by=by, namespace=namespace)
-    return {"since": since.isoformat(), "until": until.isoformat(), "items": items}
+_usage_route("namespace", NamespaceUsageList, "GPU-memory-hours allocated vs used per namespace")
+_usage_route("workload", WorkloadUsageList, "GPU-memory-hours allocated vs used per workload")
 
 
 @router.get("/rightsizing", summary="Right-sizing suggestions per workload", response_model=Suggestions)
