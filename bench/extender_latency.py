@@ -16,13 +16,13 @@ from bench.common import BenchResult, Context, Target, latency_summary, private_
 from bench.http_client import LeanClient
 from bench.stack import node_name, service
 from services.extender.service import ExtenderService
+from services.extender.wire import DEFAULT_PREFIX as PREFIX
 from services.extender.wire import parse_extender_args
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 
 NAME = "latency"
 TITLE = "2. Extender filter + prioritize latency over HTTP (NodeNames), half-full cluster"
-PREFIX = "/gpushare-scheduler"
 
 
 def pod(gib: int = 4) -> dict:

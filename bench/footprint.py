@@ -19,6 +19,7 @@ from bench.common import BenchResult, Context, Target, private_bus
 from bench.extender_latency import PREFIX, pod
 from bench.replay import publish_all
 from bench.stack import node_name, rss_mib, service
+from shared.events.catalogue import ReservedEvent
 
 NAME = "footprint"
 TITLE = "7. Footprint: extender and accounting RSS, large cluster"
@@ -32,7 +33,7 @@ async def run(ctx: Context) -> BenchResult:
     m = result.metrics
     async with private_bus(ctx.nats_url, "foot") as bus:
         db_url, events = await ctx.seeded_database(nodes)
-        m["allocations"] = sum(1 for e in events if e.kind == "reserved")
+        m["allocations"] = sum(1 for e in events if isinstance(e, ReservedEvent))
         await publish_all(bus, events)
         common = {"db_url": db_url, "nats_url": ctx.nats_url, "names": bus.names, "work_dir": ctx.work_dir}
         async with service("extender", **common) as ext, service("accounting", **common) as acc:

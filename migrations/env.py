@@ -7,11 +7,11 @@ import asyncio
 from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from migrations.schema import METADATA
 from shared.ledger.db import async_url
-from shared.ledger.models import metadata
 
 config = context.config
-target_metadata = metadata
+target_metadata = list(METADATA)
 
 
 def _run(connection) -> None:  # type: ignore[no-untyped-def]

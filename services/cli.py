@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from shared.logging import configure_logging
 from shared.optional import optional_module
-from shared.settings import Settings
+from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, Settings
 
 log = logging.getLogger("gpushare")
 
@@ -35,8 +35,8 @@ COMMON_FLAGS = {
     "log_level": "DEBUG, INFO, WARNING, ERROR (GPUSHARE_LOG_LEVEL, default INFO)",
     "log_format": "json or text (GPUSHARE_LOG_FORMAT, default json)",
     "resource_memory_unit": "GiB or MiB: unit of aliyun.com/gpu-mem (GPUSHARE_RESOURCE_MEMORY_UNIT)",
-    "stream_name": "JetStream stream name (GPUSHARE_STREAM_NAME, default GPUSHARE)",
-    "subject_prefix": "event subject prefix (GPUSHARE_SUBJECT_PREFIX, default gpushare)",
+    "stream_name": f"JetStream stream name (GPUSHARE_STREAM_NAME, default {DEFAULT_STREAM})",
+    "subject_prefix": f"event subject prefix (GPUSHARE_SUBJECT_PREFIX, default {DEFAULT_SUBJECT_PREFIX})",
 }
 
 

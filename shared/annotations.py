@@ -33,6 +33,7 @@ POLICY = "gpushare.io/policy"
 RESOURCE_MEM = "aliyun.com/gpu-mem"
 RESOURCE_CORE = "aliyun.com/gpu-core"
 RESOURCE_COUNT = "aliyun.com/gpu-count"
+RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)  # the extended resources gpushare serves
 
 
 def allocation_record(

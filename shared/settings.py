@@ -8,6 +8,10 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+DEFAULT_STREAM = "GPUSHARE"
+DEFAULT_SUBJECT_PREFIX = "gpushare"
+ACCOUNTING_PORT = 8080  # accounting's default listen port
+
 
 class MemoryUnit(StrEnum):
     """The unit of `aliyun.com/gpu-mem` quantities (gpushare's convention: GiB unless configured)."""
@@ -30,12 +34,14 @@ class Settings(BaseSettings):
         default=None, description="PostgreSQL URL, e.g. postgresql://gpushare@db:5432/gpushare"
     )
     nats_url: str | None = Field(default=None, description="NATS URL, e.g. nats://nats:4222")
-    accounting_url: str = Field(default="http://127.0.0.1:8080", description="Where clients reach accounting")
+    accounting_url: str = Field(
+        default=f"http://127.0.0.1:{ACCOUNTING_PORT}", description="Where clients reach accounting"
+    )
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field(default="json", description="json (one object a line) or text")
     resource_memory_unit: MemoryUnit = Field(default=MemoryUnit.GIB, description="Unit of aliyun.com/gpu-mem")
-    stream_name: str = Field(default="GPUSHARE", description="JetStream stream holding every event")
-    subject_prefix: str = Field(default="gpushare", description="First token of every event subject")
+    stream_name: str = Field(default=DEFAULT_STREAM, description="JetStream stream holding every event")
+    subject_prefix: str = Field(default=DEFAULT_SUBJECT_PREFIX, description="First token of every event subject")
     stream_replicas: int = Field(default=1, ge=1, le=5, description="JetStream replicas of the event stream")
     data_dir: Path = Field(default=Path(".gpushare"), description="Where `gpushare up` keeps its data")
     admin_token: SecretStr | None = Field(default=None, description="Bearer token required by mutating REST endpoints")

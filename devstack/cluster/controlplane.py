@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.annotations import RESOURCES
+
 from .binaries import ControlPlaneUnavailable, Paths, Progress, ensure_binaries, stderr_progress
 from .releases import CURRENT, Release
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient, Configuration
 
-GPU_RESOURCES = ("aliyun.com/gpu-mem", "aliyun.com/gpu-core", "aliyun.com/gpu-count")
 SERVICE_CIDR = "10.96.0.0/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
@@ -50,7 +51,7 @@ class ExtenderConfig:
     weight: int = 1
     http_timeout: str = "30s"
     node_cache_capable: bool = True
-    managed_resources: Sequence[str] = GPU_RESOURCES
+    managed_resources: Sequence[str] = RESOURCES
     ignored_by_scheduler: bool = True
     ignorable: bool = False
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import grpc
 
-log = logging.getLogger(__name__)
+from shared.kubelet_api import KUBELET_SOCKET
 
-KUBELET_SOCKET = "kubelet.sock"
+log = logging.getLogger(__name__)
 
 
 def _protos() -> tuple[Any, Any, Any, Any]:

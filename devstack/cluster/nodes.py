@@ -18,11 +18,10 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 GPUS_ANNOTATION = "gpushare.devcluster/gpus"
-GPU_MEM = "aliyun.com/gpu-mem"
-GPU_COUNT = "aliyun.com/gpu-count"
-GPU_CORE = "aliyun.com/gpu-core"
 
 GpuSpec = tuple[int, str]
 
@@ -34,9 +33,9 @@ def _now() -> str:
 def gpu_resources(gpus: Sequence[GpuSpec]) -> dict[str, str]:
     """Extended resources advertised for a list of ``(mem_gib, model)`` GPUs."""
     return {
-        GPU_MEM: str(sum(int(mem) for mem, _ in gpus)),
-        GPU_COUNT: str(len(gpus)),
-        GPU_CORE: str(100 * len(gpus)),
+        RESOURCE_MEM: str(sum(int(mem) for mem, _ in gpus)),
+        RESOURCE_COUNT: str(len(gpus)),
+        RESOURCE_CORE: str(100 * len(gpus)),
     }
 
 

@@ -17,12 +17,11 @@ from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
-from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+from shared.annotations import RESOURCES
 from shared.kube.pods import list_pods
 
 log = logging.getLogger(__name__)
 
-GPU_RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)
 MAX_ATTEMPTS = 20
 
 
@@ -32,7 +31,7 @@ def gpu_resources_of(pod: dict[str, Any]) -> set[str]:
     out: set[str] = set()
     for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
         limits = (c.get("resources") or {}).get("limits") or {}
-        out |= {r for r in limits if r in GPU_RESOURCES}
+        out |= {r for r in limits if r in RESOURCES}
     return out
 
 

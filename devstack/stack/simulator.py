@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from shared.ledger import models
 from shared.ledger.ledger import Ledger
+from shared.ledger.rules import AllocationState
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class SchedulerSimulator:
         if self.ledger is None:
             return
         query = select(models.allocations.c.id).where(
-            models.allocations.c.pod_uid == pod_uid, models.allocations.c.state == "reserved"
+            models.allocations.c.pod_uid == pod_uid, models.allocations.c.state == AllocationState.RESERVED.value
         )
         while not bind.done():
             async with self.ledger.engine.connect() as conn:

@@ -8,12 +8,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.extender.wire import DEFAULT_PREFIX as EXTENDER_PREFIX
+
 _GPU_ENTRY = re.compile(
     r"^\s*(?:(?P<count>\d+)\s*x\s*)?(?P<mem>\d+)\s*(?P<unit>GiB|MiB|G|M)?\s*(?::\s*(?P<model>[\w.\-]+))?\s*$"
 )
 
 DEFAULT_GPUS = "1x16GiB:Tesla-T4"
-EXTENDER_PREFIX = "/gpushare-scheduler"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shared.settings import Settings
+from shared.settings import ACCOUNTING_PORT, Settings
 
 from . import inspect_cli
 
@@ -31,6 +31,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "GPUSHARE_ADMIN_TOKEN as a bearer token.",
     )
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
+    p.add_argument("--port", type=int, default=ACCOUNTING_PORT, help=f"listen port (default {ACCOUNTING_PORT})")
     p.set_defaults(func=run)
     inspect_cli.register(subparsers, common)

@@ -35,17 +35,26 @@ from shared.events.catalogue import (
     UsageEvent,
 )
 from shared.ledger.idempotency import claim
-from shared.ledger.models import applied_events, usage_samples
+from shared.ledger.models import applied_events
 from shared.ledger.replay import read_events
+from shared.ledger.rules import AllocationState
 
-from .tables import CONSUMER, pending, timeline
+from .tables import CONSUMER, PROJECTION_TABLES, pending, timeline, usage_samples
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-PROJECTED_KINDS = frozenset(
-    {"reserved", "bound", "assigned", "exchanged", "terminating", "released", "failed", "usage", "refused"}
-)
+PROJECTED = (
+    ReservedEvent,
+    BoundEvent,
+    AssignedEvent,
+    ExchangedEvent,
+    TerminatingEvent,
+    ReleasedEvent,
+    FailedEvent,
+    UsageEvent,
+    RefusedEvent,
+)  # the events that change the read models
 REBUILD_BATCH = 500
 
 
@@ -57,7 +66,10 @@ class Applied:
     latencies: list[tuple[str, float]] = field(default_factory=list)
 
 
-async def _reserved_at(conn: AsyncConnection, allocation_id: uuid.UUID, step: str = "reserved") -> datetime | None:
+async def _first_step(
+    conn: AsyncConnection, allocation_id: uuid.UUID, step: str = AllocationState.RESERVED.value
+) -> datetime | None:
+    """When the allocation's timeline first reached `step` (a life-cycle event's kind)."""
     return (
         await conn.execute(
             select(timeline.c.ts)
@@ -69,8 +81,9 @@ async def _reserved_at(conn: AsyncConnection, allocation_id: uuid.UUID, step: st
 
 
 async def _step(
-    conn: AsyncConnection, event: Event, allocation_id: uuid.UUID, pod_uid: str, node: str, step: str, detail: str = ""
+    conn: AsyncConnection, event: Event, allocation_id: uuid.UUID, pod_uid: str, node: str, detail: str = ""
 ) -> None:
+    """A timeline row: the step is the event's kind."""
     await conn.execute(
         pg_insert(timeline)
         .values(
@@ -78,7 +91,7 @@ async def _step(
             allocation_id=allocation_id,
             pod_uid=pod_uid,
             node=node,
-            step=step,
+            step=event.kind,
             ts=event.occurred_at,
             detail=detail[:2048],
         )
@@ -88,43 +101,40 @@ async def _step(
 
 async def apply(conn: AsyncConnection, event: Event) -> Applied:
     """Apply one event to the read models inside the caller's transaction (idempotent)."""
-    if event.kind not in PROJECTED_KINDS:
+    if not isinstance(event, PROJECTED):
         return Applied(new=False)
     if not await claim(conn, CONSUMER, event.event_id):
         return Applied(new=False)
     out = Applied(new=True)
     match event:
         case ReservedEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "reserved")
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node)
             await conn.execute(
                 delete(pending).where(pending.c.pod_uid == event.pod_uid, pending.c.refused_at <= event.occurred_at)
             )
         case BoundEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "bound")
-            reserved = await _reserved_at(conn, event.allocation_id)
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node)
+            reserved = await _first_step(conn, event.allocation_id)
             if reserved is not None:
                 out.latencies.append(("reserved_to_bound", (event.occurred_at - reserved).total_seconds()))
         case AssignedEvent():
-            first = await _reserved_at(conn, event.allocation_id, "assigned")
+            first = await _first_step(conn, event.allocation_id, event.kind)
             await _step(
                 conn,
                 event,
                 event.allocation_id,
                 event.pod_uid,
                 event.node,
-                "assigned",
                 f"container {event.container}: {', '.join(event.gpu_uuids)}",
             )
-            bound = await _reserved_at(conn, event.allocation_id, "bound")
+            bound = await _first_step(conn, event.allocation_id, AllocationState.BOUND.value)
             if first is None and bound is not None:
                 out.latencies.append(("bound_to_assigned", (event.occurred_at - bound).total_seconds()))
         case TerminatingEvent():
             detail = "pod is being deleted; its share stays held until the pod is gone"
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "terminating", detail)
-        case ReleasedEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "released", event.reason)
-        case FailedEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, "failed", event.reason)
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, detail)
+        case ReleasedEvent() | FailedEvent():
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, event.reason)
         case ExchangedEvent():
             pairs = (
                 (event.first_allocation_id, event.first_container, event.second_allocation_id, event.second_container),
@@ -135,7 +145,7 @@ async def apply(conn: AsyncConnection, event: Event) -> Applied:
                     await conn.execute(select(timeline.c.pod_uid).where(timeline.c.allocation_id == mine).limit(1))
                 ).scalar() or ""
                 detail = f"container {my_container} swapped shares with allocation {other} container {other_container}"
-                await _step(conn, event, mine, pod_uid, event.node, "exchanged", detail)
+                await _step(conn, event, mine, pod_uid, event.node, detail)
         case UsageEvent():
             if event.samples:
                 await conn.execute(
@@ -167,7 +177,7 @@ async def _refused(conn: AsyncConnection, event: RefusedEvent) -> None:
             select(timeline.c.id)
             .where(
                 timeline.c.pod_uid == event.pod_uid,
-                timeline.c.step == "reserved",
+                timeline.c.step == AllocationState.RESERVED.value,
                 timeline.c.ts >= event.occurred_at,
             )
             .limit(1)
@@ -221,7 +231,7 @@ class Projector:
 
 async def truncate_projections(conn: AsyncConnection) -> None:
     """Empty the read models and forget which events they applied."""
-    await conn.execute(text(f"TRUNCATE {timeline.name}, {pending.name}, {usage_samples.name} RESTART IDENTITY"))
+    await conn.execute(text(f"TRUNCATE {', '.join(t.name for t in PROJECTION_TABLES)} RESTART IDENTITY"))
     await conn.execute(delete(applied_events).where(applied_events.c.consumer == CONSUMER))
 
 

@@ -12,12 +12,11 @@ from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, nodes, quotas
-from shared.ledger.rules import LIVE_STATE_VALUES
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
 
 from .rightsizing import recommend
 from .tables import pending, timeline
 
-STATES = ("reserved", "bound", "assigned", "released", "failed")
 PENDING_STALE_AFTER = timedelta(hours=1)
 
 
@@ -149,7 +148,7 @@ async def cluster_totals(conn: AsyncConnection, unit: str) -> dict[str, Any]:
         "allocated_memory_mib": allocated,
         "used_memory_mib": sum(n["used_memory_mib"] for n in node_list),
         "allocated_pct": int(100 * allocated / total) if total else 0,
-        "allocations_by_state": {s: int(states.get(s, 0)) for s in STATES},
+        "allocations_by_state": {s.value: int(states.get(s.value, 0)) for s in AllocationState},
         "pending_pods": len(await list_pending(conn)),
         "memory_unit": unit,
     }

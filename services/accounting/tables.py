@@ -1,16 +1,20 @@
-"""Accounting's own read models (projections of the event stream), beside the authoritative ledger.
+"""Accounting's own tables, beside the authoritative ledger: its read models (projections of the event
+stream) and the usage samples.
 
-`migrations/versions/0002_accounting.py` creates exactly these. They are derived data: `gpushare ledger
-rebuild` truncates and refills them from the stream (`projections.rebuild_projections`).
+`migrations/versions/0002_accounting.py` creates the projections, `0001_ledger.py` `usage_samples`. They are
+derived data: `gpushare ledger rebuild` truncates and refills them from the stream
+(`projections.rebuild_projections`).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, DateTime, Index, MetaData, Table, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Column, DateTime, Float, Index, Integer, MetaData, Table, Text, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
+from shared.ledger.models import NAMING_CONVENTION
+
 # Kept apart from the ledger's metadata: these tables belong to accounting alone.
-metadata = MetaData()
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 CONSUMER = "accounting"
 
@@ -45,4 +49,24 @@ pending = Table(
     Index("ix_acc_pending_namespace_pod_name", "namespace", "pod_name"),
 )
 
-PROJECTION_TABLES = (timeline, pending)
+# One row per usage sample (usage events).
+usage_samples = Table(
+    "usage_samples",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("ts", DateTime(timezone=True), nullable=False),
+    Column("node", Text, nullable=False),
+    Column("gpu_uuid", Text, nullable=False),
+    Column("pod_uid", Text, nullable=False, server_default=""),
+    Column("namespace", Text, nullable=False, server_default=""),
+    Column("pod_name", Text, nullable=False, server_default=""),
+    Column("container", Text, nullable=False, server_default=""),
+    Column("used_memory_mib", Integer, nullable=False),
+    Column("utilization_pct", Float, nullable=False, server_default="0"),
+    Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
+    Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
+    Index("ix_usage_samples_event_id", "event_id"),
+)
+
+PROJECTION_TABLES = (timeline, pending, usage_samples)  # what `gpushare ledger rebuild` refills

@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from shared.kube import pods
 from shared.kube.pods import Pod
+from shared.ledger.rules import AllocationState
 
 
 class Action(StrEnum):
@@ -31,9 +32,9 @@ def decide(*, state: str | None, pod: Pod | None, pod_uid: str, node: str) -> De
     """Decide from the allocation's ledger `state` and the pod as the API server returned it (None: gone)."""
     if state is None:
         return Decision(Action.SKIP, "skipped_unknown", "the ledger has no such allocation")
-    if state == "bound" or state == "assigned":
+    if state in (AllocationState.BOUND, AllocationState.ASSIGNED):
         return Decision(Action.SKIP, "skipped_already_done", f"allocation is already {state}")
-    if state != "reserved":
+    if state != AllocationState.RESERVED:
         return Decision(Action.SKIP, "skipped_ended", f"allocation already ended ({state})")
     if pod is None:
         return Decision(Action.FAIL, "failed_pod_gone", "pod no longer exists")

@@ -35,6 +35,7 @@ from shared.kube.pods import get_pod
 from shared.kube.raw import status_message
 from shared.kube.retry import RetryPolicy, call_with_retry
 from shared.ledger.ledger import Ledger
+from shared.ledger.rules import AllocationState
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class BindHandler:
         ns, name = event.namespace, event.pod_name
         gpu_uuids = sorted({p.gpu_uuid for p in event.parts})
         facts = await reads.bind_facts(self.ledger.engine, event.allocation_id, gpu_uuids)
-        if facts.state != "reserved":
+        if facts.state != AllocationState.RESERVED:
             self._finish(decide(state=facts.state, pod=None, pod_uid=event.pod_uid, node=event.node), event, started)
             return
         bind = Decision(Action.BIND, "bound", f"binding to {event.node}")
@@ -128,7 +129,7 @@ class BindHandler:
         """Decide from the pod watch when it shows this very pod ready to bind, else from a fresh read."""
         seen = self.pods.get(event.namespace, event.pod_name) if self.pods is not None else None
         if seen is not None:
-            decision = decide(state="reserved", pod=seen, pod_uid=event.pod_uid, node=event.node)
+            decision = decide(state=AllocationState.RESERVED, pod=seen, pod_uid=event.pod_uid, node=event.node)
             if decision.action is Action.BIND:
                 self.metrics.pod_reads_saved.inc()
                 return decision
@@ -137,7 +138,7 @@ class BindHandler:
     async def _read_and_decide(self, event: ReservedEvent) -> Decision:
         ns, name = event.namespace, event.pod_name
         pod = await self._kube(lambda: get_pod(self.api, ns, name), f"GET pod {ns}/{name}")
-        return decide(state="reserved", pod=pod, pod_uid=event.pod_uid, node=event.node)
+        return decide(state=AllocationState.RESERVED, pod=pod, pod_uid=event.pod_uid, node=event.node)
 
     async def _binding_checks_uid(self) -> bool:
         """Whether the API server enforces the Binding's `metadata.uid` (asked once; False when unknown)."""

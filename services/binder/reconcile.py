@@ -35,6 +35,7 @@ from shared.kube import pods
 from shared.kube.pods import Pod, list_pods
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, ReservationError, ReservationRequest
+from shared.ledger.rules import AllocationState
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def stale_reservations(
     return [
         a
         for a in live
-        if a.state == "reserved"
+        if a.state == AllocationState.RESERVED
         and (now - a.reserved_at).total_seconds() >= grace_s
         and a.pod_uid in pods_by_uid
         and not pods.is_terminated(pods_by_uid[a.pod_uid])
@@ -97,7 +98,7 @@ def find_orphans(
     for alloc in live:
         pod = pods_by_uid.get(alloc.pod_uid)
         if pod is None:
-            if alloc.state == "reserved" and (now - alloc.reserved_at).total_seconds() < grace_s:
+            if alloc.state == AllocationState.RESERVED and (now - alloc.reserved_at).total_seconds() < grace_s:
                 continue
             out.append(Orphan(alloc, "pod no longer exists"))
         elif pods.is_terminated(pod):

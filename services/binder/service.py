@@ -18,6 +18,7 @@ from services.binder.metrics import BinderMetrics
 from services.binder.pod_index import PodIndex
 from services.binder.reconcile import Reconciler
 from shared.events.bus import EventBus
+from shared.events.catalogue import ReservedEvent, kind_of
 from shared.events.consumer import DurableConsumer
 from shared.kube.retry import RetryPolicy
 from shared.ledger.ledger import Ledger
@@ -55,7 +56,7 @@ class Binder:
             bus,
             config.durable,
             self.handler,
-            kinds=["reserved"],
+            kinds=[kind_of(ReservedEvent)],
             concurrency=config.concurrency,
             batch=max(16, config.concurrency * 4),
             ack_wait_s=30.0,

@@ -15,6 +15,7 @@ from services.extender.service import ExtenderService
 from services.extender.wire import (
     BINDING_ARGS_SCHEMA,
     BINDING_RESULT_SCHEMA,
+    DEFAULT_PREFIX,
     ERROR_SCHEMA,
     EXTENDER_ARGS_SCHEMA,
     FILTER_RESULT_SCHEMA,
@@ -34,7 +35,6 @@ from shared.http import BodyLimitMiddleware, install_common
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "/gpushare-scheduler"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a full NodeList of thousands of nodes (nodeCacheCapable: false)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.extender.wire import DEFAULT_PREFIX
 from shared.placement import Policy
 from shared.settings import Settings
 
@@ -19,9 +20,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     )
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=12345, help="listen port (default 12345)")
-    p.add_argument(
-        "--prefix", default="/gpushare-scheduler", help="URL prefix of the verbs (default /gpushare-scheduler)"
-    )
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"URL prefix of the verbs (default {DEFAULT_PREFIX})")
     p.add_argument(
         "--bind-timeout", type=float, default=20.0, help="seconds to wait for the binder's outcome (default 20)"
     )

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.ledger.models import allocations
+from shared.ledger.rules import AllocationState
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Outcome:
     reason: str = ""
 
 
-BOUND = Outcome(True, "bound")
+BOUND = Outcome(True, AllocationState.BOUND.value)
 
 
 class OutcomeWaiter:
@@ -58,9 +59,9 @@ class OutcomeWaiter:
             ).first()
         if row is None:
             return Outcome(False, "missing", "the reservation disappeared from the ledger")
-        if row.state == "reserved":
+        if row.state == AllocationState.RESERVED:
             return None
-        bound = row.state in ("bound", "assigned") or row.bound_at is not None
+        bound = row.state in (AllocationState.BOUND, AllocationState.ASSIGNED) or row.bound_at is not None
         return Outcome(bound, row.state, row.reason or "")
 
     async def wait(self, allocation_id: uuid.UUID, timeout_s: float, *, check_first: bool = True) -> Outcome | None:

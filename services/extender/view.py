@@ -2,10 +2,11 @@
 
 Loaded from the ledger tables, kept fresh by ledger events, and reloaded periodically and after any
 reservation conflict. It only steers decisions: the reservation in the ledger is authoritative.
-Applying an event is idempotent (a reservation is counted once per allocation id, an end once).
+Applying an event is idempotent (a reservation is counted once per allocation id, an end once, an
+exchange once per event id).
 
-The view is compact: a live allocation keeps only what decisions need (identity, node, state and its
-per-GPU charges as plain tuples), GPUs are indexed by node, and per-namespace usage is kept as running
+The view is compact: a live allocation keeps only what decisions need (identity, node, state, its parts
+and per-GPU charges as plain tuples), GPUs are indexed by node, and per-namespace usage is kept as running
 totals. `version` grows on every change that can alter a placement decision (capacity, allocations, health,
 quotas), so callers can cache answers computed from one state.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -23,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
+    ExchangedEvent,
     FailedEvent,
     HealthEvent,
     InventoryEvent,
@@ -32,25 +34,57 @@ from shared.events.catalogue import (
     ReservedEvent,
 )
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
-from shared.ledger.rules import LIVE_STATE_VALUES, gpu_charges
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState, ExchangeRefused, gpu_charges, swap_shares
 from shared.placement import GpuView, NodeView
 from shared.placement.columns import NodeColumns
 
 _STREAM_ROWS = 2_000  # rows per fetch of the streamed reload (server-side cursor)
-_STATES = {s: s for s in (*LIVE_STATE_VALUES, "released", "failed")}
+_EXCHANGES_KEPT = 4_096  # ids of the latest exchanges applied (a re-published one must not swap back)
+_STATES = {s.value: s.value for s in AllocationState}  # one string object per state name
+NO_INVENTORY = "node has no gpushare inventory (no node agent reported GPUs)"
 
 Charges = tuple[tuple[str, int, int], ...]  # (gpu uuid, MiB, compute) per GPU, sorted by uuid
 
 
-def _charges_of(parts: Iterable[Any]) -> Charges:
-    """Per-GPU charges of an allocation's parts (Kubernetes' effective-request rule, see `gpu_charges`)."""
-    return tuple((u, m, c) for u, (m, c) in gpu_charges(parts).items())
+class HeldPart(NamedTuple):
+    """One container's share of one GPU, as the view keeps it (what an exchange needs to move it)."""
+
+    container: str
+    gpu_uuid: str
+    gpu_index: int
+    memory_mib: int
+    compute: int
+    init: bool
+
+    def relocated(self, gpu_uuid: str, gpu_index: int) -> HeldPart:
+        """The same share on another GPU."""
+        return self._replace(gpu_uuid=gpu_uuid, gpu_index=gpu_index)
+
+
+Held = tuple[HeldPart, ...]
+
+
+def _held(parts: Iterable[Any], gpus: dict[str, _Gpu]) -> tuple[Held, Charges]:
+    """An allocation's parts and its per-GPU charges (Kubernetes' effective-request rule, see `gpu_charges`),
+    with GPU UUIDs shared with the view's GPUs."""
+    held = tuple(
+        HeldPart(
+            sys.intern(p.container),
+            g.uuid if (g := gpus.get(p.gpu_uuid)) is not None else p.gpu_uuid,
+            p.gpu_index,
+            p.memory_mib,
+            p.compute,
+            p.init,
+        )
+        for p in parts
+    )
+    return held, tuple((u, m, c) for u, (m, c) in gpu_charges(held).items())
 
 
 class LiveAllocation:
     """A live allocation as the view knows it (slotted: tens of thousands are held)."""
 
-    __slots__ = ("_charges", "allocation_id", "namespace", "node", "pod_name", "pod_uid", "state")
+    __slots__ = ("_charges", "_parts", "allocation_id", "namespace", "node", "pod_name", "pod_uid", "state")
 
     def __init__(
         self,
@@ -60,7 +94,7 @@ class LiveAllocation:
         pod_name: str,
         node: str,
         state: str,
-        charges: Charges,
+        held: tuple[Held, Charges],
     ) -> None:
         self.allocation_id = allocation_id
         self.pod_uid = pod_uid
@@ -68,7 +102,12 @@ class LiveAllocation:
         self.pod_name = pod_name
         self.node = node
         self.state = state
-        self._charges = charges
+        self._parts, self._charges = held
+
+    @property
+    def parts(self) -> Held:
+        """Each container's share of each GPU."""
+        return self._parts
 
     @property
     def charges(self) -> dict[str, tuple[int, int]]:
@@ -153,6 +192,7 @@ class ClusterView:
     def __init__(self) -> None:
         self.loaded = False
         self.version = 0
+        self._exchanged: dict[uuid.UUID, None] = {}  # insertion-ordered: the oldest is dropped first
         self._swap(_State())
 
     def _swap(self, state: _State) -> None:
@@ -234,7 +274,9 @@ class ClusterView:
                     allocations.c.pod_name,
                     allocations.c.node,
                     allocations.c.state,
+                    allocation_parts.c.container,
                     allocation_parts.c.gpu_uuid,
+                    allocation_parts.c.gpu_index,
                     allocation_parts.c.memory_mib,
                     allocation_parts.c.compute,
                     allocation_parts.c.init,
@@ -265,7 +307,6 @@ class ClusterView:
 
     @staticmethod
     def _load_allocation(state: _State, row: Any, parts: list[Any]) -> None:
-        charges = tuple((g.uuid if (g := state.gpus.get(u)) is not None else u, m, c) for u, m, c in _charges_of(parts))
         alloc = LiveAllocation(
             row.id,
             row.pod_uid,
@@ -273,7 +314,7 @@ class ClusterView:
             row.pod_name,
             sys.intern(row.node),
             _STATES.get(row.state, row.state),
-            charges,
+            _held(parts, state.gpus),
         )
         prev = state.allocations.get(alloc.pod_uid)
         if prev is not None:  # at most one live allocation per pod; keep the last, as a dict build would
@@ -299,7 +340,7 @@ class ClusterView:
         pod_name: str,
         node: str,
         parts: Iterable[Any],
-        state: str = "reserved",
+        state: str = AllocationState.RESERVED.value,
     ) -> None:
         """Count a live allocation (no-op when this allocation is already counted)."""
         current = self.allocations.get(pod_uid)
@@ -307,17 +348,11 @@ class ClusterView:
             return
         if current is not None:
             self._end(current)
-        charges = tuple((g.uuid if (g := self._gpus.get(u)) is not None else u, m, c) for u, m, c in _charges_of(parts))
         alloc = LiveAllocation(
-            allocation_id, pod_uid, sys.intern(namespace), pod_name, sys.intern(node), state, charges
+            allocation_id, pod_uid, sys.intern(namespace), pod_name, sys.intern(node), state, _held(parts, self._gpus)
         )
         self.allocations[pod_uid] = alloc
-        _index(self._node_allocs, self._ns_usage, alloc)
-        for gpu_uuid, m, c in charges:
-            g = self._gpus.get(gpu_uuid)
-            if g is not None:
-                g.allocated_memory_mib += m
-                g.allocated_compute += c
+        self._count(alloc, +1)
         self._rebuild(node)
 
     def drop(self, pod_uid: str, allocation_id: uuid.UUID) -> None:
@@ -328,13 +363,49 @@ class ClusterView:
 
     def _end(self, alloc: LiveAllocation) -> None:
         self.allocations.pop(alloc.pod_uid, None)
-        _unindex(self._node_allocs, self._ns_usage, alloc)
+        self._count(alloc, -1)
+        self._rebuild(alloc.node)
+
+    def _count(self, alloc: LiveAllocation, sign: int) -> None:
+        """Add (+1) or take out (-1) what the allocation holds: per-node and per-namespace indexes, GPU counters."""
+        if sign > 0:
+            _index(self._node_allocs, self._ns_usage, alloc)
+        else:
+            _unindex(self._node_allocs, self._ns_usage, alloc)
         for gpu_uuid, m, c in alloc._charges:
             g = self._gpus.get(gpu_uuid)
             if g is not None:
-                g.allocated_memory_mib = max(0, g.allocated_memory_mib - m)
-                g.allocated_compute = max(0, g.allocated_compute - c)
-        self._rebuild(alloc.node)
+                g.allocated_memory_mib = max(0, g.allocated_memory_mib + sign * m)
+                g.allocated_compute = max(0, g.allocated_compute + sign * c)
+
+    def _exchange(self, event: ExchangedEvent) -> None:
+        """Move two containers' shares as the ledger does (`swap_shares`, see `apply_exchange`).
+
+        Both allocations are live in the ledger when it exchanges; when one has already left the view (its
+        release overtook the exchange on the bus), the shares cannot be moved here and the next reload settles it.
+        """
+        on_node = (self.allocations.get(uid) for uid in self._node_allocs.get(event.node, ()))
+        by_id = {x.allocation_id: x for x in on_node if x is not None}
+        a, b = by_id.get(event.first_allocation_id), by_id.get(event.second_allocation_id)
+        if a is None or b is None or event.event_id in self._exchanged:
+            return
+        self._exchanged[event.event_id] = None
+        if len(self._exchanged) > _EXCHANGES_KEPT:
+            del self._exchanged[next(iter(self._exchanged))]
+        try:
+            first, second = swap_shares(
+                a.parts, event.first_container, b.parts, event.second_container, HeldPart.relocated
+            )
+        except ExchangeRefused:  # the ledger refused it too, so it never published it
+            return
+        involved = {id(a): a, id(b): b}.values()
+        for alloc in involved:
+            self._count(alloc, -1)
+        a._parts, a._charges = _held(first, self._gpus)
+        b._parts, b._charges = _held(second, self._gpus)  # one allocation (a is b): the same new parts
+        for alloc in involved:
+            self._count(alloc, +1)
+        self._rebuild(event.node)
 
     def apply(self, event: object) -> None:
         """Apply one ledger event to the view."""
@@ -347,6 +418,8 @@ class ClusterView:
                 a = self.allocations.get(event.pod_uid)
                 if a is not None and a.allocation_id == event.allocation_id:
                     a.state = event.kind  # no placement input changes: `version` stays
+            case ExchangedEvent():
+                self._exchange(event)
             case FailedEvent() | ReleasedEvent():
                 a = self.allocations.get(event.pod_uid)
                 if a is not None and a.allocation_id == event.allocation_id:

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
+DEFAULT_PREFIX = "/gpushare-scheduler"  # where the verbs are served (the scheduler configuration's urlPrefix)
+
 
 class WireError(ValueError):
     """A request body that is not what kube-scheduler sends (answered 400 with the reason)."""

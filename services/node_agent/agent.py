@@ -31,14 +31,13 @@ from services.node_agent.metrics import AgentMetrics
 from services.node_agent.plugin import PluginServer, dp_pb2
 from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
 from services.node_agent.view import NodeView, allocated_by_gpu
-from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
+from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UsageEvent
+from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
-
-RESOURCES = (RESOURCE_MEM, RESOURCE_CORE, RESOURCE_COUNT)
 
 
 @dataclass
@@ -47,8 +46,8 @@ class AgentConfig:
 
     node: str
     unit: MemoryUnit = MemoryUnit.GIB
-    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    device_plugin_dir: Path = DEVICE_PLUGIN_DIR
+    pod_resources_socket: str = POD_RESOURCES_SOCKET
     mps: bool = False
     type_label_key: str = "gpu-type"
     usage_interval_s: float = 5.0

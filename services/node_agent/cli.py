@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fake-gpus", metavar="SPEC", help='fake GPUs instead of NVML, e.g. "2x16GiB:Tesla-T4,1x80GiB:A100"'
     )
-    p.add_argument("--device-plugin-dir", default="/var/lib/kubelet/device-plugins", help="kubelet's plugin directory")
-    p.add_argument(
-        "--pod-resources-socket",
-        default="/var/lib/kubelet/pod-resources/kubelet.sock",
-        help="kubelet's pod-resources API socket",
-    )
+    p.add_argument("--device-plugin-dir", default=str(DEVICE_PLUGIN_DIR), help="kubelet's plugin directory")
+    p.add_argument("--pod-resources-socket", default=POD_RESOURCES_SOCKET, help="kubelet's pod-resources API socket")
     p.add_argument("--metrics-port", type=int, default=9119, help="port of /metrics, /healthz, /readyz (default 9119)")
     p.add_argument("--mps", action="store_true", help="the node runs the MPS control daemon: hand out MPS limits")
     p.add_argument("--type-label-key", default="gpu-type", help="node label key for the short GPU type ('' = none)")

@@ -18,13 +18,12 @@ from typing import Any, Protocol
 import grpc
 
 from services.node_agent.assignment import AssignmentError
-from shared.kubelet_api import load
+from shared.kubelet_api import KUBELET_SOCKET, load
 
 dp_pb2, dp_grpc = load("deviceplugin")
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
 
 
 class DeviceHandler(Protocol):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.node_agent.assignment import PendingContainer
 from services.node_agent.discovery import ProcessUsage
-from shared.events.catalogue import UsageSample
+from shared.events.catalogue import MAX_MIB, UsageSample
 
 # cgroupfs: .../pod<uid>/<container>; systemd: ...-pod<uid with _>.slice/...
 _POD_UID = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
@@ -63,7 +63,7 @@ def build_samples(
                 namespace=known[0].namespace if known else "",
                 pod_name=known[0].pod_name if known else "",
                 container=on_gpu[0].container if len(on_gpu) == 1 else "",
-                used_memory_mib=min(mib, 16 * 1024 * 1024),
+                used_memory_mib=min(mib, MAX_MIB),
                 utilization_pct=min(max(utilization.get(gpu, 0.0), 0.0), 100.0),
             )
         )

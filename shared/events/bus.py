@@ -12,6 +12,7 @@ from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from shared.events.catalogue import encode_event, subject_for
+from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +23,8 @@ DEDUP_WINDOW_S = 120.0
 class BusNames:
     """Where events live: the stream, the subject prefix, and the parking stream for poison messages."""
 
-    stream: str = "GPUSHARE"
-    prefix: str = "gpushare"
+    stream: str = DEFAULT_STREAM
+    prefix: str = DEFAULT_SUBJECT_PREFIX
 
     @property
     def parked_stream(self) -> str:

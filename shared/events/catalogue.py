@@ -8,6 +8,7 @@ its subject, and a schema `version`. Consumers refuse versions they do not know 
 from __future__ import annotations
 
 import json
+import typing
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Literal
@@ -16,8 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 ShortText = Annotated[str, Field(max_length=2048)]
-MiB = Annotated[int, Field(ge=0, le=16 * 1024 * 1024)]
-Compute = Annotated[int, Field(ge=0, le=100 * 64)]
+MAX_MIB = 16 * 1024 * 1024  # the largest memory amount anything carries (16 TiB)
+MAX_GPU_COUNT = 64  # distinct GPUs one container may ask for
+MAX_COMPUTE = 100 * MAX_GPU_COUNT  # percent of one GPU, over all of a container's GPUs
+MiB = Annotated[int, Field(ge=0, le=MAX_MIB)]
+Compute = Annotated[int, Field(ge=0, le=MAX_COMPUTE)]
 
 SUPPORTED_VERSION = 1
 
@@ -53,7 +57,7 @@ class _EventBase(BaseModel):
 
 
 def node_token(name: str) -> str:
-    """A NATS subject token for a node name (dots, wildcards and spaces are not allowed in tokens)."""
+    """The NATS subject token of a node name (dots, wildcards and spaces are not allowed in tokens)."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "_"
 
 
@@ -289,21 +293,14 @@ Event = Annotated[
     Field(discriminator="kind"),
 ]
 
-EVENT_KINDS: tuple[str, ...] = (
-    "inventory",
-    "node_retired",
-    "reserved",
-    "bound",
-    "failed",
-    "assigned",
-    "terminating",
-    "released",
-    "exchanged",
-    "usage",
-    "health",
-    "refused",
-    "quota",
-)
+
+def kind_of(event_type: type[_EventBase]) -> str:
+    """The `kind` of an event class (its subject's second token)."""
+    return event_type.model_fields["kind"].default
+
+
+EVENT_TYPES: tuple[type[_EventBase], ...] = typing.get_args(typing.get_args(Event)[0])
+EVENT_KINDS: tuple[str, ...] = tuple(map(kind_of, EVENT_TYPES))
 
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 MAX_EVENT_BYTES = 4 * 1024 * 1024

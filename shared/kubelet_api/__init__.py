@@ -16,6 +16,9 @@ from types import ModuleType
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # the directory holding the `shared` package
 PROTOS = ("deviceplugin", "podresources")
+DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")  # where kubelet looks for device plugin sockets
+KUBELET_SOCKET = "kubelet.sock"  # kubelet's registration socket, in the device plugin directory
+POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # kubelet's pod-resources API
 PACKAGE = __name__
 
 

@@ -16,7 +16,6 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
-    Float,
     ForeignKey,
     Index,
     Integer,
@@ -31,19 +30,24 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from shared.events.catalogue import AllocationPart
-from shared.ledger.rules import LIVE_STATE_VALUES
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
 
-metadata = MetaData(
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "ck": "ck_%(table_name)s_%(constraint_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    }
-)
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}  # how the migrations name constraints and indexes (accounting's tables follow it too)
 
-LIVE_SQL = "state IN (" + ", ".join(f"'{s}'" for s in LIVE_STATE_VALUES) + ")"
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _state_in(states: tuple[str, ...]) -> str:
+    return "state IN (" + ", ".join(f"'{s}'" for s in states) + ")"
+
+
+LIVE_SQL = _state_in(LIVE_STATE_VALUES)
 
 nodes = Table(
     "nodes",
@@ -102,7 +106,7 @@ allocations = Table(
     Column("terminating_at", DateTime(timezone=True)),  # the pod got a deletionTimestamp; the share stays held
     Column("version", Integer, nullable=False, server_default="1"),  # raised by every exchange
     Column("pod_created_at", DateTime(timezone=True)),  # kubelet admits pods in creation order
-    CheckConstraint("state IN ('reserved', 'bound', 'assigned', 'released', 'failed')", name="known_state"),
+    CheckConstraint(_state_in(tuple(s.value for s in AllocationState)), name="known_state"),
     Index("uq_allocations_live_pod", "pod_uid", unique=True, postgresql_where=text(LIVE_SQL)),
     Index("ix_allocations_node_state", "node", "state"),
     Index("ix_allocations_namespace_state", "namespace", "state"),
@@ -144,25 +148,6 @@ applied_events = Table(
     Column("event_id", UUID(as_uuid=True), nullable=False),
     Column("applied_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("consumer", "event_id"),
-)
-
-usage_samples = Table(
-    "usage_samples",
-    metadata,
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
-    Column("event_id", UUID(as_uuid=True), nullable=False),
-    Column("ts", DateTime(timezone=True), nullable=False),
-    Column("node", Text, nullable=False),
-    Column("gpu_uuid", Text, nullable=False),
-    Column("pod_uid", Text, nullable=False, server_default=""),
-    Column("namespace", Text, nullable=False, server_default=""),
-    Column("pod_name", Text, nullable=False, server_default=""),
-    Column("container", Text, nullable=False, server_default=""),
-    Column("used_memory_mib", Integer, nullable=False),
-    Column("utilization_pct", Float, nullable=False, server_default="0"),
-    Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
-    Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
-    Index("ix_usage_samples_event_id", "event_id"),
 )
 
 outbox = Table(

@@ -7,9 +7,9 @@ every consumer idempotent and lets a replay apply events in any order and reach 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 
 class AllocationState(StrEnum):
@@ -25,8 +25,16 @@ class AllocationState(StrEnum):
 LIVE_STATES: frozenset[AllocationState] = frozenset(
     {AllocationState.RESERVED, AllocationState.BOUND, AllocationState.ASSIGNED}
 )
-LIVE_STATE_VALUES: tuple[str, ...] = ("reserved", "bound", "assigned")  # the same, as SQL sees them
+LIVE_STATE_VALUES: tuple[str, ...] = tuple(s.value for s in AllocationState if s in LIVE_STATES)  # as SQL sees them
 TERMINAL_STATES: frozenset[AllocationState] = frozenset({AllocationState.RELEASED, AllocationState.FAILED})
+
+# The allocation's timestamp each step sets (the first time it is applied): column and LedgerState field.
+STAMPS: dict[AllocationState, str] = {
+    AllocationState.BOUND: "bound_at",
+    AllocationState.ASSIGNED: "assigned_at",
+    AllocationState.RELEASED: "ended_at",
+    AllocationState.FAILED: "ended_at",
+}
 
 _RANK = {
     AllocationState.RESERVED: 1,
@@ -129,3 +137,37 @@ def moved_to(allocation_id: Any, part: MovablePart, moves: Iterable[Any]) -> tup
             if move.from_gpu_uuid == part.gpu_uuid:
                 return move.to_gpu_uuid, move.to_gpu_index
     return None
+class ExchangeablePart(ChargeablePart, Protocol):
+    """A part `swap_shares` can move: which container holds it, and on which GPU."""
+
+    container: str
+    gpu_index: int
+
+
+P = TypeVar("P", bound=ExchangeablePart)
+
+
+def swap_shares(
+    first: Sequence[P],
+    first_container: str,
+    second: Sequence[P],
+    second_container: str,
+    relocate: Callable[[P, str, int], P],
+) -> tuple[tuple[P, ...], tuple[P, ...]]:
+    """Two allocations' parts after an exchange (`ExchangedEvent`): `first_container`'s shares (among the
+    parts `first`) and `second_container`'s (among `second`) trade GPUs, as `exchange_plan` pairs them and
+    `shared.ledger.transitions.apply_exchange` writes them. Raises `ExchangeRefused`.
+
+    `relocate(part, gpu_uuid, gpu_index)` makes a moved copy of a part. When both containers belong to one
+    allocation, pass its parts twice: both results are then its new parts.
+    """
+    plan = exchange_plan(
+        [p for p in first if p.container == first_container],
+        [p for p in second if p.container == second_container],
+    )
+    moved = {id(part): (gpu_uuid, gpu_index) for part, gpu_uuid, gpu_index, _, _ in plan}
+
+    def after(parts: Sequence[P]) -> tuple[P, ...]:
+        return tuple(relocate(p, *moved[id(p)]) if id(p) in moved else p for p in parts)
+
+    return after(first), after(second)

@@ -27,7 +27,7 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger.rules import AllocationState, advances, exchange_plan, gpu_charges, is_live, moved_to
+from shared.ledger.rules import STAMPS, AllocationState, advances, exchange_plan, gpu_charges, is_live, moved_to
 
 
 @dataclass
@@ -85,7 +85,8 @@ class AllocationRow:
     assigned_containers: dict[str, datetime] = field(default_factory=dict)
 
 
-_STAMP = {"bound": "bound_at", "assigned": "assigned_at", "released": "ended_at", "failed": "ended_at"}
+def _relocated(part: AllocationPart, gpu_uuid: str, gpu_index: int) -> AllocationPart:
+    return part.model_copy(update={"gpu_uuid": gpu_uuid, "gpu_index": gpu_index})
 
 
 @dataclass
@@ -200,12 +201,12 @@ class LedgerState:
             if alloc.terminating_at is None:
                 alloc.terminating_at = event.occurred_at
             return
-        stamp = _STAMP[event.kind]
+        new_state = AllocationState(event.kind)
+        stamp = STAMPS[new_state]
         if getattr(alloc, stamp) is None:
             setattr(alloc, stamp, event.occurred_at)
         if isinstance(event, AssignedEvent):
             alloc.assigned_containers.setdefault(event.container, event.occurred_at)
-        new_state = AllocationState(event.kind)
         if advances(alloc.state, new_state):
             if isinstance(event, ReleasedEvent | FailedEvent):
                 alloc.reason = event.reason
@@ -245,9 +246,7 @@ class LedgerState:
         new_parts = []
         for p in alloc.parts:
             target = where(p)
-            new_parts.append(
-                p if target is None else p.model_copy(update={"gpu_uuid": target[0], "gpu_index": target[1]})
-            )
+            new_parts.append(p if target is None else _relocated(p, *target))
         alloc.parts, alloc.version = tuple(new_parts), version
         if is_live(alloc.state):
             self._charge(gpu_charges(alloc.parts), +1)

@@ -21,6 +21,7 @@ from shared.events.catalogue import (
 from shared.ledger.models import allocation_parts, allocations, gpus
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
+    STAMPS,
     AllocationState,
     ExchangeRefused,
     advances,
@@ -31,14 +32,6 @@ from shared.ledger.rules import (
 
 TransitionEvent = BoundEvent | AssignedEvent | ReleasedEvent | FailedEvent
 
-_STATE_OF = {
-    "bound": AllocationState.BOUND,
-    "assigned": AllocationState.ASSIGNED,
-    "released": AllocationState.RELEASED,
-    "failed": AllocationState.FAILED,
-}
-_STAMP_OF = {"bound": "bound_at", "assigned": "assigned_at", "released": "ended_at", "failed": "ended_at"}
-
 
 async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> bool:
     """Apply a life-cycle event inside the caller's transaction.
@@ -47,19 +40,20 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
     moves only forward; leaving a live state gives the GPU capacity back. Returns True when the state
     changed. An unknown allocation is a no-op (returns False).
     """
+    new_state = AllocationState(event.kind)  # a life-cycle event's kind names the state it moves to
+    stamp = STAMPS[new_state]
     row = (
         await conn.execute(
-            select(allocations.c.state, getattr(allocations.c, _STAMP_OF[event.kind]).label("stamp"))
+            select(allocations.c.state, getattr(allocations.c, stamp).label("stamp"))
             .where(allocations.c.id == event.allocation_id)
             .with_for_update()
         )
     ).first()
     if row is None:
         return False
-    new_state = _STATE_OF[event.kind]
     values: dict[str, object] = {}
     if row.stamp is None:
-        values[_STAMP_OF[event.kind]] = event.occurred_at
+        values[stamp] = event.occurred_at
     changed = advances(row.state, new_state)
     if changed:
         values["state"] = new_state.value

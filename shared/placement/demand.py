@@ -14,11 +14,10 @@ from functools import cached_property
 from typing import Any
 
 from shared import annotations as ann
+from shared.events.catalogue import MAX_COMPUTE, MAX_GPU_COUNT, MAX_MIB
 from shared.placement.hints import HintError, Hints, parse_hints
 from shared.settings import MemoryUnit
 
-MAX_MEMORY_MIB = 16 * 1024 * 1024
-MAX_GPU_COUNT = 64
 MAX_CONTAINERS = 256
 
 
@@ -142,10 +141,10 @@ def parse_container(container: object, index: int, *, init: bool, unit: MemoryUn
     mem_units = parse_quantity(res.get(ann.RESOURCE_MEM, 0), f"{where}: {ann.RESOURCE_MEM}")
     core = parse_quantity(res.get(ann.RESOURCE_CORE, 0), f"{where}: {ann.RESOURCE_CORE}")
     count = parse_quantity(res.get(ann.RESOURCE_COUNT, 1), f"{where}: {ann.RESOURCE_COUNT}")
-    if mem_units > MAX_MEMORY_MIB // unit.mib:
+    if mem_units > MAX_MIB // unit.mib:
         raise DemandError(f"{where}: {ann.RESOURCE_MEM} {mem_units} {unit.value} is more than any GPU has")
     memory = mem_units * unit.mib
-    if core > 100 * MAX_GPU_COUNT:
+    if core > MAX_COMPUTE:
         raise DemandError(f"{where}: {ann.RESOURCE_CORE} {core} is out of range (1..100 per GPU)")
     if not 1 <= count <= MAX_GPU_COUNT:
         raise DemandError(f"{where}: {ann.RESOURCE_COUNT} must be 1..{MAX_GPU_COUNT}, not {count}")

@@ -7,9 +7,8 @@ from datetime import timedelta
 from sqlalchemy import func, select
 
 from services.accounting import projections
-from services.accounting.tables import pending, timeline
+from services.accounting.tables import pending, timeline, usage_samples
 from shared.events.catalogue import RefusedEvent
-from shared.ledger.models import usage_samples
 from shared.ledger.replay import read_events
 
 from .conftest import Stack, cli, seed

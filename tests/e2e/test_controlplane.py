@@ -9,8 +9,10 @@ import pytest
 from kubernetes_asyncio import client
 
 from devstack.cluster import ControlPlane, Paths
-from devstack.cluster.nodes import GPU_COUNT, GPU_MEM, create_gpu_node, delete_node
+from devstack.cluster.nodes import create_gpu_node, delete_node
 from devstack.cluster.waits import wait_for_pod_node, wait_for_pods_bound
+from shared.annotations import RESOURCE_COUNT as GPU_COUNT
+from shared.annotations import RESOURCE_MEM as GPU_MEM
 
 pytestmark = pytest.mark.e2e
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncpg
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 
+from migrations.schema import METADATA
 from shared.ledger import migrate
-from shared.ledger.db import async_url
+from shared.ledger.db import async_url, make_engine
 from tests.conftest import RUN_ID, _run, create_database, drop_database
 
 EXPECTED = {"nodes", "gpus", "allocations", "allocation_parts", "quotas", "applied_events", "usage_samples", "outbox"}
@@ -32,6 +35,21 @@ def test_round_trip_from_empty_to_head_and_back(pg_server_url: str) -> None:
         assert EXPECTED <= _run(_tables(url))
     finally:
         drop_database(pg_server_url, name)
+
+
+async def test_the_table_definitions_match_the_migrated_schema(database_url: str) -> None:
+    """Autogenerate, comparing the ledger's and accounting's tables with a database at head, proposes nothing:
+    the migrations create exactly the tables the code defines (wherever each is defined)."""
+    engine = make_engine(database_url, pool_size=1)
+    try:
+        async with engine.connect() as conn:
+            diff = await conn.run_sync(
+                lambda sync: compare_metadata(MigrationContext.configure(sync, opts={"compare_type": True}), METADATA)
+            )
+    finally:
+        await engine.dispose()
+    assert diff == []
+    assert EXPECTED <= {t for m in METADATA for t in m.tables}
 
 
 def test_head_revision_is_known() -> None:
