@@ -110,8 +110,9 @@ class LedgerGateway:
             return CommandReply(ok=False, error=f"unreadable command: {exc}")
         if event.kind not in COMMAND_KINDS:
             return CommandReply(ok=False, error=f"{event.kind} is not a node agent command")
-        if node_token(event.node) != node:  # type: ignore[union-attr]
-            return CommandReply(ok=False, error=f"a node agent speaks only for its own node, not {event.node}")  # type: ignore[union-attr]
+        speaks_for = node_token(event.node)  # type: ignore[union-attr]
+        if speaks_for != node:
+            return CommandReply(ok=False, error=f"a node agent speaks only for its own node, not {speaks_for}")
         try:
             if isinstance(event, AssignedEvent):
                 where = await reads.allocation_node_state(self.ledger.engine, event.allocation_id)

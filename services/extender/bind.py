@@ -123,6 +123,7 @@ class Bind:
                 parts=placement.parts,
                 owner_kind=demand.owner_kind,
                 owner_name=demand.owner_name,
+                pod_created_at=demand.created_at,
             )
             # Hold the shares in the view while the ledger decides, as kube-scheduler assumes a pod: concurrent
             # binds then pick around each other instead of racing for the same GPU and reloading on conflict.

@@ -34,7 +34,14 @@ from shared.events.catalogue import (
     ReservedEvent,
 )
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
-from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState, ExchangeRefused, gpu_charges, swap_shares
+from shared.ledger.rules import (
+    LIVE_STATE_VALUES,
+    AllocationState,
+    ExchangeRefused,
+    gpu_charges,
+    moved_to,
+    swap_shares,
+)
 from shared.placement import GpuView, NodeView
 from shared.placement.columns import NodeColumns
 
@@ -84,7 +91,17 @@ def _held(parts: Iterable[Any], gpus: dict[str, _Gpu]) -> tuple[Held, Charges]:
 class LiveAllocation:
     """A live allocation as the view knows it (slotted: tens of thousands are held)."""
 
-    __slots__ = ("_charges", "_parts", "allocation_id", "namespace", "node", "pod_name", "pod_uid", "state")
+    __slots__ = (
+        "_charges",
+        "_parts",
+        "allocation_id",
+        "namespace",
+        "node",
+        "pod_name",
+        "pod_uid",
+        "state",
+        "version",
+    )
 
     def __init__(
         self,
@@ -95,6 +112,7 @@ class LiveAllocation:
         node: str,
         state: str,
         held: tuple[Held, Charges],
+        version: int = 1,
     ) -> None:
         self.allocation_id = allocation_id
         self.pod_uid = pod_uid
@@ -102,6 +120,7 @@ class LiveAllocation:
         self.pod_name = pod_name
         self.node = node
         self.state = state
+        self.version = version  # the ledger's, raised by every exchange
         self._parts, self._charges = held
 
     @property
@@ -274,6 +293,7 @@ class ClusterView:
                     allocations.c.pod_name,
                     allocations.c.node,
                     allocations.c.state,
+                    allocations.c.version,
                     allocation_parts.c.container,
                     allocation_parts.c.gpu_uuid,
                     allocation_parts.c.gpu_index,
@@ -315,6 +335,7 @@ class ClusterView:
             sys.intern(row.node),
             _STATES.get(row.state, row.state),
             _held(parts, state.gpus),
+            row.version,
         )
         prev = state.allocations.get(alloc.pod_uid)
         if prev is not None:  # at most one live allocation per pod; keep the last, as a dict build would
@@ -379,13 +400,18 @@ class ClusterView:
                 g.allocated_compute = max(0, g.allocated_compute + sign * c)
 
     def _exchange(self, event: ExchangedEvent) -> None:
-        """Move two containers' shares as the ledger does (`swap_shares`, see `apply_exchange`).
+        """Move two containers' shares as the ledger did: by the event's result when it carries one (only
+        into an allocation older than the result's version, so a repeat or a copy the last reload already
+        holds changes nothing), else by swapping them (`swap_shares`, see `apply_exchange`) once per event id.
 
         Both allocations are live in the ledger when it exchanges; when one has already left the view (its
         release overtook the exchange on the bus), the shares cannot be moved here and the next reload settles it.
         """
         on_node = (self.allocations.get(uid) for uid in self._node_allocs.get(event.node, ()))
         by_id = {x.allocation_id: x for x in on_node if x is not None}
+        if event.moves:
+            self._apply_moves(event, by_id)
+            return
         a, b = by_id.get(event.first_allocation_id), by_id.get(event.second_allocation_id)
         if a is None or b is None or event.event_id in self._exchanged:
             return
@@ -404,6 +430,21 @@ class ClusterView:
         a._parts, a._charges = _held(first, self._gpus)
         b._parts, b._charges = _held(second, self._gpus)  # one allocation (a is b): the same new parts
         for alloc in involved:
+            self._count(alloc, +1)
+        self._rebuild(event.node)
+
+    def _apply_moves(self, event: ExchangedEvent, by_id: dict[uuid.UUID, LiveAllocation]) -> None:
+        for alloc_id in dict.fromkeys((event.first_allocation_id, event.second_allocation_id)):
+            alloc, version = by_id.get(alloc_id), event.version_of(alloc_id)
+            if alloc is None or version is None or version <= alloc.version:
+                continue
+            self._count(alloc, -1)
+            moved = []
+            for p in alloc.parts:
+                target = moved_to(alloc_id, p, event.moves)
+                moved.append(p if target is None else p.relocated(*target))
+            alloc._parts, alloc._charges = _held(moved, self._gpus)
+            alloc.version = version
             self._count(alloc, +1)
         self._rebuild(event.node)
 

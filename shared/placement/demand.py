@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
 
@@ -59,6 +60,7 @@ class PodDemand:
     hints: Hints = field(default_factory=Hints)
     owner_kind: str = ""
     owner_name: str = ""
+    created_at: datetime | None = None  # metadata.creationTimestamp: the order kubelet admits pods in
 
     @property
     def wants_gpu(self) -> bool:
@@ -196,4 +198,25 @@ def parse_pod(pod: object, unit: MemoryUnit = MemoryUnit.GIB) -> PodDemand:
         ref = ref or next((o for o in owners if isinstance(o, Mapping)), None)
         if ref is not None:
             owner_kind, owner_name = str(ref.get("kind") or "")[:64], str(ref.get("name") or "")[:253]
-    return PodDemand(uid, namespace, name, containers, inits, hints, owner_kind, owner_name)
+    return PodDemand(
+        uid,
+        namespace,
+        name,
+        containers,
+        inits,
+        hints,
+        owner_kind,
+        owner_name,
+        _timestamp(meta.get("creationTimestamp")),
+    )
+
+
+def _timestamp(value: object) -> datetime | None:
+    """An RFC 3339 timestamp as the API writes it, or None when absent or unreadable (it only orders pods)."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
