@@ -228,6 +228,8 @@ class ExtenderService:
         except DemandError as exc:
             metrics.REFUSALS.labels(reason="invalid_request").inc()
             return filter_result(args, [], {}, {}, error=f"invalid GPU request: {exc}")
+        if demand.gated:  # kube-scheduler does not send gated pods; whoever did gets no place and no refusal
+            return filter_result(args, [], {}, {}, error=demand.gated_reason())
         if not demand.wants_gpu:
             return filter_result(args, list(args.node_names), {}, {})
         passed: list[str] = []
@@ -350,6 +352,9 @@ class ExtenderService:
         except DemandError as exc:
             metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
             return f"invalid GPU request: {exc}"
+        if demand.gated:
+            metrics.BIND_OUTCOMES.labels(reason="gated").inc()
+            return demand.gated_reason()
         if not demand.wants_gpu:
             metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
             return f"pod {args.pod_namespace}/{args.pod_name} asks for no GPU share; gpushare binds only GPU pods"
@@ -460,6 +465,8 @@ class ExtenderService:
         try:
             demand = self.demand(args.pod)
         except DemandError:
+            return {"NodeNameToMetaVictims": {}}
+        if demand.gated:
             return {"NodeNameToMetaVictims": {}}
         out: dict[str, Any] = {}
         for node_name, (uids, pdb) in args.victims.items():

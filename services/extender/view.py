@@ -237,7 +237,9 @@ class ClusterView:
                     allocation_parts.c.gpu_uuid,
                     allocation_parts.c.memory_mib,
                     allocation_parts.c.compute,
+                    allocation_parts.c.container_index,
                     allocation_parts.c.init,
+                    allocation_parts.c.sidecar,
                 )
                 .select_from(
                     allocations.outerjoin(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)

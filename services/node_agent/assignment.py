@@ -53,6 +53,17 @@ class PendingContainer:
     reserved_at: datetime
     assigned: bool = False
     pod_memory_mib: int = 0
+    sidecar: bool = False
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        """(init, sidecar): only containers of the same kind are exchanged (their charges follow other rules)."""
+        return (self.init, self.sidecar)
+
+    @property
+    def long_running(self) -> bool:
+        """An app container or a sidecar: it holds its share for the pod's whole life."""
+        return not self.init or self.sidecar
 
     @property
     def key(self) -> tuple[uuid.UUID, str]:

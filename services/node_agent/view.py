@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.node_agent.assignment import PendingContainer, Share
 from shared.ledger.models import allocation_parts, allocations
-from shared.ledger.rules import gpu_charges
+from shared.ledger.rules import gpu_charges, long_running
 
 LIVE = ("reserved", "bound", "assigned")
 
@@ -24,6 +26,7 @@ async def load_containers(engine: AsyncEngine, node: str) -> list[PendingContain
             allocation_parts.c.container,
             allocation_parts.c.container_index,
             allocation_parts.c.init,
+            allocation_parts.c.sidecar,
             allocation_parts.c.gpu_uuid,
             allocation_parts.c.gpu_index,
             allocation_parts.c.memory_mib,
@@ -37,13 +40,13 @@ async def load_containers(engine: AsyncEngine, node: str) -> list[PendingContain
         rows = (await conn.execute(query)).all()
     grouped: dict[tuple, list] = {}
     for r in rows:
-        grouped.setdefault((r.id, r.container, r.container_index, r.init), []).append(r)
+        grouped.setdefault((r.id, r.container, r.container_index, r.init, r.sidecar), []).append(r)
     pod_memory: dict = {}
     for r in rows:
-        if not r.init:
+        if long_running(r):  # what the pod holds for its whole life: app containers and sidecars
             pod_memory[r.id] = pod_memory.get(r.id, 0) + r.memory_mib
     out = []
-    for (alloc_id, container, index, init), parts in grouped.items():
+    for (alloc_id, container, index, init, sidecar), parts in grouped.items():
         first = parts[0]
         out.append(
             PendingContainer(
@@ -54,6 +57,7 @@ async def load_containers(engine: AsyncEngine, node: str) -> list[PendingContain
                 container=container,
                 container_index=index,
                 init=init,
+                sidecar=sidecar,
                 shares=tuple(
                     Share(p.gpu_uuid, p.gpu_index, p.memory_mib, p.compute)
                     for p in sorted(parts, key=lambda p: p.gpu_index)
@@ -71,7 +75,7 @@ def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
     per_alloc: dict = {}
     for c in containers:
         per_alloc.setdefault(c.allocation_id, []).extend(
-            _Part(s.gpu_uuid, s.memory_mib, s.compute, c.init) for s in c.shares
+            _Part(s.gpu_uuid, c.container_index, s.memory_mib, s.compute, c.init, c.sidecar) for s in c.shares
         )
     total: dict[str, int] = {}
     for parts in per_alloc.values():
@@ -80,8 +84,12 @@ def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
     return total
 
 
-class _Part:
-    __slots__ = ("compute", "gpu_uuid", "init", "memory_mib")
+class _Part(NamedTuple):
+    """A container's share of one GPU, as `gpu_charges` reads it."""
 
-    def __init__(self, gpu_uuid: str, memory_mib: int, compute: int, init: bool) -> None:
-        self.gpu_uuid, self.memory_mib, self.compute, self.init = gpu_uuid, memory_mib, compute, init
+    gpu_uuid: str
+    container_index: int
+    memory_mib: int
+    compute: int
+    init: bool
+    sidecar: bool

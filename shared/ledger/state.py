@@ -255,7 +255,16 @@ class LedgerState:
                     a.ended_at,
                     tuple(
                         sorted(
-                            (p.container_index, p.init, p.gpu_uuid, p.container, p.gpu_index, p.memory_mib, p.compute)
+                            (
+                                p.container_index,
+                                p.init,
+                                p.sidecar,
+                                p.gpu_uuid,
+                                p.container,
+                                p.gpu_index,
+                                p.memory_mib,
+                                p.compute,
+                            )
                             for p in a.parts
                         )
                     ),

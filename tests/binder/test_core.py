@@ -79,7 +79,7 @@ def test_pod_helpers() -> None:
     p = pod(node="n1", phase="Succeeded")
     assert pods.owner(p) == ("ReplicaSet", "rs")
     assert pods.is_terminated(p) and pods.is_finished(p) and not pods.is_terminating(p)
-    assert pods.container_amounts(p, "aliyun.com/gpu-mem") == [("main", 1, False, 2)]
+    assert pods.container_amounts(p, "aliyun.com/gpu-mem") == [("main", 1, False, 2, False)]
     assert pods.requests_resource_prefix(p) and is_gpu_pod(p)
     plain = {"metadata": {"uid": "x"}, "spec": {"containers": [{"name": "c"}]}}
     assert not is_gpu_pod(plain)
