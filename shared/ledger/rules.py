@@ -141,7 +141,7 @@ def exchange_plan(first: list[Any], second: list[Any]) -> list[tuple[Any, str, i
     plan = []
     for pa, pb in zip(a, b, strict=True):
         if (pa.memory_mib, pa.compute, part_kind(pa)) != (pb.memory_mib, pb.compute, part_kind(pb)):
-            raise ExchangeRefused("containers hold shares of different sizes")
+            raise ExchangeRefused("containers hold shares of different sizes or kinds")
         plan.append((pa, pb.gpu_uuid, pb.gpu_index, pa.gpu_uuid, pa.gpu_index))
         plan.append((pb, pa.gpu_uuid, pa.gpu_index, pb.gpu_uuid, pb.gpu_index))
     return plan
