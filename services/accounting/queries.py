@@ -180,6 +180,7 @@ def _alloc_dict(r: Any, parts: list[Any]) -> dict[str, Any]:
                 "container": p.container,
                 "container_index": p.container_index,
                 "init": p.init,
+                "sidecar": p.sidecar,
                 "gpu_uuid": p.gpu_uuid,
                 "gpu_index": p.gpu_index,
                 "memory_mib": p.memory_mib,

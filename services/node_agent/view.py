@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.node_agent.assignment import PendingContainer, Share
+from shared.events.catalogue import AllocationPart
 from shared.ledger.models import allocation_parts, allocations
 from shared.ledger.rules import gpu_charges, long_running
 
@@ -75,21 +74,20 @@ def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
     per_alloc: dict = {}
     for c in containers:
         per_alloc.setdefault(c.allocation_id, []).extend(
-            _Part(s.gpu_uuid, c.container_index, s.memory_mib, s.compute, c.init, c.sidecar) for s in c.shares
+            AllocationPart(
+                container=c.container,
+                container_index=c.container_index,
+                gpu_uuid=s.gpu_uuid,
+                gpu_index=s.gpu_index,
+                memory_mib=s.memory_mib,
+                compute=s.compute,
+                init=c.init,
+                sidecar=c.sidecar,
+            )
+            for s in c.shares
         )
     total: dict[str, int] = {}
     for parts in per_alloc.values():
         for gpu, (memory, _) in gpu_charges(parts).items():
             total[gpu] = total.get(gpu, 0) + memory
     return total
-
-
-class _Part(NamedTuple):
-    """A container's share of one GPU, as `gpu_charges` reads it."""
-
-    gpu_uuid: str
-    container_index: int
-    memory_mib: int
-    compute: int
-    init: bool
-    sidecar: bool

@@ -27,7 +27,7 @@ from shared.placement.hints import Policy
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
-# container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
+# AllocationPart's fields in their order: container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
 _Part = tuple[str, int, str, int, int, int, bool, bool]
 
 
@@ -443,18 +443,5 @@ def pick(
             raise NoFit(f"can never fit on {node.name}: {cap_reason}", resolvable=False)
         raise NoFit(reason)
     return Placement(
-        node.name,
-        tuple(
-            AllocationPart(
-                container=name,
-                container_index=ci,
-                gpu_uuid=uuid,
-                gpu_index=gi,
-                memory_mib=m,
-                compute=k,
-                init=init,
-                sidecar=sidecar,
-            )
-            for name, ci, uuid, gi, m, k, init, sidecar in parts
-        ),
+        node.name, tuple(AllocationPart(**dict(zip(AllocationPart.model_fields, p, strict=True))) for p in parts)
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from shared.events.catalogue import AllocationPart
 from shared.ledger.rules import gpu_charges
@@ -17,24 +16,16 @@ from shared.placement.hints import Policy
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
-# container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
+# AllocationPart's fields in their order: container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
 _Part = tuple[str, int, str, int, int, int, bool, bool]
 
 
-class _Charged(NamedTuple):
-    """A part as `gpu_charges` reads it."""
-
-    gpu_uuid: str
-    container_index: int
-    memory_mib: int
-    compute: int
-    init: bool
-    sidecar: bool
+def _part(p: _Part) -> AllocationPart:
+    return AllocationPart(**dict(zip(AllocationPart.model_fields, p, strict=True)))
 
 
 def _charge_on(parts: list[_Part], gpu_uuid: str) -> tuple[int, int]:
-    charged = [_Charged(p[2], p[1], p[4], p[5], p[6], p[7]) for p in parts if p[2] == gpu_uuid]
-    return gpu_charges(charged).get(gpu_uuid, (0, 0))
+    return gpu_charges([_part(p) for p in parts if p[2] == gpu_uuid]).get(gpu_uuid, (0, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,19 +276,4 @@ def pick(
         if cap is None:
             raise NoFit(f"can never fit on {node.name}: {cap_reason}", resolvable=False)
         raise NoFit(reason)
-    return Placement(
-        node.name,
-        tuple(
-            AllocationPart(
-                container=name,
-                container_index=ci,
-                gpu_uuid=uuid,
-                gpu_index=gi,
-                memory_mib=m,
-                compute=k,
-                init=init,
-                sidecar=sidecar,
-            )
-            for name, ci, uuid, gi, m, k, init, sidecar in parts
-        ),
-    )
+    return Placement(node.name, tuple(_part(p) for p in parts))
