@@ -101,6 +101,20 @@ async def test_init_container_sidecar_and_app_get_their_gpu_with_kubelets_device
     assert charged[0] == 12 * 1024
 
 
+async def test_a_sidecar_reserved_on_another_gpu_than_the_init_container_before_it_is_refused(
+    harness: Harness,
+) -> None:
+    """The known limit (docs/node-agent.md): kubelet hands the sidecar devices of the init container before it,
+    on GPU 0, while the ledger holds the sidecar's share on GPU 1. Refused at Allocate, never mis-assigned."""
+    pod, _ = await harness.reserve(
+        "split", [("setup", [(0, 8)]), ("proxy", [(1, 4)]), ("main", [(0, 8)])], init=["setup"], sidecars=["proxy"]
+    )
+    with pytest.raises(AdmissionError) as refused:
+        await harness.kubelet.admit(pod)
+    assert (refused.value.container, refused.value.call) == ("proxy", "Allocate")
+    assert "no container reserved on this node waits for 4 GiB on exactly these GPUs" in refused.value.message
+
+
 async def test_multi_gpu_container(harness: Harness) -> None:
     pod, alloc = await harness.reserve("wide", [("train", [(0, 8), (1, 8)])])
     env = (await harness.kubelet.admit(pod))["train"]
