@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from shared.events.catalogue import AllocationPart
+from shared.ledger.rules import long_running
 from shared.settings import MemoryUnit
 
 GPU_MEM_IDX = "ALIYUN_COM_GPU_MEM_IDX"
@@ -84,7 +85,7 @@ def record_annotations(
     `ALIYUN_COM_GPU_MEM_IDX` is the GPU index, or the comma-separated indices when the pod spans GPUs
     (which gpushare never supported, so no existing tool depends on the single-value form there).
     """
-    app_parts = [p for p in parts if not p.init] or parts
+    app_parts = [p for p in parts if long_running(p)] or parts
     indices = sorted({p.gpu_index for p in app_parts})
     first_gpu = min(app_parts, key=lambda p: p.gpu_index).gpu_uuid
     pod_total_mib = sum(p.memory_mib for p in app_parts)

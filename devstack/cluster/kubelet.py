@@ -9,11 +9,15 @@
     await kubelet.stop()
 
 It behaves as kubelet does where it matters to a device plugin: it opens ListAndWatch per registered
-resource and tracks device health; for each container (init containers first) and each extended
-resource it picks devices (asking GetPreferredAllocation when offered, else the first free healthy
-IDs), calls Allocate, records the assignment (served back on the pod-resources `List` API from its
-own socket), then calls PreStartContainer when the plugin asks for it. Pods are admitted in the order
-the caller chooses, so tests can reproduce admission races. It does not run containers.
+resource and tracks device health; for each container (init containers first, sidecars among them) and
+each extended resource it picks devices (asking GetPreferredAllocation when offered, else the first free
+healthy IDs), calls Allocate, records the assignment (served back on the pod-resources `List` API from its
+own socket), then calls PreStartContainer when the plugin asks for it. Like kubelet's device manager
+(`devicesToReuse`), a regular init container's devices may be handed again to the containers after it,
+which take them first; a sidecar (`restartPolicy: Always`) or app container keeps its devices, so no later
+container gets them. Where kubelet takes reusable devices in Go's set order, the stand-in takes them in
+the order they were allocated. Pods are admitted in the order the caller chooses, so tests can reproduce
+admission races. It does not run containers.
 """
 
 from __future__ import annotations
@@ -219,18 +223,26 @@ class KubeletStandIn:
         meta = pod.get("metadata", {})
         ns, name, uid = meta.get("namespace", "default"), meta["name"], meta.get("uid", "")
         spec = pod.get("spec", {})
-        containers = list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+        inits = list(spec.get("initContainers") or [])
+        containers = inits + list(spec.get("containers") or [])
         envs: dict[str, dict[str, str]] = {}
         prestarts: list[tuple[str, RegisteredPlugin, list[str]]] = []
+        reusable: dict[str, list[str]] = {}  # kubelet's devicesToReuse for this pod, per resource
         try:
-            for c in containers:
+            for i, c in enumerate(containers):
                 env: dict[str, str] = {}
                 limits = (c.get("resources") or {}).get("limits") or {}
+                hands_on = i < len(inits) and c.get("restartPolicy") != "Always"  # a regular init container
                 for resource, amount in sorted(limits.items()):
                     plugin = self.plugins.get(resource)
                     if plugin is None:
                         continue
-                    ids = await self._pick(plugin, int(str(amount)), c["name"])
+                    reuse = reusable.get(resource, [])
+                    ids = await self._pick(plugin, int(str(amount)), c["name"], reuse)
+                    if hands_on:
+                        reusable[resource] = [*reuse, *(d for d in ids if d not in reuse)]
+                    else:
+                        reusable[resource] = [d for d in reuse if d not in ids]
                     try:
                         reply = await plugin.stub.Allocate(
                             self.dp_pb2.AllocateRequest(
@@ -258,27 +270,35 @@ class KubeletStandIn:
         for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
             await self.restart_container(pod, c["name"])
 
-    async def _pick(self, plugin: RegisteredPlugin, size: int, container: str) -> list[str]:
+    async def _pick(self, plugin: RegisteredPlugin, size: int, container: str, reusable: list[str]) -> list[str]:
+        """kubelet's `devicesToAllocate`: reusable devices first, then GetPreferredAllocation for the rest (with
+        the reused ones as must-include), then the first free healthy IDs."""
+        taken = reusable[:size]
+        if len(taken) == size:
+            return taken
         in_use = self._in_use(plugin.resource)
         available = [d for d, h in plugin.devices.items() if h == "Healthy" and d not in in_use]
-        if len(available) < size:
+        need = size - len(taken)
+        if len(available) < need:
             raise AdmissionError(
-                container, "admission", f"{plugin.resource}: {size} requested, {len(available)} available"
+                container, "admission", f"{plugin.resource}: {need} requested, {len(available)} available"
             )
         if plugin.options.get_preferred_allocation_available:
             reply = await plugin.stub.GetPreferredAllocation(
                 self.dp_pb2.PreferredAllocationRequest(
                     container_requests=[
                         self.dp_pb2.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=available, must_include_deviceIDs=[], allocation_size=size
+                            available_deviceIDs=[*available, *taken],
+                            must_include_deviceIDs=taken,
+                            allocation_size=size,
                         )
                     ]
                 )
             )
             preferred = list(reply.container_responses[0].deviceIDs) if reply.container_responses else []
-            if len(preferred) == size and set(preferred) <= set(available):
-                return preferred
-        return available[:size]
+            free = set(available)
+            taken += [d for d in dict.fromkeys(preferred) if d in free][:need]
+        return taken + [d for d in available if d not in taken][: size - len(taken)]
 
     async def _prestart(self, container: str, plugin: RegisteredPlugin, ids: list[str]) -> None:
         try:

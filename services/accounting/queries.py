@@ -180,6 +180,7 @@ def _alloc_dict(r: Any, parts: list[Any]) -> dict[str, Any]:
                 "container": p.container,
                 "container_index": p.container_index,
                 "init": p.init,
+                "sidecar": p.sidecar,
                 "gpu_uuid": p.gpu_uuid,
                 "gpu_index": p.gpu_index,
                 "memory_mib": p.memory_mib,
@@ -379,6 +380,12 @@ async def _usage_per_pod(conn: AsyncConnection, since: datetime, until: datetime
     return {r.pod_uid: r for r in rows}
 
 
+def significant(value: float, digits: int = 6) -> float:
+    """`value` to `digits` significant digits: short windows keep their small amounts (rounding GiB-hours to
+    decimal places turned a pod sampled for a fraction of a second into 0)."""
+    return float(f"{value:.{digits}g}")
+
+
 async def usage(
     conn: AsyncConnection, *, since: datetime, until: datetime, by: str, namespace: str | None = None
 ) -> list[dict[str, Any]]:
@@ -412,8 +419,8 @@ async def usage(
         if by != "namespace":
             item.update(owner_kind=key[1], owner_name=key[2])
         item.update(
-            allocated_gib_hours=round(e["alloc"] / 1024, 4),
-            used_gib_hours=round(e["used"] / 1024, 4),
+            allocated_gib_hours=significant(e["alloc"] / 1024),
+            used_gib_hours=significant(e["used"] / 1024),
             efficiency_pct=int(100 * e["used"] / e["alloc"]) if e["alloc"] else None,
             pods=len(e["pods"]),
             pods_with_samples=len(e["sampled"]),

@@ -121,6 +121,7 @@ class Part(Answer):
     container: str
     container_index: int
     init: bool
+    sidecar: bool = Field(description="an init container with restartPolicy Always: held for the pod's whole life")
     gpu_uuid: str
     gpu_index: int
     memory_mib: int

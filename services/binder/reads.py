@@ -193,6 +193,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
             allocation_parts.c.container,
             allocation_parts.c.container_index,
             allocation_parts.c.init,
+            allocation_parts.c.sidecar,
             allocation_parts.c.gpu_uuid,
             allocation_parts.c.gpu_index,
             allocation_parts.c.memory_mib,
@@ -213,9 +214,9 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
     async with engine.connect() as conn:
         rows = (await conn.execute(query)).all()
         ended = [r.id for r in (await conn.execute(ended_query)).all()]
-    grouped: dict[tuple[uuid.UUID, str, int, bool], list[Any]] = {}
+    grouped: dict[tuple[uuid.UUID, str, int, bool, bool], list[Any]] = {}
     for r in rows:
-        grouped.setdefault((r.id, r.container, r.container_index, r.init), []).append(r)
+        grouped.setdefault((r.id, r.container, r.container_index, r.init, r.sidecar), []).append(r)
     containers = [
         ContainerRecord(
             allocation_id=alloc_id,
@@ -225,6 +226,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
             container=container,
             container_index=index,
             init=init,
+            sidecar=sidecar,
             shares=[
                 ShareRecord(gpu_uuid=p.gpu_uuid, gpu_index=p.gpu_index, memory_mib=p.memory_mib, compute=p.compute)
                 for p in parts
@@ -234,7 +236,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
             assigned=all(p.assigned_at is not None for p in parts),
             version=int(parts[0].version),
         )
-        for (alloc_id, container, index, init), parts in grouped.items()
+        for (alloc_id, container, index, init, sidecar), parts in grouped.items()
     ]
     return NodeSnapshot(node=node, stream_seq=stream_seq, containers=containers, ended=ended)
 

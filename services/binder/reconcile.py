@@ -192,17 +192,18 @@ def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: M
         if total <= 0:
             raise AdoptionError("unreadable", f"no {RESOURCE_MEM} request and no {GPU_MEM_POD} annotation")
         first = ((pod.get("spec") or {}).get("containers") or [{}])[0]
-        amounts = [(str(first.get("name") or "c0"), 0, False, total)]
+        amounts = [pods.ContainerAmount(str(first.get("name") or "c0"), 0, False, total)]
     parts = tuple(
         AllocationPart(
-            container=name,
-            container_index=i,
+            container=a.name,
+            container_index=a.index,
             gpu_uuid=gpu_uuid,
             gpu_index=index,
-            memory_mib=amount * unit.mib,
-            init=init,
+            memory_mib=a.amount * unit.mib,
+            init=a.init,
+            sidecar=a.sidecar,
         )
-        for name, i, init, amount in amounts
+        for a in amounts
     )
     return ReservationRequest(parts=parts, **base)
 

@@ -66,6 +66,8 @@ class Bind:
             return _refused(Refused("unknown_pod", str(exc)))
         except DemandError as exc:
             return _refused(Refused("invalid", f"invalid GPU request: {exc}"))
+        if demand.gated:
+            return _refused(Refused("gated", demand.gated_reason()))
         if not demand.wants_gpu:
             return _refused(
                 Refused(

@@ -40,6 +40,8 @@ class Filter:
         except DemandError as exc:
             metrics.REFUSALS.labels(reason="invalid_request").inc()
             return filter_result(args, [], {}, {}, error=f"invalid GPU request: {exc}")
+        if demand.gated:  # kube-scheduler does not send gated pods; whoever did gets no place and no refusal
+            return filter_result(args, [], {}, {}, error=demand.gated_reason())
         if not demand.wants_gpu:
             return filter_result(args, list(args.node_names), {}, {})
         passed: list[str] = []

@@ -20,6 +20,8 @@ def preempt(view: ClusterView, args: PreemptionArgs, *, unit: MemoryUnit, policy
         demand = parse_pod(args.pod, unit)
     except DemandError:
         return {"NodeNameToMetaVictims": {}}
+    if demand.gated:
+        return {"NodeNameToMetaVictims": {}}
     out: dict[str, Any] = {}
     for node_name, (uids, pdb) in args.victims.items():
         node = view.nodes.get(node_name)

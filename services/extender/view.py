@@ -54,7 +54,8 @@ Charges = tuple[tuple[str, int, int], ...]  # (gpu uuid, MiB, compute) per GPU, 
 
 
 class HeldPart(NamedTuple):
-    """One container's share of one GPU, as the view keeps it (what an exchange needs to move it)."""
+    """One container's share of one GPU, as the view keeps it (what an exchange needs to move it, and what
+    `gpu_charges` needs to count it)."""
 
     container: str
     gpu_uuid: str
@@ -62,6 +63,8 @@ class HeldPart(NamedTuple):
     memory_mib: int
     compute: int
     init: bool
+    container_index: int = 0
+    sidecar: bool = False
 
     def relocated(self, gpu_uuid: str, gpu_index: int) -> HeldPart:
         """The same share on another GPU."""
@@ -82,6 +85,8 @@ def _held(parts: Iterable[Any], gpus: dict[str, _Gpu]) -> tuple[Held, Charges]:
             p.memory_mib,
             p.compute,
             p.init,
+            p.container_index,
+            p.sidecar,
         )
         for p in parts
     )
@@ -299,7 +304,9 @@ class ClusterView:
                     allocation_parts.c.gpu_index,
                     allocation_parts.c.memory_mib,
                     allocation_parts.c.compute,
+                    allocation_parts.c.container_index,
                     allocation_parts.c.init,
+                    allocation_parts.c.sidecar,
                 )
                 .select_from(
                     allocations.outerjoin(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id)

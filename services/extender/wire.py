@@ -245,6 +245,7 @@ _CONTAINER = {
     "type": "object",
     "properties": {
         "name": {"type": "string"},
+        "restartPolicy": {"type": ["string", "null"], "description": "Always on an init container: a sidecar"},
         "resources": {
             "type": ["object", "null"],
             "properties": {"limits": _QUANTITIES, "requests": _QUANTITIES},
@@ -263,7 +264,8 @@ _OBJECT_META = {
 }
 POD_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "description": "The core/v1 Pod being scheduled; only metadata and the containers' resources are read.",
+    "description": "The core/v1 Pod being scheduled; only metadata, the containers' resources and restartPolicy, "
+    "and the scheduling gates are read.",
     "required": ["metadata"],
     "properties": {
         "metadata": _OBJECT_META,
@@ -272,6 +274,10 @@ POD_SCHEMA: dict[str, Any] = {
             "properties": {
                 "containers": {"type": ["array", "null"], "items": _CONTAINER},
                 "initContainers": {"type": ["array", "null"], "items": _CONTAINER},
+                "schedulingGates": {
+                    "type": ["array", "null"],
+                    "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                },
             },
         },
     },

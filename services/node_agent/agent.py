@@ -357,7 +357,7 @@ class NodeAgent:
             m.gpu_healthy.labels(*labels).set(1 if self.health.get(g.uuid, True) else 0)
         pods: dict[tuple[str, str], int] = {}
         for c in view:
-            if not c.init:
+            if c.long_running:
                 key = (c.namespace, c.pod_name)
                 pods[key] = pods.get(key, 0) + sum(s.memory_mib for s in c.shares)
         for (ns, pod), mib in pods.items():

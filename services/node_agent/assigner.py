@@ -191,7 +191,7 @@ class Assigner:
                         and o.key != h.key
                         and o.units(self.unit) == want
                         and o.shape() == h.shape()
-                        and o.init == h.init
+                        and o.kind == h.kind
                     ),
                     None,
                 )
@@ -219,7 +219,7 @@ class Assigner:
                 and not c.assigned
                 and c.key != chosen.key
                 and c.shape() == chosen.shape()
-                and c.init == chosen.init
+                and c.kind == chosen.kind
             ),
             None,
         )

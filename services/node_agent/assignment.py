@@ -61,6 +61,17 @@ class PendingContainer:
         seconds, as the API stores it), then, for pods created together, in the order they were bound (which
         follows the order they were reserved)."""
         return (self.pod_created_at or self.reserved_at, self.reserved_at)
+    sidecar: bool = False
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        """(init, sidecar): only containers of the same kind are exchanged (their charges follow other rules)."""
+        return (self.init, self.sidecar)
+
+    @property
+    def long_running(self) -> bool:
+        """An app container or a sidecar: it holds its share for the pod's whole life."""
+        return not self.init or self.sidecar
 
     @property
     def key(self) -> tuple[uuid.UUID, str]:

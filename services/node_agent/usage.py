@@ -55,7 +55,7 @@ def build_samples(
     samples = []
     for (gpu, pod_uid), mib in sorted(used.items()):
         known = by_pod.get(pod_uid, [])
-        on_gpu = [c for c in known if any(s.gpu_uuid == gpu for s in c.shares) and not c.init]
+        on_gpu = [c for c in known if any(s.gpu_uuid == gpu for s in c.shares) and c.long_running]
         samples.append(
             UsageSample(
                 gpu_uuid=gpu,
@@ -71,10 +71,10 @@ def build_samples(
 
 
 def allocated_by_pod_gpu(containers: Iterable[PendingContainer]) -> dict[tuple[str, str], int]:
-    """(pod UID, GPU UUID) -> MiB allocated to the pod's app containers there."""
+    """(pod UID, GPU UUID) -> MiB allocated to the pod's app containers and sidecars there."""
     out: dict[tuple[str, str], int] = {}
     for c in containers:
-        if c.init:
+        if not c.long_running:
             continue
         for s in c.shares:
             out[(c.pod_uid, s.gpu_uuid)] = out.get((c.pod_uid, s.gpu_uuid), 0) + s.memory_mib

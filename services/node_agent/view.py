@@ -15,6 +15,7 @@ from dataclasses import replace
 from services.node_agent.assignment import PendingContainer, Share
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot
 from shared.events.catalogue import (
+    AllocationPart,
     AssignedEvent,
     Event,
     ExchangedEvent,
@@ -22,7 +23,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.rules import gpu_charges, moved_to
+from shared.ledger.rules import gpu_charges, long_running, moved_to
 
 ENDED_REMEMBERED = 4096
 
@@ -49,7 +50,7 @@ class NodeView:
             by_alloc.setdefault(record.allocation_id, []).append(record)
         for alloc_id, records in by_alloc.items():
             self._ended.pop(alloc_id, None)
-            pod_memory = sum(s.memory_mib for r in records if not r.init for s in r.shares)
+            pod_memory = sum(s.memory_mib for r in records if not r.init or r.sidecar for s in r.shares)
             self._versions[alloc_id] = records[0].version
             for r in records:
                 self._containers[(alloc_id, r.container)] = PendingContainer(
@@ -60,6 +61,7 @@ class NodeView:
                     container=r.container,
                     container_index=r.container_index,
                     init=r.init,
+                    sidecar=r.sidecar,
                     shares=tuple(
                         Share(s.gpu_uuid, s.gpu_index, s.memory_mib, s.compute)
                         for s in sorted(r.shares, key=lambda s: s.gpu_index)
@@ -101,13 +103,13 @@ class NodeView:
     def _reserved(self, event: ReservedEvent) -> bool:
         if event.node != self.node or event.allocation_id in self._ended or event.allocation_id in self._versions:
             return False
-        pod_memory = sum(p.memory_mib for p in event.parts if not p.init)
-        grouped: dict[tuple[str, int, bool], list[Share]] = {}
+        pod_memory = sum(p.memory_mib for p in event.parts if long_running(p))
+        grouped: dict[tuple[str, int, bool, bool], list[Share]] = {}
         for p in event.parts:
-            grouped.setdefault((p.container, p.container_index, p.init), []).append(
+            grouped.setdefault((p.container, p.container_index, p.init, p.sidecar), []).append(
                 Share(p.gpu_uuid, p.gpu_index, p.memory_mib, p.compute)
             )
-        for (container, index, init), shares in grouped.items():
+        for (container, index, init, sidecar), shares in grouped.items():
             self._containers[(event.allocation_id, container)] = PendingContainer(
                 allocation_id=event.allocation_id,
                 pod_uid=event.pod_uid,
@@ -116,6 +118,7 @@ class NodeView:
                 container=container,
                 container_index=index,
                 init=init,
+                sidecar=sidecar,
                 shares=tuple(sorted(shares, key=lambda s: s.gpu_index)),
                 reserved_at=event.occurred_at,
                 pod_memory_mib=pod_memory,
@@ -165,21 +168,24 @@ class _SharePart:
 
 
 def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
-    """MiB charged on each GPU by these containers (init shares count as Kubernetes counts them)."""
+    """MiB charged on each GPU by these containers (init and sidecar shares count as Kubernetes counts them)."""
     per_alloc: dict = {}
     for c in containers:
         per_alloc.setdefault(c.allocation_id, []).extend(
-            _Part(s.gpu_uuid, s.memory_mib, s.compute, c.init) for s in c.shares
+            AllocationPart(
+                container=c.container,
+                container_index=c.container_index,
+                gpu_uuid=s.gpu_uuid,
+                gpu_index=s.gpu_index,
+                memory_mib=s.memory_mib,
+                compute=s.compute,
+                init=c.init,
+                sidecar=c.sidecar,
+            )
+            for s in c.shares
         )
     total: dict[str, int] = {}
     for parts in per_alloc.values():
         for gpu, (memory, _) in gpu_charges(parts).items():
             total[gpu] = total.get(gpu, 0) + memory
     return total
-
-
-class _Part:
-    __slots__ = ("compute", "gpu_uuid", "init", "memory_mib")
-
-    def __init__(self, gpu_uuid: str, memory_mib: int, compute: int, init: bool) -> None:
-        self.gpu_uuid, self.memory_mib, self.compute, self.init = gpu_uuid, memory_mib, compute, init

@@ -61,6 +61,7 @@ class ContainerRecord(BaseModel):
     container: Name
     container_index: Annotated[int, Field(ge=0)]
     init: bool = False
+    sidecar: bool = False  # an init container with restartPolicy Always: it runs for the pod's whole life
     shares: Annotated[list[ShareRecord], Field(min_length=1)]
     reserved_at: datetime
     pod_created_at: datetime | None = None

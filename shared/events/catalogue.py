@@ -11,9 +11,19 @@ import json
 import typing
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 ShortText = Annotated[str, Field(max_length=2048)]
@@ -90,6 +100,25 @@ class AllocationPart(BaseModel):
     memory_mib: MiB
     compute: Compute = 0
     init: bool = False
+    sidecar: bool = Field(
+        default=False,
+        description="An init container with restartPolicy Always: it runs beside the app containers (init is true)",
+    )
+
+    @model_validator(mode="after")
+    def _sidecar_is_an_init_container(self) -> AllocationPart:
+        if self.sidecar and not self.init:
+            raise ValueError("a sidecar part must be an init container's (init: true)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_default_sidecar(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # parts of pods without sidecars serialise exactly as before the field existed, so a reader from the
+        # previous release (extra="forbid") still decodes them during a rolling update
+        data = handler(self)
+        if not self.sidecar:
+            data.pop("sidecar", None)
+        return data
 
 
 class InventoryEvent(_EventBase):

@@ -6,7 +6,7 @@ event's object, or `api_client.sanitize_for_serialization(v1_pod)` for a model o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubernetes_asyncio import client
 
@@ -82,10 +82,20 @@ def _quantity_int(value: Any) -> int:
         return 0
 
 
-def container_amounts(pod: Pod, resource: str) -> list[tuple[str, int, bool, int]]:
-    """(container name, index, is_init, amount) for every container asking for `resource` (limit, else request)."""
+class ContainerAmount(NamedTuple):
+    """How much of one resource one container asks for; `sidecar`: an init container with restartPolicy Always."""
+
+    name: str
+    index: int
+    init: bool
+    amount: int
+    sidecar: bool = False
+
+
+def container_amounts(pod: Pod, resource: str) -> list[ContainerAmount]:
+    """Every container asking for `resource` (limit, else request), init containers first, in spec order."""
     spec = pod.get("spec") or {}
-    out: list[tuple[str, int, bool, int]] = []
+    out: list[ContainerAmount] = []
     for init, key in ((True, "initContainers"), (False, "containers")):
         for index, container in enumerate(spec.get(key) or []):
             resources = container.get("resources") or {}
@@ -93,7 +103,8 @@ def container_amounts(pod: Pod, resource: str) -> list[tuple[str, int, bool, int
                 (resources.get("requests") or {}).get(resource)
             )
             if amount > 0:
-                out.append((str(container.get("name") or f"c{index}"), index, init, amount))
+                sidecar = init and container.get("restartPolicy") == "Always"
+                out.append(ContainerAmount(str(container.get("name") or f"c{index}"), index, init, amount, sidecar))
     return out
 
 

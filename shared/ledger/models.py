@@ -120,6 +120,8 @@ allocation_parts = Table(
     Column("container", Text, nullable=False),
     Column("container_index", Integer, nullable=False),
     Column("init", Boolean, nullable=False, server_default=text("false")),
+    # an init container with restartPolicy Always: it keeps its share beside the app containers
+    Column("sidecar", Boolean, nullable=False, server_default=text("false")),
     Column("gpu_uuid", Text, nullable=False),
     Column("gpu_index", Integer, nullable=False),
     Column("memory_mib", Integer, nullable=False),
@@ -127,6 +129,7 @@ allocation_parts = Table(
     Column("assigned_at", DateTime(timezone=True)),
     PrimaryKeyConstraint("allocation_id", "container_index", "init", "gpu_uuid"),
     CheckConstraint("memory_mib >= 0 AND compute >= 0", name="non_negative"),
+    CheckConstraint("init OR NOT sidecar", name="sidecar_is_init"),
     Index("ix_allocation_parts_gpu_uuid", "gpu_uuid"),
 )
 
@@ -171,6 +174,7 @@ def part_from_row(row: Any) -> AllocationPart:
         memory_mib=row.memory_mib,
         compute=row.compute,
         init=row.init,
+        sidecar=row.sidecar,
     )
 
 
@@ -181,6 +185,7 @@ def part_row(allocation_id: Any, part: AllocationPart, assigned_at: Any = None) 
         "container": part.container,
         "container_index": part.container_index,
         "init": part.init,
+        "sidecar": part.sidecar,
         "gpu_uuid": part.gpu_uuid,
         "gpu_index": part.gpu_index,
         "memory_mib": part.memory_mib,

@@ -70,33 +70,66 @@ class ChargeablePart(Protocol):
     """Anything with the fields `gpu_charges` needs (event parts, rows, placement results)."""
 
     gpu_uuid: str
+    container_index: int
     memory_mib: int
     compute: int
     init: bool
+    sidecar: bool
+
+
+def effective_request(app_total: int, inits: Iterable[tuple[int, bool]]) -> int:
+    """Kubernetes' effective request of one resource (component-helpers `PodRequests`).
+
+    `app_total` is the sum over the app containers; `inits` lists the init containers in spec order as
+    (amount, is_sidecar). A sidecar (`restartPolicy: Always`) starts and keeps running, so it counts for
+    every later init container and beside the app containers; a regular init container runs alone after the
+    sidecars before it and ends first:
+    max(max over regular init i of (init_i + sidecars before i), sum of sidecars + app_total).
+    """
+    sidecars = peak = 0
+    for amount, sidecar in inits:
+        if sidecar:
+            sidecars += amount
+        else:
+            peak = max(peak, amount + sidecars)
+    return max(peak, sidecars + app_total)
 
 
 def gpu_charges(parts: Iterable[ChargeablePart]) -> dict[str, tuple[int, int]]:
-    """Memory and compute a pod's parts hold on each GPU.
+    """Memory and compute a pod's parts hold on each GPU: `effective_request` applied per GPU.
 
-    App containers run together, so their shares on one GPU add up; init containers run one at a time
-    before them, so a GPU holds the larger of (the biggest init share, the sum of app shares): Kubernetes'
-    effective-request rule, applied per GPU.
+    App containers run together, so their shares on one GPU add up; sidecars run beside them (and beside
+    every init container that starts after them); regular init containers run one at a time and reuse the
+    space of what follows them.
     """
     app: dict[str, list[int]] = {}
-    init: dict[str, list[int]] = {}
+    inits: dict[str, list[ChargeablePart]] = {}
     for part in parts:
         if part.init:
-            cur = init.setdefault(part.gpu_uuid, [0, 0])
-            cur[0], cur[1] = max(cur[0], part.memory_mib), max(cur[1], part.compute)
+            inits.setdefault(part.gpu_uuid, []).append(part)
         else:
             cur = app.setdefault(part.gpu_uuid, [0, 0])
             cur[0] += part.memory_mib
             cur[1] += part.compute
     charges: dict[str, tuple[int, int]] = {}
-    for gpu in sorted(set(app) | set(init)):
-        a, i = app.get(gpu, [0, 0]), init.get(gpu, [0, 0])
-        charges[gpu] = (max(a[0], i[0]), max(a[1], i[1]))
+    for gpu in sorted(set(app) | set(inits)):
+        a = app.get(gpu, [0, 0])
+        ordered = sorted(inits.get(gpu, []), key=lambda p: p.container_index)
+        charges[gpu] = (
+            effective_request(a[0], [(p.memory_mib, p.sidecar) for p in ordered]),
+            effective_request(a[1], [(p.compute, p.sidecar) for p in ordered]),
+        )
     return charges
+
+
+def long_running(part: ChargeablePart) -> bool:
+    """App containers and sidecars: the shares a pod holds for its whole life (regular init ones end first)."""
+    return not part.init or part.sidecar
+
+
+def part_kind(part: ChargeablePart) -> tuple[bool, bool]:
+    """(init, sidecar): what a share is, for matching and exchanging only shares of the same kind."""
+    return (part.init, part.sidecar)
 
 
 class ExchangeRefused(Exception):
@@ -115,8 +148,8 @@ def exchange_plan(first: list[Any], second: list[Any]) -> list[tuple[Any, str, i
     b = sorted(second, key=lambda p: p.gpu_index)
     plan = []
     for pa, pb in zip(a, b, strict=True):
-        if (pa.memory_mib, pa.compute, pa.init) != (pb.memory_mib, pb.compute, pb.init):
-            raise ExchangeRefused("containers hold shares of different sizes")
+        if (pa.memory_mib, pa.compute, part_kind(pa)) != (pb.memory_mib, pb.compute, part_kind(pb)):
+            raise ExchangeRefused("containers hold shares of different sizes or kinds")
         plan.append((pa, pb.gpu_uuid, pb.gpu_index, pa.gpu_uuid, pa.gpu_index))
         plan.append((pb, pa.gpu_uuid, pa.gpu_index, pb.gpu_uuid, pb.gpu_index))
     return plan

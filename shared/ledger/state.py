@@ -286,7 +286,16 @@ class LedgerState:
                     a.pod_created_at,
                     tuple(
                         sorted(
-                            (p.container_index, p.init, p.gpu_uuid, p.container, p.gpu_index, p.memory_mib, p.compute)
+                            (
+                                p.container_index,
+                                p.init,
+                                p.sidecar,
+                                p.gpu_uuid,
+                                p.container,
+                                p.gpu_index,
+                                p.memory_mib,
+                                p.compute,
+                            )
                             for p in a.parts
                         )
                     ),

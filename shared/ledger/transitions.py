@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import and_, func, select, update
@@ -18,7 +17,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     TerminatingEvent,
 )
-from shared.ledger.models import allocation_parts, allocations, gpus
+from shared.ledger.models import allocation_parts, allocations, gpus, part_from_row
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
     STAMPS,
@@ -172,11 +171,11 @@ async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> Exchan
         .values(gpu_uuid=func.substr(allocation_parts.c.gpu_uuid, 2))
     )
     for i in ids:
-        moved = [
-            _Moved(p.gpu_uuid, p.memory_mib, p.compute, p.init)
-            for p in by_alloc[i]
-            if not any(p is q for q, *_ in plan)
-        ] + [_Moved(new_uuid, q.memory_mib, q.compute, q.init) for q, new_uuid, *_ in plan if q.allocation_id == i]
+        moved = [part_from_row(p) for p in by_alloc[i] if not any(p is q for q, *_ in plan)] + [
+            part_from_row(q).model_copy(update={"gpu_uuid": new_uuid})
+            for q, new_uuid, *_ in plan
+            if q.allocation_id == i
+        ]
         for gpu_uuid, (memory, compute) in gpu_charges(moved).items():
             done = await conn.execute(
                 update(gpus)
@@ -220,10 +219,3 @@ async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> Exchan
     ]
     return event.model_copy(update={"moves": moves, "versions": versions})
 
-
-@dataclass(frozen=True)
-class _Moved:
-    gpu_uuid: str
-    memory_mib: int
-    compute: int
-    init: bool

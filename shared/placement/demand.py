@@ -3,7 +3,8 @@
 Each container (and init container) may request `aliyun.com/gpu-mem` (in the configured unit),
 `aliyun.com/gpu-core` (percent of one GPU's compute, 1..100) and `aliyun.com/gpu-count` (how many
 distinct GPUs; memory and compute are split evenly across them). Limits win over requests, as for
-every extended resource (Kubernetes requires both to be equal when both are set).
+every extended resource (Kubernetes requires both to be equal when both are set). An init container with
+`restartPolicy: Always` is a sidecar: it keeps running beside the app containers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from shared import annotations as ann
 from shared.events.catalogue import MAX_COMPUTE, MAX_GPU_COUNT, MAX_MIB
+from shared.ledger.rules import effective_request
 from shared.placement.hints import HintError, Hints, parse_hints
 from shared.settings import MemoryUnit
 
@@ -28,7 +30,11 @@ class DemandError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ContainerDemand:
-    """One container's request: `count` GPUs, each holding `memory_mib` and `compute` of it."""
+    """One container's request: `count` GPUs, each holding `memory_mib` and `compute` of it.
+
+    `index` is its position in `spec.containers` or, for init containers, in `spec.initContainers`;
+    `sidecar` marks an init container with `restartPolicy: Always`.
+    """
 
     name: str
     index: int
@@ -36,6 +42,12 @@ class ContainerDemand:
     compute: int = 0
     count: int = 1
     init: bool = False
+    sidecar: bool = False
+
+    @property
+    def kind(self) -> str:
+        """How reasons name it: container, init container or sidecar container."""
+        return "sidecar container" if self.sidecar else "init container" if self.init else "container"
 
     @property
     def total_memory_mib(self) -> int:
@@ -50,7 +62,8 @@ class ContainerDemand:
 
 @dataclass(frozen=True)
 class PodDemand:
-    """A pod's GPU request: app containers (run together) and init containers (run one at a time)."""
+    """A pod's GPU request: app containers (run together) and init containers in spec order (regular ones run
+    one at a time; sidecars start in turn and then run beside everything after them)."""
 
     uid: str
     namespace: str
@@ -61,6 +74,19 @@ class PodDemand:
     owner_kind: str = ""
     owner_name: str = ""
     created_at: datetime | None = None  # metadata.creationTimestamp: the order kubelet admits pods in
+    gates: tuple[str, ...] = ()
+
+    @property
+    def gated(self) -> bool:
+        """Held by `spec.schedulingGates`: not to be placed, reserved or reported as refused until they go."""
+        return bool(self.gates)
+
+    def gated_reason(self) -> str:
+        """Why a gated pod is not placed (for answers to kube-scheduler)."""
+        return (
+            f"pod {self.namespace}/{self.name} is held by schedulingGates ({', '.join(self.gates)}); "
+            "gpushare neither reserves GPUs for it nor reports it as refused until the gates are removed"
+        )
 
     @property
     def wants_gpu(self) -> bool:
@@ -69,15 +95,18 @@ class PodDemand:
 
     @cached_property
     def memory_mib(self) -> int:
-        """Kubernetes' effective request: max(sum of app containers, largest init container)."""
-        app = sum(c.total_memory_mib for c in self.containers)
-        return max([app, *(c.total_memory_mib for c in self.init_containers)])
+        """Kubernetes' effective request (`shared.ledger.rules.effective_request`), over all GPUs."""
+        return effective_request(
+            sum(c.total_memory_mib for c in self.containers),
+            [(c.total_memory_mib, c.sidecar) for c in self.init_containers],
+        )
 
     @cached_property
     def compute(self) -> int:
         """Effective compute request, by the same rule."""
-        app = sum(c.total_compute for c in self.containers)
-        return max([app, *(c.total_compute for c in self.init_containers)])
+        return effective_request(
+            sum(c.total_compute for c in self.containers), [(c.total_compute, c.sidecar) for c in self.init_containers]
+        )
 
     @cached_property
     def simple(self) -> bool:
@@ -137,6 +166,7 @@ def parse_container(container: object, index: int, *, init: bool, unit: MemoryUn
     if not isinstance(name, str):
         raise DemandError(f"{kind} {index}: name must be a string")
     where = f"{kind} {name}"
+    sidecar = init and _restarts_always(container, where)
     res = _resources(container, where)
     if not any(k in res for k in (ann.RESOURCE_MEM, ann.RESOURCE_CORE, ann.RESOURCE_COUNT)):
         return None
@@ -161,7 +191,15 @@ def parse_container(container: object, index: int, *, init: bool, unit: MemoryUn
     per_core = core // count
     if per_core > 100:
         raise DemandError(f"{where}: {ann.RESOURCE_CORE} {core} over {count} GPU(s) is more than 100% of a GPU")
-    return ContainerDemand(name, index, (mem_units // count) * unit.mib, per_core, count, init)
+    return ContainerDemand(name, index, (mem_units // count) * unit.mib, per_core, count, init, sidecar)
+
+
+def _restarts_always(container: Mapping[str, Any], where: str) -> bool:
+    """True for `restartPolicy: Always` (an init container that is a sidecar)."""
+    policy = container.get("restartPolicy")
+    if policy is not None and not isinstance(policy, str):
+        raise DemandError(f"{where}: restartPolicy must be a string, not {policy!r}")
+    return policy == "Always"
 
 
 def parse_pod(pod: object, unit: MemoryUnit = MemoryUnit.GIB) -> PodDemand:
@@ -208,6 +246,7 @@ def parse_pod(pod: object, unit: MemoryUnit = MemoryUnit.GIB) -> PodDemand:
         owner_kind,
         owner_name,
         _timestamp(meta.get("creationTimestamp")),
+        _gates(spec),
     )
 
 
@@ -220,3 +259,17 @@ def _timestamp(value: object) -> datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def _gates(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names in `spec.schedulingGates` (a list of {name} objects)."""
+    gates = spec.get("schedulingGates") or []
+    if not isinstance(gates, list) or len(gates) > MAX_CONTAINERS:
+        raise DemandError(f"spec.schedulingGates must be a list of at most {MAX_CONTAINERS} {{name}} objects")
+    names = []
+    for gate in gates:
+        name = gate.get("name") if isinstance(gate, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise DemandError(f"spec.schedulingGates entries must be objects with a name, not {gate!r}"[:300])
+        names.append(name[:253])
+    return tuple(names)

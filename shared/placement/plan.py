@@ -1,11 +1,13 @@
 """Filter, score and pick: the decisions about one pod on one node.
 
 Filter and pick run the same solver, so a node that passes filter is one where pick succeeds (on the
-same view). The solver places app containers first, largest share first, each on `count` distinct GPUs
-chosen by the policy (binpack: best fit = least free memory that fits, ties to the lowest index;
-spread: most free memory). Init containers run one at a time before the app containers, so on a GPU
-the pod is charged max(sum of app shares, largest init share) (`shared.ledger.rules.gpu_charges`); an
-init container is placed where it raises that charge least.
+same view). The solver places the containers that run for the pod's whole life first (app containers and
+sidecars, i.e. init containers with `restartPolicy: Always`), largest share first, each on `count` distinct
+GPUs chosen by the policy (binpack: best fit = least free memory that fits, ties to the lowest index;
+spread: most free memory). Regular init containers run one at a time before the app containers, beside
+the sidecars started before them, so on a GPU the pod is charged Kubernetes' effective request
+(`shared.ledger.rules.gpu_charges`): max(max over regular init i of (init_i + sidecars before i),
+sidecars + app shares). A regular init container is placed where it raises that charge least.
 
 Score (0..10) uses the node's memory utilisation after placing the pod,
 u = (allocated MiB on healthy GPUs + pod's effective MiB) / (memory of healthy GPUs):
@@ -25,7 +27,8 @@ from shared.placement.hints import Policy
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
-_Part = tuple[str, int, str, int, int, int, bool]  # container, index, gpu uuid, gpu index, MiB, compute, init
+# AllocationPart's fields in their order: container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
+_Part = tuple[str, int, str, int, int, int, bool, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +67,7 @@ def _policy(demand: PodDemand, default: Policy) -> Policy:
 def _describe_need(c: ContainerDemand) -> str:
     what = f"{c.memory_mib} MiB" + (f" and {c.compute}% compute" if c.compute else "")
     where = "one GPU" if c.count == 1 else f"each of {c.count} distinct GPUs"
-    kind = "init container" if c.init else "container"
-    return f"{kind} {c.name} needs {what} on {where}"
+    return f"{c.kind} {c.name} needs {what} on {where}"
 
 
 def _describe_free(gpus: list[GpuView], free: dict[str, list[int]], compute: bool, capacity: bool) -> str:
@@ -126,8 +128,8 @@ def _solve(
     orig = {u: (v[0], v[1]) for u, v in free.items()}
     spread = policy is Policy.SPREAD
     parts: list[_Part] = []
-    app_sorted = sorted(demand.containers, key=lambda c: (-c.memory_mib, -c.compute, c.index))
-    for c in app_sorted:
+    steady = [*demand.containers, *(c for c in demand.init_containers if c.sidecar)]
+    for c in sorted(steady, key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index)):
         cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
         if len(cands) < c.count:
             return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
@@ -139,26 +141,38 @@ def _solve(
             f = free[g.uuid]
             f[0] -= c.memory_mib
             f[1] -= c.compute
-            parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, False))
-    if demand.init_containers:
-        held = {u: [orig[u][0] - v[0], orig[u][1] - v[1]] for u, v in free.items()}  # app charge per GPU
+            parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, c.init, c.sidecar))
+    if any(not c.sidecar for c in demand.init_containers):
+        held = {u: [orig[u][0] - v[0], orig[u][1] - v[1]] for u, v in free.items()}  # long-running charge per GPU
+        sidecar_parts = [p for p in parts if p[7]]
         for c in demand.init_containers:
-            cands = [g for g in gpus if orig[g.uuid][0] >= c.memory_mib and orig[g.uuid][1] >= c.compute]
+            if c.sidecar:
+                continue
+            # a regular init container runs beside the sidecars started before it
+            beside = {u: [0, 0] for u in free}
+            for p in sidecar_parts:
+                if p[1] < c.index:
+                    beside[p[2]][0] += p[4]
+                    beside[p[2]][1] += p[5]
+            need = {u: (c.memory_mib + b[0], c.compute + b[1]) for u, b in beside.items()}
+            cands = [g for g in gpus if orig[g.uuid][0] >= need[g.uuid][0] and orig[g.uuid][1] >= need[g.uuid][1]]
             if len(cands) < c.count:
                 orig_view = {u: list(v) for u, v in orig.items()}
-                return None, f"{_describe_need(c)}; {_describe_free(gpus, orig_view, c.compute > 0, capacity)}"
+                also = " beside the sidecars started before it" if any(p[1] < c.index for p in sidecar_parts) else ""
+                free_text = _describe_free(gpus, orig_view, c.compute > 0, capacity)
+                return None, f"{_describe_need(c)}{also}; {free_text}"
 
-            def key(g: GpuView, c: ContainerDemand = c) -> tuple[int, ...]:
-                h = held[g.uuid]
+            def key(g: GpuView, need: dict[str, tuple[int, int]] = need) -> tuple[int, ...]:
+                h, n = held[g.uuid], need[g.uuid]
                 rest = orig[g.uuid][0] - h[0]
-                grow = (max(0, c.memory_mib - h[0]), max(0, c.compute - h[1]))
+                grow = (max(0, n[0] - h[0]), max(0, n[1] - h[1]))
                 return (*grow, -rest if spread else rest, g.index)
 
             cands.sort(key=key)
             for g in cands[: c.count]:
-                h = held[g.uuid]
-                h[0], h[1] = max(h[0], c.memory_mib), max(h[1], c.compute)
-                parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, True))
+                h, n = held[g.uuid], need[g.uuid]
+                h[0], h[1] = max(h[0], n[0]), max(h[1], n[1])
+                parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, True, False))
     parts.sort(key=lambda p: (p[6], p[1], p[3]))
     return parts, ""
 
@@ -178,10 +192,18 @@ class _Plan:
     def __init__(self, demand: PodDemand, policy: Policy) -> None:
         self.policy = _policy(demand, policy)
         apps = demand.containers
-        self.sum_memory = sum(c.memory_mib for c in apps)
-        self.sum_compute = sum(c.compute for c in apps)
-        self.max_count = max((c.count for c in apps), default=0)
-        self.inits = tuple((c.memory_mib, c.compute, c.count) for c in demand.init_containers)
+        steady = (*apps, *(c for c in demand.init_containers if c.sidecar))
+        self.sum_memory = sum(c.memory_mib for c in steady)
+        self.sum_compute = sum(c.compute for c in steady)
+        self.max_count = max((c.count for c in steady), default=0)
+        inits = []
+        side_memory = side_compute = 0  # per-GPU shares of the sidecars so far: at most this much runs beside
+        for c in demand.init_containers:
+            if c.sidecar:
+                side_memory, side_compute = side_memory + c.memory_mib, side_compute + c.compute
+            else:
+                inits.append((c.memory_mib + side_memory, c.compute + side_compute, c.count))
+        self.inits = tuple(inits)
         self.hints = demand.hints.constrains_gpus
         names_safe = all(_NAME not in c.name for c in (*apps, *demand.init_containers))
         self.memo: dict | None = (
@@ -210,9 +232,11 @@ def _count_at_least(node: NodeView, memory: int, compute: int) -> int:
 def _surely_fits(node: NodeView, plan: _Plan) -> bool:
     """A sufficient condition for the solver to place the pod (no GPU hints), from the node's summaries.
 
-    Apps: a GPU with the sum of every app share free stays a candidate for each container whatever the
-    earlier ones took (each takes at most one share per GPU), so `max count` such GPUs guarantee success.
-    Inits: the solver's only test is `count` GPUs whose free amount holds the init share (exact).
+    Apps and sidecars: a GPU with the sum of all their shares free stays a candidate for each container
+    whatever the earlier ones took (each takes at most one share per GPU), so `max count` such GPUs
+    guarantee success. Regular inits: the solver's only test is `count` GPUs whose free amount holds the
+    init share plus the sidecars started before it there; holding it plus every earlier sidecar share
+    suffices (and is exact without sidecars).
     """
     desc = node.free_memory_desc
     k = plan.max_count
@@ -419,11 +443,5 @@ def pick(
             raise NoFit(f"can never fit on {node.name}: {cap_reason}", resolvable=False)
         raise NoFit(reason)
     return Placement(
-        node.name,
-        tuple(
-            AllocationPart(
-                container=name, container_index=ci, gpu_uuid=uuid, gpu_index=gi, memory_mib=m, compute=k, init=init
-            )
-            for name, ci, uuid, gi, m, k, init in parts
-        ),
+        node.name, tuple(AllocationPart(**dict(zip(AllocationPart.model_fields, p, strict=True))) for p in parts)
     )

@@ -211,3 +211,14 @@ async def test_openapi_docs_and_dashboard_are_served(stack: Stack) -> None:
     ui = await stack.client.get("/ui")
     assert ui.status_code == 200 and "<script>" in ui.text and "http" not in ui.text.split("<script>")[1]
     assert (await stack.client.get("/healthz")).json() == {"status": "ok"}
+
+
+def test_gib_hours_keep_small_amounts() -> None:
+    """A pod held for a fraction of a second uses a tiny but non-zero amount (it was rounded to 0.0 before:
+    the cause of test_usage_per_namespace_and_workload failing when the request came quickly after seeding)."""
+    from services.accounting.queries import significant
+
+    tiny = 1100 / 1024 * (0.1 / 3600)  # 1100 MiB for 0.1 s
+    assert round(tiny, 4) == 0.0 and significant(tiny) > 0
+    assert significant(tiny) == float(f"{tiny:.6g}")
+    assert significant(1234.56789) == 1234.57

@@ -80,7 +80,7 @@ def test_pod_helpers() -> None:
     p = pod(node="n1", phase="Succeeded")
     assert pods.owner(p) == ("ReplicaSet", "rs")
     assert pods.is_terminated(p) and not pods.is_terminating(p)
-    assert pods.container_amounts(p, "aliyun.com/gpu-mem") == [("main", 1, False, 2)]
+    assert pods.container_amounts(p, "aliyun.com/gpu-mem") == [("main", 1, False, 2, False)]
     assert pods.requests_resource_prefix(p) and is_gpu_pod(p)
     plain = {"metadata": {"uid": "x"}, "spec": {"containers": [{"name": "c"}]}}
     assert not is_gpu_pod(plain)
@@ -218,6 +218,23 @@ def test_adoption_of_gpushare_pods() -> None:
         {"known"},
     )
     assert [pods.pod_uid(p) for p in candidates] == ["l", "t"], "a terminating pod still holds its GPU: adopt it"
+
+
+def test_adoption_records_sidecars_and_never_takes_a_gated_pod() -> None:
+    gpus = {0: ("GPU-a", 16 * 1024)}
+    legacy = pod(uid="s", node="n1", phase="Running", ann={GPU_MEM_IDX: "0"}, gib=8)
+    legacy["spec"]["initContainers"] = [
+        {"name": "setup", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}},
+        {"name": "proxy", "restartPolicy": "Always", "resources": {"limits": {"aliyun.com/gpu-mem": "4"}}},
+    ]
+    parts = {p.container: p for p in adoption_request(legacy, gpus, MemoryUnit.GIB).parts}
+    assert (parts["setup"].init, parts["setup"].sidecar) == (True, False)
+    assert (parts["proxy"].init, parts["proxy"].sidecar, parts["proxy"].container_index) == (True, True, 1)
+    assert not parts["main"].init and not parts["main"].sidecar
+    # a gated pod cannot be bound, so whatever annotations it was created with, it is not adopted
+    gated = pod(uid="g", ann={GPU_MEM_IDX: "0", "gpushare.io/allocation": "{}"})
+    gated["spec"]["schedulingGates"] = [{"name": "example.com/hold"}]
+    assert adoption_candidates([gated], set()) == []
 
 
 async def test_capacity_nudger_coalesces_stamps_per_node(monkeypatch: pytest.MonkeyPatch) -> None:

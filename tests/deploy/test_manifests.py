@@ -18,6 +18,11 @@ from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, find, key, pod_sp
 
 # Kinds without a schema in kubernetes-validate (CRDs): checked by hand below.
 CRD_KINDS = {"ServiceMonitor"}
+# Kinds served only from a Kubernetes minor version on: older schema sets skip them (overlays/before-1.30
+# leaves them out for such clusters).
+NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
+POLICY = "gpushare-device-env"
+EXEMPT = "gpushare.io/allow-device-env"
 # Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
 SCHEMA_VERSIONS = ("1.25.0", "latest")
 GPUSHARE_WORKLOADS = {
@@ -60,7 +65,13 @@ def test_renders_into_one_namespace(rendered: dict[str, list[dict[str, Any]]], n
     objects = rendered[name]
     assert len({(*key(o), o["metadata"].get("namespace", "")) for o in objects}) == len(objects), "duplicates"
     allowed = {NAMESPACE, "kube-system"} if name == "overlays/second-scheduler" else {NAMESPACE}
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    cluster_scoped = {
+        "Namespace",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
     for obj in objects:
         ns = obj["metadata"].get("namespace")
         if obj["kind"] in cluster_scoped:
@@ -79,9 +90,10 @@ def test_validates_against_kubernetes_schemas(
 ) -> None:
     kv = _validator()
     target = kv.latest_version() if version == "latest" else version
+    minor = tuple(int(x) for x in target.split(".")[:2])
     checked = 0
     for obj in rendered[name]:
-        if obj["kind"] in CRD_KINDS:
+        if obj["kind"] in CRD_KINDS or minor < NEWER_KINDS.get(obj["kind"], (0, 0)):
             continue
         try:
             kv.validate(obj, target, strict=True)
@@ -275,3 +287,33 @@ def test_nats_config_is_accepted_by_nats_server(rendered: dict[str, list[dict[st
     conf.write_text(conf.read_text() + "\njetstream {\n")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=False)
     assert proc.returncode != 0, "nats-server -t accepts a broken file: the check above proves nothing"
+
+
+def test_device_env_policy_is_bound_and_gpushares_own_namespace_is_allow_listed(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objects = rendered["base"]
+    policy = find(objects, "ValidatingAdmissionPolicy", POLICY)
+    binding = find(objects, "ValidatingAdmissionPolicyBinding", POLICY)
+    assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert binding["spec"]["policyName"] == POLICY and binding["spec"]["validationActions"] == ["Deny"]
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods"] and rule["operations"] == ["CREATE"]
+    (selector,) = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert selector == {"key": EXEMPT, "operator": "NotIn", "values": ["true"]}
+    message = policy["spec"]["validations"][0]["messageExpression"]
+    variables = " ".join(v["expression"] for v in policy["spec"]["variables"])
+    assert EXEMPT in message and "NVIDIA_VISIBLE_DEVICES" in variables
+    # the node agent reads every GPU with NVIDIA_VISIBLE_DEVICES=all: its namespace must be allow-listed
+    agent = find(objects, "DaemonSet", "gpushare-node-agent")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in agent["env"]
+    assert find(objects, "Namespace", NAMESPACE)["metadata"]["labels"][EXEMPT] == "true"
+
+
+def test_before_1_30_overlay_is_the_base_without_the_admission_policy(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    base = {key(o) for o in rendered["base"]}
+    older = {key(o) for o in rendered["overlays/before-1.30"]}
+    assert base - older == {("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)}
+    assert older < base

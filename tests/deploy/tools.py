@@ -19,7 +19,13 @@ from tests.system_tools import ensure_tool, unavailable  # noqa: F401 - unavaila
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 # Every kustomization an operator may apply (the second scheduler's own directory is applied through its overlay).
-KUSTOMIZATIONS = ("base", "overlays/managed-postgres", "overlays/gpushare-compat", "overlays/second-scheduler")
+KUSTOMIZATIONS = (
+    "base",
+    "overlays/managed-postgres",
+    "overlays/gpushare-compat",
+    "overlays/second-scheduler",
+    "overlays/before-1.30",
+)
 NAMESPACE = "gpushare-system"
 
 

@@ -136,7 +136,7 @@ async def ledger_allocations(database_url: str, namespace: str) -> dict[str, dic
     try:
         rows = await conn.fetch(
             "SELECT a.id, a.pod_uid, a.pod_name, a.node, a.state, a.memory_mib, p.container, p.container_index,"
-            " p.gpu_uuid, p.gpu_index, p.memory_mib AS part_mib, p.init"
+            " p.gpu_uuid, p.gpu_index, p.memory_mib AS part_mib, p.init, p.sidecar"
             " FROM allocations a JOIN allocation_parts p ON p.allocation_id = a.id"
             " WHERE a.namespace = $1 AND a.state = ANY($2::text[]) ORDER BY p.container_index, p.gpu_index",
             namespace,
@@ -164,6 +164,7 @@ async def ledger_allocations(database_url: str, namespace: str) -> dict[str, dic
                 "gpu_index": r["gpu_index"],
                 "memory_mib": r["part_mib"],
                 "init": r["init"],
+                "sidecar": r["sidecar"],
             }
         )
     return out
@@ -235,6 +236,24 @@ async def accounting_pod(stack: Any, namespace: str, name: str) -> dict[str, Any
         return None
     resp.raise_for_status()
     return resp.json()
+
+
+async def wait_pending_reason(stack: Any, namespace: str, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Accounting's view of a pod once it says why the pod is pending (`pending` is set only then)."""
+
+    async def refused() -> dict[str, Any] | None:
+        view = await accounting_pod(stack, namespace, name)
+        return view if view and view.get("pending") else None
+
+    return await poll(refused, timeout_s, what=f"accounting to show why {namespace}/{name} is pending")
+
+
+async def accounting_pending(stack: Any, namespace: str) -> list[dict[str, Any]]:
+    """Accounting's pods waiting for GPUs in a namespace (GET /v1/pending)."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        resp = await http.get(f"{stack.accounting_url}/v1/pending", params={"namespace": namespace})
+    resp.raise_for_status()
+    return list(resp.json()["items"])
 
 
 async def set_quota(stack: Any, token: str, namespace: str, memory_gib: int) -> httpx.Response:

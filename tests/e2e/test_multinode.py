@@ -77,11 +77,7 @@ async def test_quota_rejects_over_limit_pod(stack, api, namespace) -> None:
     await h.create_pod(api, namespace, h.gpu_pod("over-quota", [2]))
     assert await h.stays_pending(api, namespace, "over-quota", 5.0)
 
-    async def refused() -> dict | None:
-        view = await h.accounting_pod(stack, namespace, "over-quota")
-        return view if view and view.get("pending") else None
-
-    view = await h.poll(refused, 30, what="accounting to show the quota refusal")
+    view = await h.wait_pending_reason(stack, namespace, "over-quota")
     text = (view["pending"]["summary"] + " " + " ".join(view["pending"]["reasons"].values())).lower()
     assert "quota" in text, view
 

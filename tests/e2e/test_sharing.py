@@ -51,11 +51,8 @@ async def test_seven_pods_fill_one_gpu_then_the_next_waits(stack, api, namespace
     await h.create_pod(api, namespace, h.gpu_pod(WAITER, [2]))
     assert await h.stays_pending(api, namespace, WAITER, 5.0)
 
-    async def refused() -> dict | None:
-        view = await h.accounting_pod(stack, namespace, WAITER)
-        return view if view and view.get("status") == "pending" and view.get("pending") else None
-
-    view = await h.poll(refused, 30, what=f"accounting to show why {WAITER} is pending")
+    view = await h.wait_pending_reason(stack, namespace, WAITER)
+    assert view["status"] == "pending", view
     reasons = view["pending"]["reasons"]
     assert node in reasons, view
     assert view["pending"]["summary"]

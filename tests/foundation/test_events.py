@@ -70,6 +70,37 @@ def test_negative_and_overflowing_quantities_are_refused() -> None:
         decode_event(json.dumps(raw))
 
 
+def test_sidecar_parts_round_trip_and_older_payloads_still_decode() -> None:
+    # as the release before sidecar shares wrote it: no `sidecar` key -> a regular app or init share
+    old = {
+        "kind": "reserved",
+        "version": 1,
+        "event_id": str(uuid.uuid4()),
+        "occurred_at": "2026-11-01T00:00:00Z",
+        "allocation_id": str(uuid.uuid4()),
+        "pod_uid": "uid-1",
+        "namespace": "ml",
+        "pod_name": "bert-0",
+        "node": "n1",
+        "parts": [
+            {"container": "setup", "container_index": 0, "gpu_uuid": "G", "gpu_index": 0, "memory_mib": 1, "init": True}
+        ],
+    }
+    decoded = decode_event(json.dumps(old))
+    assert isinstance(decoded, ReservedEvent) and decoded.parts[0].init and not decoded.parts[0].sidecar
+    # shares without a sidecar serialise as before (a reader from the previous release forbids unknown keys)
+    assert "sidecar" not in json.loads(encode_event(_reserved()))["parts"][0]
+    side = AllocationPart(
+        container="proxy", container_index=1, gpu_uuid="G", gpu_index=0, memory_mib=1, init=True, sidecar=True
+    )
+    event = _reserved().model_copy(update={"parts": [side]})
+    assert json.loads(encode_event(event))["parts"][0]["sidecar"] is True
+    assert decode_event(encode_event(event)) == event
+    old["parts"][0].update(init=False, sidecar=True)
+    with pytest.raises(EventDecodeError, match="init container"):
+        decode_event(json.dumps(old))
+
+
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_never_escape_as_anything_but_decode_errors(data: bytes) -> None:
     try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
+from collections.abc import AsyncIterator
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -125,20 +127,32 @@ async def test_cli_rebuild_verifies_against_the_live_ledger(
     assert "ledger verified" in capsys.readouterr().err
 
 
-async def test_exchange_swaps_equal_shares_keeps_capacity_and_replays(engine: AsyncEngine, bus: EventBus) -> None:
-    import pytest
-
-    from shared.ledger.rules import ExchangeRefused
-
+@contextlib.asynccontextmanager
+async def _ledger_on_two_gpus(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[Ledger]:
+    """A ledger publishing to `bus`, with node `n` holding two 16 GiB GPUs (G0, G1); every event it staged is
+    published when the block ends."""
     relay = OutboxRelay(engine, bus, poll_s=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     ledger = Ledger(engine, prefix=bus.names.prefix, on_commit=relay.kick)
-    await ledger.record(
-        InventoryEvent(
-            node="n", gpus=[GpuInfo(uuid=f"G{i}", index=i, memory_mib=16384, memory_total_mib=16384) for i in range(2)]
+    try:
+        await ledger.record(
+            InventoryEvent(
+                node="n",
+                gpus=[GpuInfo(uuid=f"G{i}", index=i, memory_mib=16384, memory_total_mib=16384) for i in range(2)],
+            )
         )
-    )
+        yield ledger
+        await wait_for_quiet(engine)
+    finally:
+        stop.set()
+        await task
+
+
+async def test_exchange_swaps_equal_shares_keeps_capacity_and_replays(engine: AsyncEngine, bus: EventBus) -> None:
+    import pytest
+
+    from shared.ledger.rules import ExchangeRefused
 
     def req(gpu: int, memory: int) -> ReservationRequest:
         return ReservationRequest(
@@ -151,13 +165,15 @@ async def test_exchange_swaps_equal_shares_keeps_capacity_and_replays(engine: As
             ),
         )
 
-    a, b, c = await ledger.reserve(req(0, 4096)), await ledger.reserve(req(1, 4096)), await ledger.reserve(req(1, 2048))
-    assert await ledger.exchange("n", (a.allocation_id, "c"), (b.allocation_id, "c"))
-    with pytest.raises(ExchangeRefused, match="different sizes"):
-        await ledger.exchange("n", (a.allocation_id, "c"), (c.allocation_id, "c"))
-    await wait_for_quiet(engine)
-    stop.set()
-    await task
+    async with _ledger_on_two_gpus(engine, bus) as ledger:
+        a, b, c = (
+            await ledger.reserve(req(0, 4096)),
+            await ledger.reserve(req(1, 4096)),
+            await ledger.reserve(req(1, 2048)),
+        )
+        assert await ledger.exchange("n", (a.allocation_id, "c"), (b.allocation_id, "c"))
+        with pytest.raises(ExchangeRefused, match="different sizes"):
+            await ledger.exchange("n", (a.allocation_id, "c"), (c.allocation_id, "c"))
     async with engine.connect() as conn:
         live = await load_state(conn)
     assert live.allocations[a.allocation_id].parts[0].gpu_uuid == "G1"
@@ -197,3 +213,60 @@ def test_replay_of_an_exchange_and_a_release_published_out_of_order_ends_the_sam
         out_of_order.apply(event)
     assert in_commit_order.canonical()["gpus"] == out_of_order.canonical()["gpus"]
     assert (out_of_order.gpus["G0"].allocated_memory_mib, out_of_order.gpus["G1"].allocated_memory_mib) == (4096, 0)
+
+
+async def test_a_sidecar_share_is_charged_beside_the_app_released_exactly_and_replayed(
+    engine: AsyncEngine, bus: EventBus
+) -> None:
+    """Kubernetes' sidecar rule in SQL, in the replayed state and through a lost-ledger rebuild."""
+    import pytest
+
+    from shared.ledger.rules import ExchangeRefused
+
+    def part(container: str, index: int, gib: int, *, gpu: int = 0, init: bool = False, sidecar: bool = False):
+        return AllocationPart(
+            container=container,
+            container_index=index,
+            gpu_uuid=f"G{gpu}",
+            gpu_index=gpu,
+            memory_mib=gib * 1024,
+            init=init,
+            sidecar=sidecar,
+        )
+
+    def req(*parts: AllocationPart) -> ReservationRequest:
+        return ReservationRequest(pod_uid=str(uuid.uuid4()), namespace="ns", pod_name="p", node="n", parts=parts)
+
+    async with _ledger_on_two_gpus(engine, bus) as ledger:
+        # sidecar (init 0) 4 GiB, regular init (init 1) 10 GiB after it, app 8 GiB: max(10 + 4, 4 + 8) = 14 GiB
+        first = await ledger.reserve(
+            req(part("proxy", 0, 4, init=True, sidecar=True), part("setup", 1, 10, init=True), part("app", 0, 8))
+        )
+        async with engine.connect() as conn:
+            live = await load_state(conn)
+        assert live.gpus["G0"].allocated_memory_mib == 14 * 1024
+        assert live.allocations[first.allocation_id].memory_mib == 14 * 1024
+        assert [p.sidecar for p in live.allocations[first.allocation_id].parts if p.container == "proxy"] == [True]
+        # 4 GiB left: a 6 GiB pod is refused (as a plain init container the sidecar would have left 6 GiB)
+        with pytest.raises(InsufficientCapacity):
+            await ledger.reserve(req(part("main", 0, 6)))
+        # equal-sized shares of different kinds are not exchanged: their charges follow different rules
+        other = await ledger.reserve(req(part("main", 0, 4, gpu=1, init=True), part("app", 0, 1, gpu=1)))
+        with pytest.raises(ExchangeRefused, match="different sizes"):
+            await ledger.exchange("n", (first.allocation_id, "proxy"), (other.allocation_id, "main"))
+        await wait_for_quiet(engine)
+        replayed, _ = await replay_state(bus)
+        async with engine.connect() as conn:
+            live = await load_state(conn)
+        assert differences(live, replayed) == []
+        await write_state(engine, type(live)())
+        await write_state(engine, replayed)
+        async with engine.connect() as conn:
+            assert differences(live, await load_state(conn)) == []
+        # the release gives back exactly what was charged
+        await ledger.release(first.allocation_id, first.pod_uid, "n", "pod deleted")
+    async with engine.connect() as conn:
+        live = await load_state(conn)
+    assert live.gpus["G0"].allocated_memory_mib == 0
+    replayed, _ = await replay_state(bus)
+    assert differences(live, replayed) == []

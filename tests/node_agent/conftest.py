@@ -47,29 +47,38 @@ class Harness:
         return self.agent.gpus[index].uuid
 
     async def reserve(
-        self, name: str, containers: list[tuple[str, list[tuple[int, int]]]], *, init: list[str] | None = None
+        self,
+        name: str,
+        containers: list[tuple[str, list[tuple[int, int]]]],
+        *,
+        init: list[str] | None = None,
+        sidecars: list[str] | None = None,
     ) -> tuple[dict[str, Any], uuid.UUID]:
-        """Reserve and bind a pod: containers = [(name, [(gpu index, GiB), ...])]; returns (pod dict, id)."""
+        """Reserve and bind a pod: containers = [(name, [(gpu index, GiB), ...])] (`init` and `sidecars` name
+        init containers, in their order among `containers`); returns (pod dict, id)."""
         uid = str(uuid.uuid4())
         parts = []
         spec: dict[str, list[dict[str, Any]]] = {"containers": [], "initContainers": []}
-        for ci, (cname, shares) in enumerate(containers):
-            is_init = cname in (init or [])
+        for cname, shares in containers:
+            sidecar = cname in (sidecars or [])
+            is_init = sidecar or cname in (init or [])
+            listed = spec["initContainers" if is_init else "containers"]
             for gi, gib in shares:
                 parts.append(
                     AllocationPart(
                         container=cname,
-                        container_index=ci,
+                        container_index=len(listed),
                         gpu_uuid=self.gpu(gi),
                         gpu_index=gi,
                         memory_mib=gib * 1024,
                         init=is_init,
+                        sidecar=sidecar,
                     )
                 )
             total = sum(g for _, g in shares)
-            spec["initContainers" if is_init else "containers"].append(
-                {"name": cname, "resources": {"limits": {"aliyun.com/gpu-mem": str(total)}}}
-            )
+            listed.append({"name": cname, "resources": {"limits": {"aliyun.com/gpu-mem": str(total)}}})
+            if sidecar:
+                listed[-1]["restartPolicy"] = "Always"
         res = await self.ledger.reserve(
             ReservationRequest(pod_uid=uid, namespace="default", pod_name=name, node=NODE, parts=tuple(parts))
         )

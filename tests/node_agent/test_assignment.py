@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from sqlalchemy import select
 
 from devstack.cluster.kubelet import AdmissionError
+from shared.ledger.models import gpus as gpus_table
 from tests.node_agent.conftest import Harness
 
 
@@ -70,6 +72,47 @@ async def test_multi_container_pod(harness: Harness) -> None:
     for c in ("web", "worker", "side"):
         state, _, assigned = await harness.ledger_gpus(alloc, c)
         assert assigned and state == "assigned"
+
+
+async def test_init_container_sidecar_and_app_get_their_gpu_with_kubelets_device_reuse(harness: Harness) -> None:
+    """kubelet hands a regular init container's devices on to later containers (the sidecar takes 4 of setup's
+    6, the app the other 2 and 6 more) but never a sidecar's: 12 devices, as the ledger charges GPU 0."""
+    pod, alloc = await harness.reserve(
+        "sidecars",
+        [("setup", [(0, 6)]), ("proxy", [(0, 4)]), ("main", [(0, 8)])],
+        init=["setup"],
+        sidecars=["proxy"],
+    )
+    k = harness.kubelet
+    envs = await k.admit(pod)
+    gpu = harness.gpu(0)
+    for container, gib in (("setup", 6), ("proxy", 4), ("main", 8)):
+        env = envs[container]
+        assert env["NVIDIA_VISIBLE_DEVICES"] == gpu and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == str(gib), env
+        assert env["ALIYUN_COM_GPU_MEM_POD"] == "12", env  # what runs for the pod's life: app + sidecar
+        state, gpus, assigned = await harness.ledger_gpus(alloc, container)
+        assert (state, gpus, assigned) == ("assigned", [gpu], True)
+    ids = {c: set(k.assigned(pod, c, "aliyun.com/gpu-mem")) for c in ("setup", "proxy", "main")}
+    assert ids["proxy"] < ids["setup"] and len(ids["main"] & ids["setup"]) == 2
+    assert not ids["proxy"] & ids["main"]
+    assert len(set().union(*ids.values())) == 12
+    async with harness.ledger.engine.connect() as conn:
+        charged = (await conn.execute(select(gpus_table.c.allocated_memory_mib).where(gpus_table.c.uuid == gpu))).one()
+    assert charged[0] == 12 * 1024
+
+
+async def test_a_sidecar_reserved_on_another_gpu_than_the_init_container_before_it_is_refused(
+    harness: Harness,
+) -> None:
+    """The known limit (docs/node-agent.md): kubelet hands the sidecar devices of the init container before it,
+    on GPU 0, while the ledger holds the sidecar's share on GPU 1. Refused at Allocate, never mis-assigned."""
+    pod, _ = await harness.reserve(
+        "split", [("setup", [(0, 8)]), ("proxy", [(1, 4)]), ("main", [(0, 8)])], init=["setup"], sidecars=["proxy"]
+    )
+    with pytest.raises(AdmissionError) as refused:
+        await harness.kubelet.admit(pod)
+    assert (refused.value.container, refused.value.call) == ("proxy", "Allocate")
+    assert "no container reserved on this node waits for 4 GiB on exactly these GPUs" in refused.value.message
 
 
 async def test_multi_gpu_container(harness: Harness) -> None:

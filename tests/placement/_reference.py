@@ -1,4 +1,8 @@
-"""The placement solver as it was before the fast paths and caches: the reference for differential tests."""
+"""The placement solver as it was before the fast paths and caches: the reference for differential tests.
+
+Regular init containers are placed by asking `gpu_charges` (the ledger's rule) what each candidate GPU would
+be charged, rather than by the solver's running per-GPU sums: a second way to the same choices.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.events.catalogue import AllocationPart
+from shared.ledger.rules import gpu_charges
 from shared.placement.demand import ContainerDemand, PodDemand
 from shared.placement.hints import Policy
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
-_Part = tuple[str, int, str, int, int, int, bool]  # container, index, gpu uuid, gpu index, MiB, compute, init
+# AllocationPart's fields in their order: container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
+_Part = tuple[str, int, str, int, int, int, bool, bool]
+
+
+def _part(p: _Part) -> AllocationPart:
+    return AllocationPart(**dict(zip(AllocationPart.model_fields, p, strict=True)))
+
+
+def _charge_on(parts: list[_Part], gpu_uuid: str) -> tuple[int, int]:
+    return gpu_charges([_part(p) for p in parts if p[2] == gpu_uuid]).get(gpu_uuid, (0, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +64,7 @@ def _policy(demand: PodDemand, default: Policy) -> Policy:
 def _describe_need(c: ContainerDemand) -> str:
     what = f"{c.memory_mib} MiB" + (f" and {c.compute}% compute" if c.compute else "")
     where = "one GPU" if c.count == 1 else f"each of {c.count} distinct GPUs"
-    kind = "init container" if c.init else "container"
+    kind = "sidecar container" if c.sidecar else "init container" if c.init else "container"
     return f"{kind} {c.name} needs {what} on {where}"
 
 
@@ -111,8 +125,8 @@ def _solve(
     orig = {u: (v[0], v[1]) for u, v in free.items()}
     spread = policy is Policy.SPREAD
     parts: list[_Part] = []
-    app_sorted = sorted(demand.containers, key=lambda c: (-c.memory_mib, -c.compute, c.index))
-    for c in app_sorted:
+    steady = [*demand.containers, *(c for c in demand.init_containers if c.sidecar)]
+    for c in sorted(steady, key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index)):
         cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
         if len(cands) < c.count:
             return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
@@ -124,26 +138,31 @@ def _solve(
             f = free[g.uuid]
             f[0] -= c.memory_mib
             f[1] -= c.compute
-            parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, False))
-    if demand.init_containers:
-        held = {u: [orig[u][0] - v[0], orig[u][1] - v[1]] for u, v in free.items()}  # app charge per GPU
-        for c in demand.init_containers:
-            cands = [g for g in gpus if orig[g.uuid][0] >= c.memory_mib and orig[g.uuid][1] >= c.compute]
-            if len(cands) < c.count:
-                orig_view = {u: list(v) for u, v in orig.items()}
-                return None, f"{_describe_need(c)}; {_describe_free(gpus, orig_view, c.compute > 0, capacity)}"
+            parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, c.init, c.sidecar))
+    for c in demand.init_containers:
+        if c.sidecar:
+            continue
+        now = {g.uuid: _charge_on(parts, g.uuid) for g in gpus}
+        trial = {}
+        alone = {}  # what the GPU holds while this init container runs: it and the sidecars started before it
+        for g in gpus:
+            part = (c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, True, False)
+            trial[g.uuid] = _charge_on([*parts, part], g.uuid)
+            alone[g.uuid] = _charge_on([*(p for p in parts if p[7] and p[1] < c.index), part], g.uuid)
+        cands = [g for g in gpus if alone[g.uuid][0] <= orig[g.uuid][0] and alone[g.uuid][1] <= orig[g.uuid][1]]
+        if len(cands) < c.count:
+            orig_view = {u: list(v) for u, v in orig.items()}
+            also = " beside the sidecars started before it" if any(p[7] and p[1] < c.index for p in parts) else ""
+            return None, f"{_describe_need(c)}{also}; {_describe_free(gpus, orig_view, c.compute > 0, capacity)}"
 
-            def key(g: GpuView, c: ContainerDemand = c) -> tuple[int, ...]:
-                h = held[g.uuid]
-                rest = orig[g.uuid][0] - h[0]
-                grow = (max(0, c.memory_mib - h[0]), max(0, c.compute - h[1]))
-                return (*grow, -rest if spread else rest, g.index)
+        def key(g: GpuView, now: dict = now, trial: dict = trial) -> tuple[int, ...]:
+            rest = orig[g.uuid][0] - now[g.uuid][0]
+            grow = (trial[g.uuid][0] - now[g.uuid][0], trial[g.uuid][1] - now[g.uuid][1])
+            return (*grow, -rest if spread else rest, g.index)
 
-            cands.sort(key=key)
-            for g in cands[: c.count]:
-                h = held[g.uuid]
-                h[0], h[1] = max(h[0], c.memory_mib), max(h[1], c.compute)
-                parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, True))
+        cands.sort(key=key)
+        for g in cands[: c.count]:
+            parts.append((c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, True, False))
     parts.sort(key=lambda p: (p[6], p[1], p[3]))
     return parts, ""
 
@@ -257,12 +276,4 @@ def pick(
         if cap is None:
             raise NoFit(f"can never fit on {node.name}: {cap_reason}", resolvable=False)
         raise NoFit(reason)
-    return Placement(
-        node.name,
-        tuple(
-            AllocationPart(
-                container=name, container_index=ci, gpu_uuid=uuid, gpu_index=gi, memory_mib=m, compute=k, init=init
-            )
-            for name, ci, uuid, gi, m, k, init in parts
-        ),
-    )
+    return Placement(node.name, tuple(_part(p) for p in parts))

@@ -2,8 +2,8 @@
 
 `_reference` is the solver as it was before the optimisation (every node solved from scratch). Nodes are
 drawn from a few shapes so the per-shape verdict cache is hit under different node names, with unhealthy
-GPUs, compute, models, CUDA versions and duplicate UUIDs; pods mix app / init containers, counts, compute,
-hints and policies.
+GPUs, compute, models, CUDA versions and duplicate UUIDs; pods mix app, init and sidecar containers, counts,
+compute, hints and policies.
 """
 
 from __future__ import annotations
@@ -90,7 +90,10 @@ def pods(draw):
 
     names = st.sampled_from(["a", "b", "main", "node-1", "x\x00y"])
     apps = [one(draw(names) + str(i)) for i in range(draw(st.sampled_from([1, 1, 2, 3, 0])))]
-    inits = [one(f"init{i}") for i in range(draw(st.sampled_from([0, 0, 1, 2])))]
+    inits = [one(f"init{i}") for i in range(draw(st.sampled_from([0, 0, 1, 2, 3])))]
+    for c in inits:  # some are sidecars (restartPolicy Always), before or after regular ones
+        if draw(st.integers(0, 2)) == 0:
+            c["restartPolicy"] = "Always"
     annotations = {}
     for kind in draw(st.sampled_from([(), (), (), ("cuda",), ("policy",), ("model",), ("uuid",), ("model", "cuda")])):
         if kind == "cuda":

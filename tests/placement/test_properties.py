@@ -36,7 +36,10 @@ def pods(draw):
         }
 
     apps = [one(f"c{i}") for i in range(draw(st.integers(1, 3)))]
-    inits = [one(f"i{i}") for i in range(draw(st.integers(0, 2)))]
+    inits = [one(f"i{i}") for i in range(draw(st.integers(0, 3)))]
+    for c in inits:
+        if draw(st.booleans()):
+            c["restartPolicy"] = "Always"  # a sidecar
     return {"metadata": {"uid": "u"}, "spec": {"containers": apps, "initContainers": inits}}
 
 

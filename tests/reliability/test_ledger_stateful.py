@@ -161,6 +161,8 @@ class LedgerMachine(RuleBasedStateMachine):
         containers=st.integers(1, 2),
         multi_gpu=st.booleans(),
         with_init=st.booleans(),
+        with_sidecar=st.booleans(),
+        sidecar_first=st.booleans(),
     )
     def reserve(
         self,
@@ -171,12 +173,18 @@ class LedgerMachine(RuleBasedStateMachine):
         containers: int,
         multi_gpu: bool,
         with_init: bool,
+        with_sidecar: bool,
+        sidecar_first: bool,
     ) -> None:
         pod_uid = data.draw(st.sampled_from(self.pods)) if reuse_pod and self.pods else str(self._new_id())
         gpu_uuids = [u for u, g in sorted(self.model.gpus.items()) if g.node == node] or [f"GPU-{node}-0"]
         parts: list[AllocationPart] = []
-        specs = [(f"c{i}", i, False) for i in range(containers)] + ([("init", 0, True)] if with_init else [])
-        for name, index, init in specs:
+        inits = [("init", False)] if with_init else []
+        if with_sidecar:  # an init container with restartPolicy Always, before or after the regular one
+            inits.insert(0 if sidecar_first else len(inits), ("side", True))
+        specs = [(f"c{i}", i, False, False) for i in range(containers)]
+        specs += [(name, index, True, sidecar) for index, (name, sidecar) in enumerate(inits)]
+        for name, index, init, sidecar in specs:
             count = 2 if multi_gpu and len(gpu_uuids) > 1 else 1
             chosen = data.draw(st.permutations(gpu_uuids))[:count]
             for gpu_uuid in chosen:
@@ -185,6 +193,7 @@ class LedgerMachine(RuleBasedStateMachine):
                         container=name,
                         container_index=index,
                         init=init,
+                        sidecar=sidecar,
                         gpu_uuid=gpu_uuid,
                         gpu_index=int(gpu_uuid.rsplit("-", 1)[1]),
                         memory_mib=data.draw(st.sampled_from(SIZES_MIB)),

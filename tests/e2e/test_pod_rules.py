@@ -1,0 +1,225 @@
+"""Today's pod rules on the real current release (kube-apiserver, kube-scheduler, kube-controller-manager 1.37)
+with the whole gpushare stack: one node, one 16 GiB GPU.
+
+- A GPU sidecar (an init container with `restartPolicy: Always`) holds its share beside the app container.
+- A pod held by `schedulingGates` is neither reserved nor reported as refused until the gates go.
+- A native `ResourceQuota` on `requests.aliyun.com/gpu-mem` refuses at admission (403); the ledger quota
+  leaves the pod pending with a quota reason.
+- The `gpushare-device-env` ValidatingAdmissionPolicy shipped in k8s/base refuses pods that set GPU
+  visibility in their own environment, unless exempted (runs last: it stays in force until removed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from tests.e2e import helpers as h
+from tests.e2e.conftest import ADMIN_TOKEN
+
+pytestmark = pytest.mark.e2e
+
+STACK_NODES = 1
+STACK_GPUS = "1x16GiB:Tesla-T4"
+
+POLICY_FILE = Path(__file__).resolve().parents[2] / "k8s" / "base" / "device-env-policy.yaml"
+EXEMPT = "gpushare.io/allow-device-env"
+
+
+def with_sidecar(pod: dict[str, Any], name: str, gib: int) -> dict[str, Any]:
+    """The pod with a GPU sidecar: an init container with `restartPolicy: Always` limiting `gib` GiB."""
+    sidecar = {
+        "name": name,
+        "image": "envoyproxy/envoy:v1.31",
+        "restartPolicy": "Always",
+        "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)}},
+    }
+    pod["spec"]["initContainers"] = [*pod["spec"].get("initContainers", []), sidecar]
+    return pod
+
+
+async def test_a_gpu_sidecar_holds_its_share_beside_the_app(stack, api, namespace) -> None:
+    node = stack.node_names[0]
+    await h.create_pod(api, namespace, with_sidecar(h.gpu_pod("with-sidecar", [8]), "proxy", 4))
+    await h.wait_bound(api, namespace, ["with-sidecar"])
+    allocs = await h.wait_ledger(stack.database_url, namespace, ["with-sidecar"])
+    (gpu,) = await h.gpu_rows(stack.database_url, node)
+    # Kubernetes' rule (and kubelet's device count): sidecar + app = 12 GiB, not max(8, 4) = 8 GiB
+    assert allocs["with-sidecar"]["memory_mib"] == gpu["allocated_memory_mib"] == 12 * 1024
+    parts = {p["container"]: p for p in allocs["with-sidecar"]["parts"]}
+    assert parts["proxy"]["init"] and parts["proxy"]["sidecar"] and not parts["c0"]["sidecar"]
+    shown = (await h.accounting_pod(stack, namespace, "with-sidecar"))["allocation"]
+    assert {p["container"]: p["sidecar"] for p in shown["parts"]} == {"proxy": True, "c0": False}
+
+    # kubelet (the stand-in, as kubelet does) allocated devices for the sidecar too: each container got the GPU
+    # from the node agent, with its own share and the pod's lasting total
+    for container, gib in (("proxy", 4), ("c0", 8)):
+        env = await h.container_env(stack, node, namespace, "with-sidecar", container)
+        assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"], (container, env)
+        assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == str(gib), (container, env)
+        assert env["ALIYUN_COM_GPU_MEM_POD"] == "12", (container, env)
+    standin = stack.kubelets[node].standin
+    pod = {"metadata": {"namespace": namespace, "name": "with-sidecar"}}
+    devices = [set(standin.assigned(pod, c, "aliyun.com/gpu-mem")) for c in ("proxy", "c0")]
+    assert len(devices[0]) == 4 and len(devices[1]) == 8 and not devices[0] & devices[1]
+
+    # 4 GiB are left: a pod needing 6 GiB stays pending with the reason (the old rule, charging the sidecar as an
+    # init container, left 8 GiB and would have placed it on top of the sidecar's memory)
+    await h.create_pod(api, namespace, h.gpu_pod("needs-six", [6]))
+    assert await h.stays_pending(api, namespace, "needs-six", 6.0)
+
+    view = await h.wait_pending_reason(stack, namespace, "needs-six")
+    assert "4096 MiB" in view["pending"]["reasons"][node], view
+    assert (await h.scheduled_condition(api, namespace, "needs-six")).startswith("False:Unschedulable")
+    assert "needs-six" not in await h.ledger_allocations(stack.database_url, namespace)
+
+
+async def test_a_gated_pod_is_not_reserved_or_refused_until_its_gates_are_removed(stack, api, namespace) -> None:
+    node = stack.node_names[0]
+    body = h.gpu_pod("gated", [4])
+    body["spec"]["schedulingGates"] = [{"name": "gpushare.io/e2e-hold"}]
+    await h.create_pod(api, namespace, body)
+    assert await h.stays_pending(api, namespace, "gated", 6.0)
+    cond = await h.scheduled_condition(api, namespace, "gated")
+    assert cond.startswith("False:SchedulingGated"), cond
+    assert "gated" not in await h.ledger_allocations(stack.database_url, namespace)
+    assert await h.accounting_pending(stack, namespace) == []
+    view = await h.accounting_pod(stack, namespace, "gated")
+    assert view is None or (view.get("pending") is None and view.get("last_refusal") is None), view
+
+    patch = [{"op": "remove", "path": "/spec/schedulingGates"}]
+    await client.CoreV1Api(api).patch_namespaced_pod(
+        "gated", namespace, patch, _content_type="application/json-patch+json"
+    )
+    assert (await h.wait_bound(api, namespace, ["gated"]))["gated"] == node
+    allocs = await h.wait_ledger(stack.database_url, namespace, ["gated"])
+    assert allocs["gated"]["memory_mib"] == 4 * 1024
+    env = await h.container_env(stack, node, namespace, "gated", "c0")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == allocs["gated"]["parts"][0]["gpu_uuid"]
+    assert await h.accounting_pending(stack, namespace) == []
+
+
+async def test_native_resource_quota_and_ledger_quota_each_refuse(stack, api, namespace) -> None:
+    core = client.CoreV1Api(api)
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "gpu-mem"},
+        "spec": {"hard": {"requests.aliyun.com/gpu-mem": "10"}},
+    }
+    await core.create_namespaced_resource_quota(namespace, quota)
+
+    async def counted() -> bool:  # admission refuses every pod until the quota controller filled the status
+        status = (await core.read_namespaced_resource_quota("gpu-mem", namespace)).status
+        return bool(status and status.hard and "requests.aliyun.com/gpu-mem" in status.hard)
+
+    await h.poll(counted, 30, what="the ResourceQuota status")
+    resp = await h.set_quota(stack, ADMIN_TOKEN, namespace, 6)
+    assert resp.status_code in (200, 201, 204), resp.text
+
+    await h.create_pod(api, namespace, h.gpu_pod("first", [4]))
+    await h.wait_bound(api, namespace, ["first"])
+
+    # native quota: 4 + 8 > 10 GiB, refused by kube-apiserver at admission; the pod never exists
+    with pytest.raises(ApiException) as refused:
+        await h.create_pod(api, namespace, h.gpu_pod("over-native", [8]))
+    assert refused.value.status == 403, refused.value.body
+    assert "exceeded quota: gpu-mem" in refused.value.body and "requests.aliyun.com/gpu-mem" in refused.value.body
+    assert [p.metadata.name for p in (await core.list_namespaced_pod(namespace)).items] == ["first"]
+
+    # within the native quota (4 + 4 <= 10) but over the ledger quota (4 + 4 > 6 GiB): created, left pending
+    await h.create_pod(api, namespace, h.gpu_pod("over-ledger", [4]))
+    assert await h.stays_pending(api, namespace, "over-ledger", 5.0)
+
+    view = await h.wait_pending_reason(stack, namespace, "over-ledger")
+    assert "quota" in view["pending"]["summary"].lower(), view
+    # the native quota counts the pending pod already; the ledger only what is placed
+    used = (await core.read_namespaced_resource_quota("gpu-mem", namespace)).status.used
+    assert used["requests.aliyun.com/gpu-mem"] == "8", used
+
+
+def _hostile(name: str, *, init: bool = False, value: str = "all", var: str = "NVIDIA_VISIBLE_DEVICES") -> dict:
+    pod = h.gpu_pod(name, [])
+    container = {"name": "grab", "image": "busybox", "command": ["sleep", "1"], "env": [{"name": var, "value": value}]}
+    pod["spec"]["initContainers" if init else "containers"] = [container]
+    if init:
+        pod["spec"]["containers"] = [{"name": "main", "image": "busybox", "command": ["sleep", "infinity"]}]
+    return pod
+
+
+async def _refusal(api, namespace: str, body: dict) -> str | None:
+    """The refusal message when the apiserver refuses `body`; None when it admits it (then deleted again)."""
+    try:
+        await h.create_pod(api, namespace, body)
+    except ApiException as exc:
+        assert exc.status == 403, exc.body
+        return str(json.loads(exc.body)["message"])
+    await h.delete_pod(api, namespace, body["metadata"]["name"])
+    return None
+
+
+async def test_device_env_admission_policy_refuses_hostile_pods_and_admits_the_rest(stack, api, namespace) -> None:
+    """Runs last in this module: the policy shipped in k8s/base, applied to the real current apiserver (its
+    ValidatingAdmissionPolicy admission plugin is on by default since 1.30)."""
+    admission = client.AdmissionregistrationV1Api(api)
+    policy, binding = list(yaml.safe_load_all(POLICY_FILE.read_text()))
+    await admission.create_validating_admission_policy(policy)
+    await admission.create_validating_admission_policy_binding(binding)
+    allowed_ns = f"{namespace[:40]}-allowed"
+    try:
+        # enforcement is eventually consistent (the apiserver compiles the policy from its informer): probe with
+        # fresh names until the first refusal, within a bound
+        deadline = time.monotonic() + 60
+        while True:
+            message = await _refusal(api, namespace, _hostile(f"probe-{uuid.uuid4().hex[:6]}"))
+            if message is not None or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        assert message is not None, "the policy was never enforced"
+        assert "ValidatingAdmissionPolicy 'gpushare-device-env'" in message
+        assert "grab: NVIDIA_VISIBLE_DEVICES=all" in message
+        assert 'pod label gpushare.io/allow-device-env: "true"' in message
+        assert "labelling its namespace gpushare.io/allow-device-env=true" in message
+
+        # the other variables, in an init container too
+        message = await _refusal(api, namespace, _hostile("cuda", var="CUDA_VISIBLE_DEVICES", value="0"))
+        assert message and "grab: CUDA_VISIBLE_DEVICES=0" in message
+        message = await _refusal(api, namespace, _hostile("caps", init=True, var="NVIDIA_DRIVER_CAPABILITIES"))
+        assert message and "grab: NVIDIA_DRIVER_CAPABILITIES=all" in message
+        utility = _hostile("caps-ok", var="NVIDIA_DRIVER_CAPABILITIES", value="compute,utility")
+        assert await _refusal(api, namespace, utility) is None
+
+        # an ordinary GPU pod is admitted and gets its GPU from the node agent
+        node = stack.node_names[0]
+        await h.create_pod(api, namespace, h.gpu_pod("ordinary", [2]))
+        await h.wait_bound(api, namespace, ["ordinary"])
+        allocs = await h.wait_ledger(stack.database_url, namespace, ["ordinary"])
+        env = await h.container_env(stack, node, namespace, "ordinary", "c0")
+        assert env["NVIDIA_VISIBLE_DEVICES"] == allocs["ordinary"]["parts"][0]["gpu_uuid"]
+
+        # exemptions: the pod label, or an allow-listed namespace
+        exempted = _hostile("exempted")
+        exempted["metadata"]["labels"][EXEMPT] = "true"
+        await h.create_pod(api, namespace, exempted)
+        await client.CoreV1Api(api).create_namespace(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": allowed_ns, "labels": {EXEMPT: "true"}}}
+        )
+        await h.create_pod(api, allowed_ns, _hostile("monitoring-agent"))
+    finally:
+        await admission.delete_validating_admission_policy_binding(binding["metadata"]["name"])
+        await admission.delete_validating_admission_policy(policy["metadata"]["name"])
+        try:
+            await h.delete_all_pods(api, allowed_ns)
+            await client.CoreV1Api(api).delete_namespace(allowed_ns)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
