@@ -59,7 +59,7 @@ def run_main(main: Coroutine[Any, Any, Any]) -> Any:
 class ServiceRuntime:
     """Connections and background tasks of one service process."""
 
-    def __init__(self, name: str, settings: Settings, *, database: bool = True, pool_size: int = 10) -> None:
+    def __init__(self, name: str, settings: Settings, *, database: bool = True, pool_size: int = 3) -> None:
         self.name = name
         self.settings = settings
         self.database = database
@@ -84,7 +84,9 @@ class ServiceRuntime:
             replicas=self.settings.stream_replicas,
         )
         if self.database:
-            self.engine = make_engine(self.settings.require_database_url(), pool_size=self.pool_size)
+            size = self.settings.db_pool_size or self.pool_size
+            # a hard cap (no overflow): the product's connections stay a fixed number, whatever the load
+            self.engine = make_engine(self.settings.require_database_url(), pool_size=size, max_overflow=0)
             self.relay = OutboxRelay(self.engine, self.bus)
             self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)
             self.spawn(self.relay.run(self.stop))

@@ -43,6 +43,13 @@ class Settings(BaseSettings):
     stream_name: str = Field(default=DEFAULT_STREAM, description="JetStream stream holding every event")
     subject_prefix: str = Field(default=DEFAULT_SUBJECT_PREFIX, description="First token of every event subject")
     stream_replicas: int = Field(default=1, ge=1, le=5, description="JetStream replicas of the event stream")
+    db_pool_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=200,
+        description="PostgreSQL connections one service process keeps at most (default per service: extender 6, "
+        "binder 5, accounting 3)",
+    )
     data_dir: Path = Field(default=Path(".gpushare"), description="Where `gpushare up` keeps its data")
     admin_token: SecretStr | None = Field(default=None, description="Bearer token required by mutating REST endpoints")
 

@@ -2,9 +2,10 @@
 
 `KubeletStandIn` plays kubelet's device-plugin side (Registration on `kubelet.sock`, ListAndWatch, Allocate,
 PreStartContainer, the pod-resources API) but admits only the pods it is handed. `NodeKubelet` hands it the
-pods the scheduler bound to its node, in creation order, like kubelet's pod admission, and forgets deleted
-pods, so the whole path API -> kube-scheduler -> extender -> ledger -> binder -> Binding -> node agent ->
-container environment runs. Each container's environment is kept for `container_env`.
+pods the scheduler bound to its node in kubelet's admission order (creation time, which the API keeps to the
+second; pods created in the same second in the order they reached this node) and forgets deleted pods, so
+the whole path API -> kube-scheduler -> extender -> ledger -> binder -> Binding -> node agent -> container
+environment runs. Each container's environment is kept for `container_env`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class NodeKubelet:
         self.envs: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
         self.errors: dict[tuple[str, str], str] = {}
         self._attempts: dict[str, int] = {}
+        self._arrival: dict[str, int] = {}  # the order pods were first seen on this node
         self._admitted: dict[str, dict[str, Any]] = {}
         self._not_started: dict[str, tuple[dict[str, Any], dict[str, dict[str, str]]]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -105,7 +107,14 @@ class NodeKubelet:
             self.standin.remove_pod(pod)
             self.envs.pop((pod["metadata"]["namespace"], pod["metadata"]["name"]), None)
             log.info("pod ended", extra={"node": self.node, "pod": pod["metadata"]["name"]})
-        for uid, pod in sorted(live.items(), key=lambda kv: kv[1]["metadata"].get("creationTimestamp") or ""):
+        for uid in live:
+            self._arrival.setdefault(uid, len(self._arrival))
+        for uid in [u for u in self._arrival if u not in live]:
+            del self._arrival[uid]
+        order = sorted(
+            live.items(), key=lambda kv: (kv[1]["metadata"].get("creationTimestamp") or "", self._arrival[kv[0]])
+        )
+        for uid, pod in order:
             if uid in self._admitted or self._attempts.get(uid, 0) >= MAX_ATTEMPTS:
                 continue
             wanted = gpu_resources_of(pod)

@@ -79,7 +79,7 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
         reserve_grace_s=args.reserve_grace,
     )
     try:
-        async with ServiceRuntime("binder", settings, pool_size=max(5, args.concurrency + 2)) as rt:
+        async with ServiceRuntime("binder", settings, pool_size=5) as rt:
             assert rt.ledger is not None and rt.bus is not None
             binder = Binder(rt.ledger, rt.bus, api, config)
             rt.spawn(binder.run(rt.stop))

@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.msg import Msg
-from sqlalchemy.exc import DBAPIError, OperationalError
 
 from services.binder import reads
 from services.binder.metrics import BinderMetrics
@@ -35,14 +34,13 @@ from shared.events.agent_rpc import (
 )
 from shared.events.bus import EventBus
 from shared.events.catalogue import AssignedEvent, EventDecodeError, ExchangedEvent, decode_event, node_token
+from shared.ledger.db import UNAVAILABLE, is_transient
 from shared.ledger.ledger import Ledger
 from shared.ledger.rules import ExchangeRefused, is_live
 
 log = logging.getLogger(__name__)
 
 CONSUMER = "agent-gateway"
-UNAVAILABLE = "the ledger is unavailable right now (database unreachable or busy); retry"
-TRANSIENT = (DBAPIError, OperationalError, OSError, asyncio.TimeoutError)
 
 
 class LedgerGateway:
@@ -97,7 +95,10 @@ class LedgerGateway:
         try:
             info = await self.bus.js.stream_info(self.bus.names.stream)
             snap = await reads.node_snapshot(self.ledger.engine, node, int(info.state.last_seq), now=datetime.now(UTC))
-        except TRANSIENT as exc:
+        except Exception as exc:
+            if not is_transient(exc):
+                log.exception("snapshot for node %s failed", node, extra={"node": node})
+                return ErrorReply(error="the ledger could not read the node's snapshot").model_dump_json().encode()
             log.warning("snapshot for node %s failed: %r", node, exc, extra={"node": node})
             return ErrorReply(error=UNAVAILABLE, retryable=True).model_dump_json().encode()
         return snap.model_dump_json().encode()
@@ -126,7 +127,10 @@ class LedgerGateway:
                 result = await self.ledger.record(event)  # type: ignore[arg-type]
         except ExchangeRefused as exc:
             return CommandReply(ok=False, error=f"the ledger refused the exchange: {exc}")
-        except TRANSIENT as exc:
+        except Exception as exc:
+            if not is_transient(exc):
+                log.exception("command %s from node %s failed", event.kind, node, extra={"node": node})
+                return CommandReply(ok=False, error=f"the ledger could not apply the {event.kind} command")
             log.warning("command %s from node %s failed: %r", event.kind, node, exc, extra={"node": node})
             return CommandReply(ok=False, error=UNAVAILABLE, retryable=True)
         staged = result if isinstance(result, ExchangedEvent) else event

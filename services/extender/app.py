@@ -134,7 +134,7 @@ def create_app(
             except Exception as exc:  # the ledger or bus is away: an answer, not a 500 (a retry finds any reservation)
                 log.exception("bind failed unexpectedly", extra={"pod": f"{args.pod_namespace}/{args.pod_name}"})
                 metrics.BIND_OUTCOMES.labels(reason="failed").inc()
-                error = f"bind failed: {type(exc).__name__}: {exc}"[:2048]
+                error = f"bind failed: an internal error in the gpushare extender ({type(exc).__name__}; see its log)"
             if error:
                 log.info(
                     "bind refused",

@@ -13,6 +13,7 @@ from services.extender.pods import PodCache, PodUnavailable
 from services.extender.resync import ViewSync
 from services.extender.view import NO_INVENTORY, ClusterView
 from services.extender.wire import BindingArgs
+from shared.ledger.db import LedgerUnavailable, retry_transient
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import (
     InsufficientCapacity,
@@ -26,6 +27,7 @@ from shared.placement import DemandError, NoFit, PodDemand, Policy, parse_pod, p
 from shared.settings import MemoryUnit
 
 ATTEMPTS = 3  # picks from the view; a conflict in the ledger reloads the view before the next
+LEDGER_BUDGET_S = 5.0  # how long a bind rides out a database that refuses or drops connections
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,10 @@ class Bind:
                     f"pod {args.pod_namespace}/{args.pod_name} asks for no GPU share; gpushare binds only GPU pods",
                 )
             )
-        got = await self.reserve(args, demand)
+        try:
+            got = await self.reserve(args, demand)
+        except LedgerUnavailable as exc:  # a short reason for kube-scheduler; the driver's text stays in the log
+            return _refused(Refused("ledger_unavailable", f"{exc}; kube-scheduler will retry the pod"))
         if isinstance(got, Refused):
             return _refused(got)
         reservation = got.reservation
@@ -133,7 +138,9 @@ class Bind:
                 request.allocation_id, args.pod_uid, args.pod_namespace, args.pod_name, args.node, placement.parts
             )
             try:
-                reservation = await self.ledger.reserve(request)
+                reservation = await retry_transient(
+                    lambda request=request: self.ledger.reserve(request), budget_s=LEDGER_BUDGET_S, what="reserve"
+                )
             except BaseException as exc:
                 self.view.drop(args.pod_uid, request.allocation_id)  # refused, or no answer: the hold goes
                 if isinstance(exc, QuotaExceeded):
@@ -151,8 +158,11 @@ class Bind:
         return Refused("no_fit", f"could not reserve GPUs on {args.node}: {last_error}")
 
     async def _existing(self, pod_uid: str) -> Reservation | None:
-        async with self.engine.connect() as conn:
-            return await live_reservation(conn, pod_uid)
+        async def read() -> Reservation | None:
+            async with self.engine.connect() as conn:
+                return await live_reservation(conn, pod_uid)
+
+        return await retry_transient(read, budget_s=LEDGER_BUDGET_S, what="read the pod's reservation")
 
     async def _outcome(self, allocation_id: uuid.UUID, args: BindingArgs, *, fresh: bool) -> str:
         outcome = await self.waiter.wait(allocation_id, self.timeout_s, check_first=not fresh)

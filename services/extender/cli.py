@@ -41,7 +41,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
 
     # kube-scheduler binds many pods at once and each bind holds a connection for its reservation; connections
     # beyond the pool are closed after use, and opening one costs more than the reservation itself
-    async with ServiceRuntime("extender", settings, pool_size=24) as rt:
+    async with ServiceRuntime("extender", settings, pool_size=6) as rt:
         assert rt.engine is not None and rt.ledger is not None
         service = ExtenderService(
             engine=rt.engine,

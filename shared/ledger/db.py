@@ -2,9 +2,63 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+UNAVAILABLE = "the GPU ledger is unavailable right now (database unreachable or out of connections)"
+
+
+class LedgerUnavailable(Exception):
+    """The database stayed unreachable (or refused connections) for the whole retry budget."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A database failure that may pass on its own: lost or refused connections, "too many clients", a full
+    pool, a restart in progress. Constraint violations and other statement errors are not."""
+    if isinstance(exc, PoolTimeout | InterfaceError | OperationalError | ConnectionError | OSError | TimeoutError):
+        return True
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        text = str(exc.orig or exc).lower()
+        return any(
+            marker in text
+            for marker in ("too many clients", "connection", "cannot connect", "the database system is", "terminat")
+        )
+    return False
+
+
+async def retry_transient(fn: Callable[[], Awaitable[T]], *, budget_s: float, what: str) -> T:
+    """Await `fn()`, retrying transient database failures with capped exponential backoff for `budget_s`
+    seconds; then raise `LedgerUnavailable`. Other errors are raised at once."""
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            attempt += 1
+            delay = min(2.0, 0.05 * 2**attempt) * (0.8 + 0.4 * random.random())
+            if time.monotonic() - started + delay > budget_s:
+                log.warning("%s: the database stayed unavailable for %.1fs: %r", what, budget_s, exc)
+                raise LedgerUnavailable(UNAVAILABLE) from exc
+            log.info("%s: transient database error, retrying in %.2fs: %r", what, delay, exc)
+            await asyncio.sleep(delay)
 
 
 def async_url(url: str) -> str:

@@ -1,0 +1,151 @@
+"""After an exchange every record tells the truth: pod annotations follow the ledger (a real kube-apiserver).
+
+An exchange rewrites both pods' annotations through the binder's consumer of the ledger's events; a binder
+restart (adoption runs), reconciliation and a rebuild from the stream cannot bring the replaced record back;
+a patch never puts an older record over a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from services.binder.annotate import AnnotationSync, annotation_patch
+from services.binder.metrics import BinderMetrics
+from services.binder.reads import PodRecord
+from services.binder.reconcile import Reconciler
+from shared.annotations import (
+    ALLOCATION,
+    GPU_MEM_ASSIGNED,
+    GPU_MEM_IDX,
+    binding_annotations,
+    parse_allocation,
+    record_version,
+)
+from shared.events.bus import EventBus
+from shared.events.catalogue import AllocationPart
+from shared.kube.binding import create_binding
+from shared.ledger.ledger import Ledger
+from shared.ledger.replay import differences, load_state, replay_state
+from shared.settings import MemoryUnit
+from tests.binder.conftest import GIB, request_for, state_becomes
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+
+async def _annotations(cluster, name: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return dict((await cluster.read(name)).metadata.annotations or {})
+
+
+async def _record(cluster, name: str) -> tuple[int, str, list[str]]:  # type: ignore[no-untyped-def]
+    """(version, GPU index annotation, GPU UUIDs of the record) on the pod."""
+    ann = await _annotations(cluster, name)
+    _, _, parts = parse_allocation(ann[ALLOCATION])
+    return record_version(ann[ALLOCATION]), ann[GPU_MEM_IDX], [p.gpu_uuid for p in parts]
+
+
+async def test_exchange_rewrites_both_pods_and_nothing_resurrects_the_old_record(
+    cluster, ledger: Ledger, engine, bus: EventBus, start_binder
+) -> None:
+    binder = await start_binder()
+    node = await cluster.node(ledger)
+    first, second = await cluster.pod(gib=4), await cluster.pod(gib=4)
+    res_first = await ledger.reserve(request_for(first, node, gib=4, gpu=0))
+    res_second = await ledger.reserve(request_for(second, node, gib=4, gpu=1))
+    for res in (res_first, res_second):
+        await state_becomes(engine, res, "bound")
+    assert await _record(cluster, first.metadata.name) == (1, "0", [node.gpus[0]])
+
+    # kubelet admitted `second` where `first` was expected: the node agent has the ledger swap their shares
+    assert await ledger.exchange(node.name, (res_first.allocation_id, "main"), (res_second.allocation_id, "main"))
+    await ledger.mark_assigned(res_second.allocation_id, second.metadata.uid, node.name, "main", [node.gpus[0]])
+
+    async def rewritten() -> bool:
+        return await _record(cluster, first.metadata.name) == (2, "1", [node.gpus[1]]) and await _record(
+            cluster, second.metadata.name
+        ) == (2, "0", [node.gpus[0]])
+
+    await eventually(rewritten, what="both pods' annotations to follow the exchange", within=30)
+    await eventually(lambda: _assigned(cluster, second.metadata.name), what="the assigned flag on the pod that started")
+    assert (await _annotations(cluster, first.metadata.name)).get(GPU_MEM_ASSIGNED) == "false"
+    patched = binder.metrics.value("gpushare_binder_annotation_syncs_total", reason="patched")
+    assert patched >= 2
+
+    # a binder restart: reconciliation and adoption run and change nothing
+    report = await binder.reconciler.run_once()
+    assert (report.adopted, report.released, report.annotated, report.conflicts) == (0, 0, 0, [])
+    restarted = await start_binder()
+    assert restarted.reconciler.passes >= 1
+    assert await rewritten()
+
+    # a rebuild from the stream reproduces the ledger, exchange included, and agrees with the annotations
+    async with engine.connect() as conn:
+        live = await load_state(conn)
+    replayed, _ = await replay_state(bus)
+    assert differences(live, replayed) == []
+    for res, name in ((res_first, first.metadata.name), (res_second, second.metadata.name)):
+        alloc = replayed.allocations[res.allocation_id]
+        assert alloc.version == 2
+        assert [p.gpu_uuid for p in alloc.parts] == (await _record(cluster, name))[2]
+
+
+async def test_reconciliation_repairs_an_annotation_an_exchange_left_behind(cluster, ledger: Ledger, kube) -> None:
+    """No binder consumed the exchange (its patch was lost): the next reconciliation pass finds the pods'
+    records older than the ledger's and rewrites them."""
+    node = await cluster.node(ledger)
+    first, second = await cluster.pod(gib=2), await cluster.pod(gib=2)
+    reservations = []
+    for pod, gpu in ((first, 0), (second, 1)):
+        res = await ledger.reserve(request_for(pod, node, gib=2, gpu=gpu))
+        annotations = binding_annotations(
+            res.allocation_id, node.name, list(res.parts), dict.fromkeys(node.gpus, 16 * GIB), MemoryUnit.GIB
+        )
+        await create_binding(
+            kube, pod.metadata.namespace, pod.metadata.name, node.name, uid=pod.metadata.uid, annotations=annotations
+        )
+        await ledger.mark_bound(res.allocation_id, pod.metadata.uid, node.name)
+        reservations.append(res)
+    await ledger.exchange(node.name, (reservations[0].allocation_id, "main"), (reservations[1].allocation_id, "main"))
+    assert await _record(cluster, first.metadata.name) == (1, "0", [node.gpus[0]]), "nobody patched it yet"
+
+    metrics = BinderMetrics()
+    sync = AnnotationSync(ledger.engine, kube, unit=MemoryUnit.GIB, metrics=metrics)
+    reconciler = Reconciler(ledger, kube, unit=MemoryUnit.GIB, metrics=metrics, annotate=sync.sync)
+    report = await reconciler.run_once()
+    assert report.annotated == 2
+    assert await _record(cluster, first.metadata.name) == (2, "1", [node.gpus[1]])
+    assert await _record(cluster, second.metadata.name) == (2, "0", [node.gpus[0]])
+    assert (await reconciler.run_once()).annotated == 0, "repaired once"
+
+
+async def _assigned(cluster, name: str) -> bool:  # type: ignore[no-untyped-def]
+    return (await _annotations(cluster, name)).get(GPU_MEM_ASSIGNED) == "true"
+
+
+def _record_of(version: int, gpu: int) -> PodRecord:
+    part = AllocationPart(container="main", container_index=0, gpu_uuid=f"GPU-{gpu}", gpu_index=gpu, memory_mib=2 * GIB)
+    return PodRecord(
+        allocation_id=uuid.UUID(int=7),
+        pod_uid="u",
+        namespace="ns",
+        pod_name="p",
+        node="n1",
+        state="bound",
+        version=version,
+        parts=[part],
+        assigned=False,
+        gpu_memory={"GPU-0": 16 * GIB, "GPU-1": 16 * GIB},
+    )
+
+
+def test_a_patch_never_puts_an_older_record_over_a_newer_one() -> None:
+    newer = annotation_patch(_record_of(3, 1), {}, MemoryUnit.GIB, now_ns=1)
+    assert record_version(newer[ALLOCATION]) == 3 and newer[GPU_MEM_IDX] == "1"
+    assert annotation_patch(_record_of(2, 0), newer, MemoryUnit.GIB, now_ns=2) == {}, "older than the pod's"
+    assert annotation_patch(_record_of(3, 1), newer, MemoryUnit.GIB, now_ns=3) == {}, "the same: nothing to do"
+    legacy = {ALLOCATION: json.dumps({"id": str(uuid.UUID(int=7)), "node": "n1", "parts": []})}
+    assert record_version(legacy[ALLOCATION]) == 1, "records written before versions count as version 1"
+    assert annotation_patch(_record_of(2, 1), legacy, MemoryUnit.GIB, now_ns=4)[GPU_MEM_IDX] == "1"
