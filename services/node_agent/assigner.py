@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -183,17 +183,9 @@ class Assigner:
             for h in view:
                 if (h.namespace, h.pod_name, h.container) not in holders or h.assigned:
                     continue
-                owner = next(
-                    (
-                        o
-                        for o in sorted(view, key=lambda o: o.admission_order)
-                        if not o.assigned
-                        and o.key != h.key
-                        and o.units(self.unit) == want
-                        and o.shape() == h.shape()
-                        and o.kind == h.kind
-                    ),
-                    None,
+                owner = _exchangeable(
+                    h,
+                    (o for o in sorted(view, key=lambda o: o.admission_order) if o.units(self.unit) == want),
                 )
                 if owner is not None:
                     await self._exchange(owner, h)
@@ -211,18 +203,7 @@ class Assigner:
             await self._confirm(chosen)
             pending.confirmed = True
             return
-        actual = next(
-            (
-                c
-                for c in view
-                if (c.namespace, c.pod_name, c.container) in holders
-                and not c.assigned
-                and c.key != chosen.key
-                and c.shape() == chosen.shape()
-                and c.kind == chosen.kind
-            ),
-            None,
-        )
+        actual = _exchangeable(chosen, (c for c in view if (c.namespace, c.pod_name, c.container) in holders))
         if actual is None:
             self.on_outcome("refused")
             raise AssignmentError(
@@ -292,6 +273,24 @@ class Assigner:
             self.on_outcome("ledger_unavailable")
             raise AssignmentError(f"the GPU assignment could not be recorded in the ledger: {exc}") from None
         self.view.apply(decode_event(json.dumps(reply.event)) if reply.event is not None else command)
+
+
+def _exchangeable(target: PendingContainer, candidates: Iterable[PendingContainer]) -> PendingContainer | None:
+    """The candidate `target` can trade shares with: unassigned, of the same kind and share shape; one whose
+    pod has the same total memory first (then every variable of both environments stays true).
+
+    Equal shares of differently shaped pods are exchanged too: refusing them could leave two pods that
+    kubelet admitted against the prediction holding each other's devices, refused for ever. Only
+    `ALIYUN_COM_GPU_MEM_POD` (the pod's total, informational) of the environment handed out at Allocate may
+    then name the other pod's total; the GPUs, the share and the limits are exact, and the annotations follow
+    the ledger.
+    """
+    fitting = [
+        c
+        for c in candidates
+        if not c.assigned and c.key != target.key and c.kind == target.kind and c.share_shape() == target.share_shape()
+    ]
+    return next((c for c in fitting if c.shape() == target.shape()), fitting[0] if fitting else None)
 
 
 def _names(holders: list[tuple]) -> str:

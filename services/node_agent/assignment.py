@@ -86,14 +86,16 @@ class PendingContainer:
         """All memory units this container holds."""
         return sum(self.units(unit).values())
 
+    def share_shape(self) -> tuple[tuple[int, int], ...]:
+        """Its share sizes (memory, compute) in GPU-index order: what its GPUs, its limits and its charges
+        depend on. Two containers of equal share shape and kind can trade GPUs without any GPU holding more."""
+        return tuple((s.memory_mib, s.compute) for s in sorted(self.shares, key=lambda s: s.gpu_index))
+
     def shape(self) -> tuple[int, tuple[tuple[int, int], ...]]:
-        """What a container's environment depends on besides its GPUs: its pod's total memory and its share
-        sizes in GPU-index order. Containers of equal shape can be exchanged without their environments
-        (handed out at Allocate, before the agent knows the pod) becoming wrong."""
-        return (
-            self.pod_memory_mib,
-            tuple((s.memory_mib, s.compute) for s in sorted(self.shares, key=lambda s: s.gpu_index)),
-        )
+        """The share shape plus its pod's total memory (`ALIYUN_COM_GPU_MEM_POD`): containers of equal shape
+        can be exchanged without any variable of their environments (handed out at Allocate, before the agent
+        knows the pod) becoming wrong."""
+        return (self.pod_memory_mib, self.share_shape())
 
 
 def device_id(gpu_uuid: str, j: int) -> str:

@@ -159,6 +159,26 @@ async def test_prestart_refuses_a_pod_admitted_in_place_of_a_different_shape(har
     assert (await harness.ledger_gpus(b_id, "main"))[0] == "bound"
 
 
+async def test_equal_shares_of_differently_shaped_pods_never_deadlock(harness: Harness) -> None:
+    """Pod b (2 + 4 GiB) is admitted before pod a (2 GiB), against the agent's prediction: b's 2-unit container
+    gets the devices on a's GPU. Before, PreStart refused the exchange (the pods' totals differ), and a was
+    later handed b's devices and refused too: neither could ever start. Both start now, each container on the
+    GPU its environment names, and the ledger records exactly that."""
+    a, a_id = await harness.reserve("dl-a", [("main", [(0, 2)])])
+    b, b_id = await harness.reserve("dl-b", [("main", [(1, 2)]), ("side", [(1, 4)])])
+    k = harness.kubelet
+    env_b = await k.admit(b, start=False)
+    assert env_b["main"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0), "kubelet took the predicted pod's devices"
+    await k.start_pod(b)
+    env_a = (await k.admit(a))["main"]
+    _, gpus_a, assigned_a = await harness.ledger_gpus(a_id, "main")
+    _, gpus_b, assigned_b = await harness.ledger_gpus(b_id, "main")
+    assert assigned_a and assigned_b
+    assert gpus_b == [harness.gpu(0)] == [env_b["main"]["NVIDIA_VISIBLE_DEVICES"]]
+    assert gpus_a == [harness.gpu(1)] == [env_a["NVIDIA_VISIBLE_DEVICES"]]
+    assert (await harness.ledger_gpus(b_id, "side"))[1] == [harness.gpu(1)], "the other container stays"
+
+
 async def test_restarted_container_prestarts_again_idempotently(harness: Harness) -> None:
     pod, alloc = await harness.reserve("restarts", [("main", [(2, 20)])])
     env = (await harness.kubelet.admit(pod))["main"]
