@@ -62,10 +62,12 @@ class NodeKubelet:
         self._not_started: dict[str, tuple[dict[str, Any], dict[str, dict[str, str]]]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> NodeKubelet:
-        """Serve the kubelet sockets and begin admitting pods."""
+    async def start(self, *, poll: bool = True) -> NodeKubelet:
+        """Serve the kubelet sockets and begin admitting pods (`poll`: list this node's pods itself; without
+        it, someone hands it the node's pods through `sync`)."""
         await self.standin.start()
-        self._task = asyncio.create_task(self._loop())
+        if poll:
+            self._task = asyncio.create_task(self._loop())
         return self
 
     async def pause(self) -> None:
@@ -91,14 +93,15 @@ class NodeKubelet:
                 # raw JSON: building kubernetes_asyncio's model objects for every pod on every poll cost more
                 # CPU than the rest of the stand-in
                 pods, _ = await list_pods(self.api, field_selector=f"spec.nodeName={self.node}")
-                await self._sync(pods)
+                await self.sync(pods)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the apiserver may be restarting; try again
                 log.warning("kubelet stand-in sync failed: %s", exc, extra={"node": self.node})
             await asyncio.sleep(self.interval)
 
-    async def _sync(self, pods: list[dict[str, Any]]) -> None:
+    async def sync(self, pods: list[dict[str, Any]]) -> None:
+        """Admit new pods of this node (in kubelet's order) and forget the ones that are gone."""
         live = {p["metadata"]["uid"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
         for uid in [u for u in self._not_started if u not in live]:
             self.standin.remove_pod(self._not_started.pop(uid)[0])
@@ -107,8 +110,10 @@ class NodeKubelet:
             self.standin.remove_pod(pod)
             self.envs.pop((pod["metadata"]["namespace"], pod["metadata"]["name"]), None)
             log.info("pod ended", extra={"node": self.node, "pod": pod["metadata"]["name"]})
-        for uid in live:
-            self._arrival.setdefault(uid, len(self._arrival))
+        # pods that reach the node in one poll arrive as kubelet's watch would deliver them: in the order their
+        # bindings were written (resourceVersion), not in the list's name order
+        for uid in sorted((u for u in live if u not in self._arrival), key=lambda u: _version(live[u])):
+            self._arrival[uid] = len(self._arrival)
         for uid in [u for u in self._arrival if u not in live]:
             del self._arrival[uid]
         order = sorted(
@@ -150,3 +155,49 @@ class NodeKubelet:
 async def start_kubelet(api: ApiClient, node: str, device_plugin_dir: Path, pod_resources_socket: Path) -> NodeKubelet:
     """Start the kubelet side of `node`."""
     return await NodeKubelet(api, node, device_plugin_dir, pod_resources_socket).start()
+
+
+def _version(pod: dict[str, Any]) -> int:
+    """The pod's resourceVersion as a number (etcd's revision; 0 when it is not one)."""
+    value = str(pod["metadata"].get("resourceVersion") or "")
+    return int(value) if value.isdigit() else 0
+
+
+class SharedAdmission:
+    """One pod list for many nodes' kubelets (hundreds of simulated nodes in one process must not each poll
+    the API server): every `interval` it lists the pods bound to a node and hands each kubelet its own."""
+
+    def __init__(self, api: ApiClient, kubelets: dict[str, NodeKubelet], *, interval: float = 1.0) -> None:
+        self.api = api
+        self.kubelets = kubelets
+        self.interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> SharedAdmission:
+        """Begin admitting pods."""
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def stop(self) -> None:
+        """Stop admitting pods."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                pods, _ = await list_pods(self.api, field_selector="spec.nodeName!=")
+                by_node: dict[str, list[dict[str, Any]]] = {name: [] for name in self.kubelets}
+                for pod in pods:
+                    node = (pod.get("spec") or {}).get("nodeName")
+                    if node in by_node:
+                        by_node[node].append(pod)
+                await asyncio.gather(*(k.sync(by_node[n]) for n, k in self.kubelets.items()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the apiserver may be restarting; try again
+                log.warning("shared kubelet admission failed: %s", exc)
+            await asyncio.sleep(self.interval)

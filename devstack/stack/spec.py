@@ -173,6 +173,52 @@ def node_agent_command(
     )
 
 
+def fleet_command(
+    common: CommonFlags,
+    *,
+    nodes: Sequence[str],
+    gpus: str,
+    socket_dir: str,
+    kubeconfig: str,
+    port: int,
+    addresses: dict[str, str],
+    admit: bool = True,
+) -> ServiceCommand:
+    """Every simulated node's agent and kubelet stand-in in one process (`devstack.stack.fleet`)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "devstack.stack.fleet",
+        "--nodes",
+        ",".join(nodes),
+        "--gpus",
+        gpus,
+        "--socket-dir",
+        socket_dir,
+        "--kubeconfig",
+        kubeconfig,
+        "--nats-url",
+        common.nats_url,
+        "--stream-name",
+        common.stream_name,
+        "--subject-prefix",
+        common.subject_prefix,
+        "--memory-unit",
+        common.memory_unit,
+        "--addresses",
+        ",".join(f"{n}={a}" for n, a in addresses.items()),
+        "--port",
+        str(port),
+        "--log-level",
+        common.log_level,
+        "--log-format",
+        common.log_format,
+    ]
+    if not admit:
+        argv.append("--no-admit")
+    return ServiceCommand("node-fleet", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
+
+
 def summary_lines(listens: Sequence[tuple[str, str]]) -> list[str]:
     """Aligned `name  where` lines."""
     width = max((len(n) for n, _ in listens), default=0)

@@ -83,6 +83,8 @@ class StackConfig:
     control_plane_paths: Any = None
     node_labels: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 90.0
+    fleet: bool = False  # every node's agent and kubelet stand-in in one process (hundreds of nodes)
+    fleet_admit: bool = True  # the fleet admits pods (off: scheduling benchmarks)
     progress: Progress = _print_progress
 
 
@@ -163,7 +165,7 @@ class Stack:
 
     def _spawn(self, command: spec.ServiceCommand) -> ServiceProcess | None:
         subcommand = command.argv[3]
-        if subcommand not in available_subcommands():
+        if command.argv[2] == "services.cli" and subcommand not in available_subcommands():
             self.missing.append(subcommand)
             self.progress(f"WARNING: `gpushare {subcommand}` is not installed here; running without it")
             return None
@@ -195,10 +197,26 @@ class Stack:
         self.progress("starting binder")
         rest = [self._spawn(spec.binder_command(self._common(), bnd_port, str(self.kubeconfig)))]
         self._socket_dir = Path(tempfile.mkdtemp(prefix="gpushare-up-"))
-        for node in self.node_names:
-            rest.append(await self._start_node(node))
+        if c.fleet:
+            rest.append(self._spawn(self._fleet_command()))
+        else:
+            for node in self.node_names:
+                rest.append(await self._start_node(node))
         self.progress(f"waiting for binder and {len(self.node_names)} node agent(s)")
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
+
+    def _fleet_command(self) -> spec.ServiceCommand:
+        assert self._socket_dir is not None and self.kubeconfig is not None
+        return spec.fleet_command(
+            self._common(),
+            nodes=self.node_names,
+            gpus=self.config.gpus,
+            socket_dir=str(self._socket_dir),
+            kubeconfig=self.kubeconfig,
+            port=free_port(),
+            addresses={n: self.node_address(n) for n in self.node_names},
+            admit=self.config.fleet_admit,
+        )
 
     async def _obtain_cluster(self) -> None:
         c = self.config
@@ -281,7 +299,8 @@ class Stack:
 
     def node_address(self, node: str) -> str:
         """The loopback address a simulated node reports (InternalIP and the ledger's node address)."""
-        return f"127.0.1.{self.node_names.index(node) + 1}"
+        i = self.node_names.index(node)
+        return f"127.0.{1 + i // 250}.{1 + i % 250}"
 
     async def _start_node(self, node: str) -> ServiceProcess | None:
         """The kubelet stand-in (in this process) first, then the node agent that registers with it."""

@@ -189,6 +189,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
             allocations.c.pod_name,
             allocations.c.reserved_at,
             allocations.c.pod_created_at,
+            allocations.c.bound_at,
             allocations.c.version,
             allocation_parts.c.container,
             allocation_parts.c.container_index,
@@ -233,6 +234,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
             ],
             reserved_at=parts[0].reserved_at,
             pod_created_at=parts[0].pod_created_at,
+            bound_at=parts[0].bound_at,
             assigned=all(p.assigned_at is not None for p in parts),
             version=int(parts[0].version),
         )

@@ -241,6 +241,10 @@ class Assigner:
             expected.namespace,
             expected.pod_name,
             expected.container,
+            extra={
+                "admitted_order": [str(x) for x in actual.admission_order],
+                "expected_order": [str(x) for x in expected.admission_order],
+            },
         )
         self.on_outcome("exchanged")
         refreshed = {c.key: c for c in await self.containers()}

@@ -54,13 +54,15 @@ class PendingContainer:
     assigned: bool = False
     pod_memory_mib: int = 0
     pod_created_at: datetime | None = None
+    bound_at: datetime | None = None  # when the binder recorded the pod's Binding (None: not bound yet)
 
     @property
-    def admission_order(self) -> tuple[datetime, datetime]:
-        """When kubelet will admit this container's pod relative to others: pods by creation time (whole
-        seconds, as the API stores it), then, for pods created together, in the order they were bound (which
-        follows the order they were reserved)."""
-        return (self.pod_created_at or self.reserved_at, self.reserved_at)
+    def admission_order(self) -> tuple[int, datetime, datetime]:
+        """When kubelet will admit this container's pod relative to others. kubelet sees a pod once it is bound,
+        and admits the pods it receives together by creation time (kept to the second); pods arrive in the
+        order they were bound. So: bound pods first, then by creation time, then by binding time."""
+        bound = self.bound_at is not None
+        return (0 if bound else 1, self.pod_created_at or self.reserved_at, self.bound_at or self.reserved_at)
     sidecar: bool = False
 
     @property
@@ -116,7 +118,7 @@ def units_by_gpu(device_ids: Iterable[str]) -> Counter[str]:
     return Counter(gpu_of(d) for d in device_ids)
 
 
-def _order(c: PendingContainer) -> tuple[tuple[datetime, datetime], str, bool, int]:
+def _order(c: PendingContainer) -> tuple[tuple[int, datetime, datetime], str, bool, int]:
     # kubelet's admission order first; within a pod, init containers first, then by container index
     return (c.admission_order, str(c.allocation_id), not c.init, c.container_index)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 from dataclasses import replace
+from datetime import datetime
 
 from services.node_agent.assignment import PendingContainer, Share
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot
 from shared.events.catalogue import (
     AllocationPart,
     AssignedEvent,
+    BoundEvent,
     Event,
     ExchangedEvent,
     FailedEvent,
@@ -70,6 +72,7 @@ class NodeView:
                     assigned=r.assigned,
                     pod_memory_mib=pod_memory,
                     pod_created_at=r.pod_created_at,
+                    bound_at=r.bound_at,
                 )
         self.loaded = True
         self.stream_seq = snapshot.stream_seq
@@ -87,6 +90,8 @@ class NodeView:
         match event:
             case ReservedEvent():
                 return self._reserved(event)
+            case BoundEvent():
+                return self._bound(event.allocation_id, event.occurred_at)
             case AssignedEvent():
                 key = (event.allocation_id, event.container)
                 current = self._containers.get(key)
@@ -126,6 +131,14 @@ class NodeView:
             )
         self._versions[event.allocation_id] = 1
         return True
+
+    def _bound(self, allocation_id: uuid.UUID, at: datetime) -> bool:
+        changed = False
+        for key, c in list(self._containers.items()):
+            if key[0] == allocation_id and c.bound_at is None:
+                self._containers[key] = replace(c, bound_at=at)
+                changed = True
+        return changed
 
     def _exchanged(self, event: ExchangedEvent) -> bool:
         """Apply an exchange's result to each allocation it makes newer (a stale or repeated copy: nothing)."""

@@ -65,6 +65,7 @@ class ContainerRecord(BaseModel):
     shares: Annotated[list[ShareRecord], Field(min_length=1)]
     reserved_at: datetime
     pod_created_at: datetime | None = None
+    bound_at: datetime | None = None
     assigned: bool = False
     version: Annotated[int, Field(ge=1)] = 1
 

@@ -22,6 +22,8 @@ class Profile:
     crash_rounds: int
     throttle_pods: int  # slow / throttling apiserver: pods of the burst (1-2 GiB each; the stack holds 64 GiB)
     throttle_seconds: float  # ... and how long the apiserver stays slow and throttling (pods arrive in the 1st half)
+    scale_nodes: int  # node agents at scale: agent processes (one per simulated node, 4 GPUs of 16 GiB each)
+    scale_pods: int  # ... and the burst of 1-2 GiB pods they receive
 
 
 def current() -> Profile:
@@ -39,6 +41,8 @@ def current() -> Profile:
             crash_rounds=6,
             throttle_pods=45,
             throttle_seconds=120.0,
+            scale_nodes=40,
+            scale_pods=1000,
         )
     return Profile(
         soak=False,
@@ -50,6 +54,8 @@ def current() -> Profile:
         crash_rounds=1,
         throttle_pods=30,
         throttle_seconds=20.0,
+        scale_nodes=8,
+        scale_pods=160,
     )
 
 
