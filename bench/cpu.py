@@ -45,6 +45,8 @@ def group_of(command: str, pid: int) -> str:
     if pid == os.getpid():
         return "bench"
     words = command.split()
+    if "devstack.stack.fleet" in words:  # many simulated nodes' agents (and kubelet stand-ins) in one process
+        return "node-agent"
     if "services.cli" in words:
         at = words.index("services.cli")
         return words[at + 1] if at + 1 < len(words) else "other"

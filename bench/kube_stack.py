@@ -18,8 +18,9 @@ GPUS = "8x16GiB:Tesla-T4"
 
 
 @contextlib.asynccontextmanager
-async def whole_stack(ctx: Context, nodes: int) -> AsyncIterator[Any]:
-    """A started Stack (control plane, services, simulated nodes) on a private database and private streams.
+async def whole_stack(ctx: Context, nodes: int, *, fleet: bool = False) -> AsyncIterator[Any]:
+    """A started Stack (control plane, services, simulated nodes) on a private database and private streams;
+    `fleet`: every node's agent and kubelet stand-in in one process, admitting no pods (hundreds of nodes).
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
@@ -46,6 +47,9 @@ async def whole_stack(ctx: Context, nodes: int) -> AsyncIterator[Any]:
             scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
             control_plane_paths=paths,
             progress=lambda m: None,
+            fleet=fleet,
+            fleet_admit=not fleet,
+            ready_timeout=90.0 + (nodes if fleet else 0),
         )
         stack = Stack(config)
         await stack.start()

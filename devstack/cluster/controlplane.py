@@ -174,6 +174,7 @@ class ControlPlane:
         self.token = secrets.token_hex(16)
         self.server_url = ""
         self.kubeconfig_path: Path = Path()
+        self.cert_kubeconfig_path: Path = Path()  # the same cluster, a client-certificate user
         self.logs: dict[str, Path] = {}
         self._procs: dict[str, _Proc] = {}
         self._etcd_data: Path | None = None
@@ -352,11 +353,36 @@ class ControlPlane:
         }
         self.kubeconfig_path.write_text(json.dumps(kubeconfig, indent=2))
         self.kubeconfig_path.chmod(0o600)
+        self._client_certificate_kubeconfig(kubeconfig)
         shm = Path("/dev/shm")
         if shm.is_dir() and os.access(shm, os.W_OK):
             self._etcd_data = Path(tempfile.mkdtemp(prefix="gpushare-etcd-", dir=shm))
         else:
             self._etcd_data = wd / "etcd-data"
+
+    def _client_certificate_kubeconfig(self, token_config: dict[str, Any]) -> None:
+        """A second kubeconfig whose user is a client certificate (CN admin, O system:masters) signed by a CA of
+        this cluster (`--client-ca-file`): the other ordinary way managed clusters hand out access."""
+        certs = self.work_dir / "certs"
+        ca_key, ca_crt = certs / "client-ca.key", certs / "client-ca.crt"
+        key, csr, crt = certs / "admin.key", certs / "admin.csr", certs / "admin.crt"
+        for cmd in (
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
+             "-days", "2", "-subj", "/CN=gpushare-dev-client-ca"],
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+             "-subj", "/O=system:masters/CN=admin"],
+            ["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
+             "-CAcreateserial", "-out", str(crt), "-days", "2"],
+        ):  # fmt: skip
+            res = subprocess.run(cmd, capture_output=True, check=False)
+            if res.returncode:
+                raise ControlPlaneUnavailable(f"{' '.join(cmd[:3])} failed: {res.stderr.decode()[-500:]}")
+        config = json.loads(json.dumps(token_config))
+        config["users"] = [{"name": "admin-cert", "user": {"client-certificate": str(crt), "client-key": str(key)}}]
+        config["contexts"][0]["context"]["user"] = "admin-cert"
+        self.cert_kubeconfig_path = self.work_dir / "kubeconfig-client-cert"
+        self.cert_kubeconfig_path.write_text(json.dumps(config, indent=2))
+        self.cert_kubeconfig_path.chmod(0o600)
 
     def _spawn(self, proc: _Proc) -> None:
         self.logs[proc.name] = proc.log
@@ -447,6 +473,7 @@ class ControlPlane:
             *(["--insecure-port=0"] if self.release.has_insecure_port_flags else []),
             f"--cert-dir={certs}",
             f"--token-auth-file={self.work_dir / 'tokens.csv'}",
+            f"--client-ca-file={certs / 'client-ca.crt'}",
             "--authorization-mode=AlwaysAllow",
             f"--service-account-key-file={certs / 'sa.pub'}",
             f"--service-account-signing-key-file={certs / 'sa.key'}",

@@ -101,6 +101,9 @@ class Stack:
         self.database_url = config.database_url or ""
         self.nats_url = config.nats_url or ""
         self.kubeconfig: str | None = config.kubeconfig
+        # what the services use: on the local control plane a client-certificate user (the people's kubeconfig
+        # has a token user), so both ordinary kinds of access run in every local stack
+        self.services_kubeconfig: str | None = config.kubeconfig
         self.control_plane: Any = None
         self.node_names = spec.node_names(config.node_prefix, config.nodes)
         self.processes: dict[str, ServiceProcess] = {}
@@ -195,7 +198,7 @@ class Stack:
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
         self.progress("starting binder")
-        rest = [self._spawn(spec.binder_command(self._common(), bnd_port, str(self.kubeconfig)))]
+        rest = [self._spawn(spec.binder_command(self._common(), bnd_port, str(self.services_kubeconfig)))]
         self._socket_dir = Path(tempfile.mkdtemp(prefix="gpushare-up-"))
         if c.fleet:
             rest.append(self._spawn(self._fleet_command()))
@@ -206,13 +209,13 @@ class Stack:
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
 
     def _fleet_command(self) -> spec.ServiceCommand:
-        assert self._socket_dir is not None and self.kubeconfig is not None
+        assert self._socket_dir is not None and self.services_kubeconfig is not None
         return spec.fleet_command(
             self._common(),
             nodes=self.node_names,
             gpus=self.config.gpus,
             socket_dir=str(self._socket_dir),
-            kubeconfig=self.kubeconfig,
+            kubeconfig=self.services_kubeconfig,
             port=free_port(),
             addresses={n: self.node_address(n) for n in self.node_names},
             admit=self.config.fleet_admit,
@@ -248,6 +251,7 @@ class Stack:
             return
         self.control_plane = cp
         self.kubeconfig = str(cp.kubeconfig_path)
+        self.services_kubeconfig = str(cp.cert_kubeconfig_path)
 
     def _use_simulator(self, reason: str) -> None:
         self.mode = MODE_SIMULATOR
@@ -321,7 +325,7 @@ class Stack:
             device_plugin_dir=str(dp_dir),
             pod_resources_socket=str(pr_socket),
             metrics_port=free_port(),
-            kubeconfig=self.kubeconfig,
+            kubeconfig=self.services_kubeconfig,
             address=self.node_address(node),
         )
         return self._spawn(command)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -92,3 +93,34 @@ def test_start_stop_leaves_no_processes(control_plane_binaries: Paths) -> None:
             os.kill(pid, 0)
         assert name
     assert not work_dir.exists()
+
+
+async def test_token_and_client_certificate_kubeconfigs_both_work(control_plane: ControlPlane) -> None:
+    """The two ordinary kinds of kubeconfig user a managed cluster hands out reach the current apiserver through
+    the services' own client (`shared.kube.client.api_client`): a token and a client certificate. (The local
+    stack runs its services with the certificate and its tests with the token.)"""
+    from shared.kube.binding import create_binding
+    from shared.kube.client import api_client
+    from shared.kube.pods import get_pod
+
+    node_name = f"cert-node-{uuid.uuid4().hex[:6]}"
+    for kubeconfig in (control_plane.kubeconfig_path, control_plane.cert_kubeconfig_path):
+        user = json.loads(kubeconfig.read_text())["users"][0]["user"]
+        api = await api_client(str(kubeconfig))
+        try:
+            core = client.CoreV1Api(api)
+            if not any(n.metadata.name == node_name for n in (await core.list_node()).items):
+                await create_gpu_node(api, node_name, gpus=[(16, "Tesla-T4")])
+            name = f"via-{'cert' if 'client-certificate' in user else 'token'}-{uuid.uuid4().hex[:5]}"
+            body = {"metadata": {"name": name}, "spec": {"schedulerName": "nobody", "containers": [_container()]}}
+            created = await core.create_namespaced_pod("default", body)
+            await create_binding(api, "default", name, node_name, uid=created.metadata.uid, annotations={"a": "b"})
+            pod = await get_pod(api, "default", name)
+            assert pod is not None and pod["spec"]["nodeName"] == node_name
+            assert pod["metadata"]["annotations"]["a"] == "b"
+            await core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+        finally:
+            await api.close()
+    assert "client-certificate" in json.loads(control_plane.cert_kubeconfig_path.read_text())["users"][0]["user"]
+    async with control_plane.api_client() as admin:
+        await delete_node(admin, node_name)
