@@ -1,12 +1,15 @@
-"""The one polling helper of the test suite: wait for a condition instead of sleeping a fixed time."""
+"""The one polling helper of the test suite: wait for a condition instead of sleeping a fixed time.
+
+It is `devstack.cluster.waits.poll` (which the local stack's own waits use too) with keyword names that read
+well in a test: `await eventually(check, what="...", within=20)`.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from devstack.cluster.waits import poll
 
 
 async def eventually(
@@ -14,13 +17,32 @@ async def eventually(
 ) -> Any:
     """Call `check` (plain or async) until it returns something truthy, and return that; TimeoutError naming
     `what` after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = check()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {within:g}s waiting for {what}")
-        await asyncio.sleep(interval)
+    return await poll(check, within, interval, what)
+
+
+async def stream_events(bus: Any, kind: str) -> list[Any]:
+    """Every event of one kind now in the test's stream (read with a throwaway consumer)."""
+    import contextlib
+    import uuid
+
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from shared.events.catalogue import decode_event
+
+    durable = f"t{uuid.uuid4().hex[:10]}"
+    sub = await bus.js.pull_subscribe(bus.names.subject(kind, ">"), durable=durable, stream=bus.names.stream)
+    out = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=0.5)
+            except (NatsTimeout, TimeoutError):
+                break
+            for m in msgs:
+                out.append(decode_event(m.data))
+                await m.ack()
+    finally:
+        await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await bus.js.delete_consumer(bus.names.stream, durable)
+    return out

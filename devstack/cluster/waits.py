@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -14,12 +15,18 @@ T = TypeVar("T")
 
 
 async def poll(
-    fn: Callable[[], Awaitable[T | None]], timeout_s: float = 30.0, interval: float = 0.25, what: str = "condition"
+    fn: Callable[[], Awaitable[T | None] | T | None],
+    timeout_s: float = 30.0,
+    interval: float = 0.25,
+    what: str = "condition",
 ) -> T:
-    """Await ``fn()`` until it returns a truthy value; TimeoutError after ``timeout_s``."""
+    """Call ``fn()`` (plain or async) until it returns a truthy value, and return it; TimeoutError naming ``what``
+    after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = await fn()
+        value = fn()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() >= deadline:

@@ -27,6 +27,7 @@ from shared.ledger.models import allocations, gpus
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.reservations import Reservation, ReservationRequest
 from tests.system_tools import running_control_plane
+from tests.waiting import eventually
 
 GIB = 1024
 SCHEDULER_NONE = "nobody"  # no scheduler serves this name: pods wait for the binder
@@ -205,7 +206,7 @@ async def start_binder(
         binder = Binder(ledger, bus, kube, config)
         stop = asyncio.Event()
         running.append((stop, asyncio.create_task(binder.run(stop))))
-        await wait_for(lambda: _ready(binder), what="binder ready", within=30)
+        await eventually(binder.ready, what="binder ready", within=30)
         return binder
 
     yield _start
@@ -215,21 +216,6 @@ async def start_binder(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
 
-
-async def _ready(binder: Binder) -> bool:
-    return binder.ready()
-
-
-async def wait_for(fn: Callable[[], Awaitable[Any]], *, what: str, within: float = 20.0, interval: float = 0.1) -> Any:
-    """Poll `fn` until it returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        value = await fn()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {within:.0f}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 async def allocation(engine: AsyncEngine, allocation_id: uuid.UUID) -> Any:
@@ -245,7 +231,7 @@ async def state_becomes(engine: AsyncEngine, res: Reservation, *states: str, wit
         row = await allocation(engine, res.allocation_id)
         return row if row is not None and row.state in states else None
 
-    return await wait_for(check, what=f"allocation {res.allocation_id} to become {'/'.join(states)}", within=within)
+    return await eventually(check, what=f"allocation {res.allocation_id} to become {'/'.join(states)}", within=within)
 
 
 async def gpu_usage(engine: AsyncEngine, node: Node) -> dict[str, int]:
@@ -255,28 +241,3 @@ async def gpu_usage(engine: AsyncEngine, node: Node) -> dict[str, int]:
             await conn.execute(select(gpus.c.uuid, gpus.c.allocated_memory_mib).where(gpus.c.node == node.name))
         ).all()
     return {r.uuid: int(r.allocated_memory_mib) for r in rows}
-
-
-async def stream_events(bus: EventBus, kind: str) -> list[Any]:
-    """Every event of one kind now in the test's stream."""
-    from nats.errors import TimeoutError as NatsTimeout
-
-    from shared.events.catalogue import decode_event
-
-    durable = f"t{uuid.uuid4().hex[:10]}"
-    sub = await bus.js.pull_subscribe(bus.names.subject(kind, ">"), durable=durable, stream=bus.names.stream)
-    out = []
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=0.5)
-            except (NatsTimeout, TimeoutError):
-                break
-            for m in msgs:
-                out.append(decode_event(m.data))
-                await m.ack()
-    finally:
-        await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await bus.js.delete_consumer(bus.names.stream, durable)
-    return out

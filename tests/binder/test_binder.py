@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 
@@ -28,9 +27,8 @@ from tests.binder.conftest import (
     gpu_usage,
     request_for,
     state_becomes,
-    stream_events,
-    wait_for,
 )
+from tests.waiting import eventually, stream_events
 
 pytestmark = pytest.mark.e2e
 
@@ -55,7 +53,7 @@ async def test_binds_pod_with_annotations(cluster, ledger, engine, bus, start_bi
     assert [(p.gpu_uuid, p.memory_mib) for p in parts] == [(node.gpus[1], 4 * GIB)]
     assert await gpu_usage(engine, node) == {node.gpus[0]: 0, node.gpus[1]: 4 * GIB}
 
-    await wait_for(lambda: _bound_events(bus, 1), what="one bound event")
+    await eventually(lambda: _bound_events(bus, 1), what="one bound event")
     m = binder.metrics
     assert m.value("gpushare_binder_bindings_total", reason="bound") == 1
     assert m.value("gpushare_binder_bind_seconds_count") == 1
@@ -78,9 +76,9 @@ async def test_duplicate_delivery_binds_once(cluster, ledger, engine, bus, start
     # the same event delivered twice more (different message ids defeat the stream's dedup: a replay)
     for i in range(2):
         await bus.publish_raw(subject_for(bus.names.prefix, reserved), encode_event(reserved), f"replay-{i}")
-    await wait_for(lambda: _true(binder.consumer.applied >= applied + 2), what="replays consumed")
-
-    await asyncio.sleep(0.5)  # let the relay publish anything the replays might (wrongly) have written
+    await eventually(lambda: binder.consumer.applied >= applied + 2, what="replays consumed")
+    # whatever the replays might (wrongly) have written is published once the outbox is empty
+    await eventually(lambda: _outbox_empty(engine), what="the relay to publish everything staged")
     events = await stream_events(bus, "bound")
     assert [e.allocation_id for e in events] == [res.allocation_id]
     assert binder.metrics.value("gpushare_binder_bindings_total", reason="bound") == 1
@@ -88,8 +86,13 @@ async def test_duplicate_delivery_binds_once(cluster, ledger, engine, bus, start
     assert await gpu_usage(engine, node) == {node.gpus[0]: 2 * GIB, node.gpus[1]: 0}
 
 
-async def _true(value: bool) -> bool:
-    return value
+async def _outbox_empty(engine) -> bool:  # type: ignore[no-untyped-def]
+    from sqlalchemy import func, select
+
+    from shared.ledger.models import outbox
+
+    async with engine.connect() as conn:
+        return (await conn.execute(select(func.count()).select_from(outbox))).scalar() == 0
 
 
 async def test_pod_deleted_before_bind_fails_and_frees(cluster, ledger, engine, start_binder) -> None:
@@ -98,7 +101,7 @@ async def test_pod_deleted_before_bind_fails_and_frees(cluster, ledger, engine, 
     res = await ledger.reserve(request_for(pod, node, gib=3))
     assert (await gpu_usage(engine, node))[node.gpus[0]] == 3 * GIB
     await cluster.delete_pod(pod.metadata.name)
-    await wait_for(lambda: _gone(cluster, pod.metadata.name), what="pod deleted")
+    await eventually(lambda: _gone(cluster, pod.metadata.name), what="pod deleted")
 
     binder = await start_binder()
     row = await state_becomes(engine, res, "failed")
@@ -151,7 +154,7 @@ async def test_release_on_completion_delete_and_terminating(cluster, ledger, eng
     # a bound pod deleted with a grace period lingers with a deletionTimestamp (no kubelet finishes it): its
     # containers may still hold GPU memory, so the share stays held and is only marked terminating
     await cluster.delete_pod(terminating.metadata.name, grace=60)
-    row = await wait_for(
+    row = await eventually(
         lambda: _terminating_row(engine, reservations[2]), what="the allocation to be marked terminating"
     )
     assert row.state == "bound" and row.ended_at is None
@@ -188,7 +191,7 @@ async def test_deleted_node_is_retired(cluster, ledger, engine, start_binder) ->
     async def retired() -> bool:
         return await gpus_by_index(engine, node.name) == {}
 
-    await wait_for(retired, what="GPUs retired", within=10)
+    await eventually(retired, what="GPUs retired", within=10)
     assert binder.metrics.value("gpushare_binder_nodes_retired_total") == 1
 
 
@@ -213,7 +216,7 @@ async def test_reconciliation_releases_orphans(cluster, ledger, engine, kube) ->
     res_renamed = await ledger.reserve(request_for(renamed, node, gib=1, gpu=1))
     await ledger.mark_bound(res_renamed.allocation_id, renamed.metadata.uid, node.name)
     await cluster.delete_pod(renamed.metadata.name, grace=0)
-    await wait_for(lambda: _gone(cluster, renamed.metadata.name), what="pod deleted")
+    await eventually(lambda: _gone(cluster, renamed.metadata.name), what="pod deleted")
     await cluster.pod(gib=1, name=renamed.metadata.name)
 
     ghost = await cluster.pod(gib=4)

@@ -27,6 +27,7 @@ from shared.kube.binding import binding_body
 from shared.kube.retry import RetryPolicy, call_with_retry, describe_failure, is_retryable
 from shared.kube.watching import Gone, WatchEvent, parse_line
 from shared.settings import MemoryUnit
+from tests.waiting import eventually
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -239,7 +240,6 @@ def test_adoption_records_sidecars_and_never_takes_a_gated_pod() -> None:
 
 async def test_capacity_nudger_coalesces_stamps_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.binder.nudge as nudge
-    from devstack.cluster.waits import poll
     from services.binder.nudge import LABEL, CapacityNudger
 
     patched: list[tuple[str, dict]] = []
@@ -263,19 +263,19 @@ async def test_capacity_nudger_coalesces_stamps_per_node(monkeypatch: pytest.Mon
         nudger.capacity_freed("n1")
     nudger.capacity_freed("n2")
     nudger.capacity_freed("")
-    await poll(lambda: has("n2", 1), 5, interval=0.01, what="the first stamp on n2")
+    await eventually(lambda: has("n2", 1), within=5, interval=0.01, what="the first stamp on n2")
     assert stamps("n1") == 1, "five releases at once make one stamp"
     assert all(LABEL in body["metadata"]["labels"] for _, body in patched)
-    await poll(lambda: has("n1", 2), 5, interval=0.01, what="the follow-up stamp on n1")
-    await poll(lambda: has("n2", 2), 5, interval=0.01, what="the follow-up stamp on n2")
-    await poll(lambda: _done(nudger), 5, interval=0.01, what="the nudger to go idle")
+    await eventually(lambda: has("n1", 2), within=5, interval=0.01, what="the follow-up stamp on n1")
+    await eventually(lambda: has("n2", 2), within=5, interval=0.01, what="the follow-up stamp on n2")
+    await eventually(lambda: _done(nudger), within=5, interval=0.01, what="the nudger to go idle")
     assert (stamps("n1"), stamps("n2")) == (2, 2), "one stamp now and one follow-up per release burst"
 
     # a release during the settle wait earns one more follow-up after it
     nudger.capacity_freed("n1")
-    await poll(lambda: has("n1", 3), 5, interval=0.01, what="a new stamp on n1")
+    await eventually(lambda: has("n1", 3), within=5, interval=0.01, what="a new stamp on n1")
     nudger.capacity_freed("n1")
-    await poll(lambda: _done(nudger), 5, interval=0.01, what="the nudger to go idle")
+    await eventually(lambda: _done(nudger), within=5, interval=0.01, what="the nudger to go idle")
     assert stamps("n1") == 5
     await nudger.close()
 

@@ -21,7 +21,8 @@ from sqlalchemy import func, select
 from devstack.cluster.controlplane import free_ports
 from shared.annotations import ALLOCATION, parse_allocation
 from shared.ledger.models import allocations, outbox
-from tests.binder.conftest import GIB, allocation, gpu_usage, request_for, state_becomes, stream_events, wait_for
+from tests.binder.conftest import GIB, allocation, gpu_usage, request_for, state_becomes
+from tests.waiting import eventually, stream_events
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +70,7 @@ async def test_kill_mid_batch_and_restart(
 
     first = _start(env, port, log)
     try:
-        await wait_for(lambda: _at_least(bound_names, 3), what="first bindings", within=60, interval=0.02)
+        await eventually(lambda: _at_least(bound_names, 3), what="first bindings", within=60, interval=0.02)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)
@@ -85,12 +86,12 @@ async def test_kill_mid_batch_and_restart(
 
     second = _start(env, port, log)
     try:
-        await wait_for(lambda: _ready(port), what="restarted binder ready", within=60)
-        await wait_for(lambda: _settled(engine), what="no reservation left pending", within=60)
+        await eventually(lambda: _ready(port), what="restarted binder ready", within=60)
+        await eventually(lambda: _settled(engine), what="no reservation left pending", within=60)
         async with httpx.AsyncClient() as http:
             metrics = (await http.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
         assert "gpushare_binder_bindings_total" in metrics
-        await wait_for(lambda: _outbox_empty(engine), what="outbox drained", within=20)
+        await eventually(lambda: _outbox_empty(engine), what="outbox drained", within=20)
     finally:
         second.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -149,11 +150,10 @@ async def test_api_server_outage_loses_nothing(cluster, ledger, engine, start_bi
     await asyncio.to_thread(control_plane.stop_component, "kube-apiserver", 2)
     try:
         res = await ledger.reserve(request_for(pod, node, gib=2))
-        await wait_for(
-            lambda: _positive(binder.metrics.value("gpushare_binder_kube_retries_total")),
-            what="the binder retrying against the stopped API server",
+        await eventually(
+            lambda: binder.metrics.value("gpushare_binder_kube_retries_total") >= 2,
+            what="the binder retrying against the stopped API server, twice",
         )
-        await asyncio.sleep(2)
         assert (await allocation(engine, res.allocation_id)).state == "reserved"  # waiting, not failed
     finally:
         await asyncio.to_thread(control_plane.start_component, "kube-apiserver")
@@ -165,6 +165,3 @@ async def test_api_server_outage_loses_nothing(cluster, ledger, engine, start_bi
     row = await state_becomes(engine, res, "released", within=30)
     assert row.reason == "pod deleted"
 
-
-async def _positive(value: float) -> bool:
-    return value > 0

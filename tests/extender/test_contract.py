@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.extender.service import ExtenderService
 from shared.events.bus import EventBus
-from shared.events.catalogue import QuotaEvent, RefusedEvent, decode_event
+from shared.events.catalogue import QuotaEvent, RefusedEvent
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocation_parts, allocations, gpus
 from tests.extender.conftest import (
@@ -22,6 +20,7 @@ from tests.extender.conftest import (
     names_args,
     nodes_args,
 )
+from tests.waiting import eventually, stream_events
 
 
 async def settle(service: ExtenderService) -> None:
@@ -68,19 +67,13 @@ async def test_full_now_is_failed_nodes_and_a_refusal_is_published(
     assert (await client.post(f"{PREFIX}/filter", json=names_args(first, ["n1"]))).json()["NodeNames"] == ["n1"]
     assert (await client.post(f"{PREFIX}/bind", json=bind_args(first, "n1"))).json() == {"Error": ""}
 
-    refusals: list[RefusedEvent] = []
-
-    async def on(msg) -> None:  # type: ignore[no-untyped-def]
-        refusals.append(decode_event(msg.data))  # type: ignore[arg-type]
-
-    sub = await bus.nc.subscribe(f"{bus.names.prefix}.refused.>", cb=on)
     second = gpu_pod("second", 4)
     for _ in range(2):  # the second refusal of the same pod within 10 s is throttled
         body = (await client.post(f"{PREFIX}/filter", json=names_args(second, ["n1"]))).json()
         assert body["NodeNames"] == [] and "n1" in body["FailedNodes"]
         assert "GPU 0" in body["FailedNodes"]["n1"] and "2048 MiB" in body["FailedNodes"]["n1"]
-    await asyncio.sleep(0.5)
-    await sub.unsubscribe()
+    # filter returns once the stream has acknowledged its refusal: the stream holds all there is
+    refusals: list[RefusedEvent] = await stream_events(bus, "refused")
     assert len(refusals) == 1
     assert refusals[0].pod_uid == second["metadata"]["uid"] and "n1" in refusals[0].reasons
 
@@ -239,18 +232,15 @@ async def test_the_view_follows_ledger_events_without_a_resync(ledger: Ledger, s
     from shared.events.catalogue import AllocationPart
     from shared.ledger.reservations import ReservationRequest
 
-    async def eventually(check) -> None:  # type: ignore[no-untyped-def]
-        for _ in range(100):
-            if check():
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError("the view never caught up")
-
     await add_node(ledger, "late", [8])
-    await eventually(lambda: "late" in service.view.nodes)
+    await eventually(lambda: "late" in service.view.nodes, what="the view to learn the new node")
     part = AllocationPart(container="main", container_index=0, gpu_uuid="GPU-late-0", gpu_index=0, memory_mib=2048)
     res = await ledger.reserve(ReservationRequest("uid-x", "default", "x", "late", (part,)))
-    await eventually(lambda: service.view.nodes["late"].gpus[0].allocated_memory_mib == 2048)
+    await eventually(
+        lambda: service.view.nodes["late"].gpus[0].allocated_memory_mib == 2048, what="the view to count the share"
+    )
     await ledger.release(res.allocation_id, "uid-x", "late", "test")
-    await eventually(lambda: service.view.nodes["late"].gpus[0].allocated_memory_mib == 0)
+    await eventually(
+        lambda: service.view.nodes["late"].gpus[0].allocated_memory_mib == 0, what="the view to give the share back"
+    )
     assert "uid-x" not in service.view.allocations
