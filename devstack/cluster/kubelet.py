@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,19 @@ class AdmissionError(Exception):
         self.container = container
         self.call = call
         self.message = message
+
+
+def _random_gpu_devices(rng: random.Random, available: list[str], size: int) -> list[str]:
+    """`size` free gpu-mem devices of one GPU picked at random among those with enough free (or, for other
+    resources, any `size` free devices)."""
+    by_gpu: dict[str, list[str]] = {}
+    for d in available:
+        gpu, sep, _ = d.rpartition("-_-")
+        by_gpu.setdefault(gpu if sep else "", []).append(d)
+    roomy = sorted(g for g, ids in by_gpu.items() if len(ids) >= size)
+    if not roomy or "" in by_gpu:
+        return rng.sample(available, size)
+    return rng.sample(by_gpu[rng.choice(roomy)], size)
 
 
 @dataclass
@@ -94,6 +108,9 @@ class KubeletStandIn:
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
         self.dp_pb2, self.dp_grpc, self.pr_pb2, self.pr_grpc = _protos()
+        # set: ignore GetPreferredAllocation and take the devices of a GPU chosen at random (a kubelet, or a
+        # topology manager, that overrides the plugin's preference), to test that nothing depends on it
+        self.random_devices: random.Random | None = None
 
     # -- servers --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -283,6 +300,8 @@ class KubeletStandIn:
             raise AdmissionError(
                 container, "admission", f"{plugin.resource}: {need} requested, {len(available)} available"
             )
+        if self.random_devices is not None and not taken:
+            return _random_gpu_devices(self.random_devices, available, size)
         if plugin.options.get_preferred_allocation_available:
             reply = await plugin.stub.GetPreferredAllocation(
                 self.dp_pb2.PreferredAllocationRequest(
