@@ -12,27 +12,15 @@ from __future__ import annotations
 
 import asyncio
 
-import asyncpg
-
 from bench.common import BenchResult, Context
 from bench.cpu import CpuWindow
 from bench.scheduler_overhead import phase
+from devstack.embedded import sample_connections
 
 NAME = "scale"
 TITLE = "8. Node agents at scale: DB connections, CPU per GPU pod and GPU/plain ratio vs node count"
 
 
-async def _sample_connections(database_url: str, samples: list[int], stop: asyncio.Event) -> None:
-    conn = await asyncpg.connect(database_url)
-    try:
-        while not stop.is_set():
-            n = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            samples.append(int(n))
-            await asyncio.sleep(0.25)
-    finally:
-        await conn.close()
 
 
 async def one_size(ctx: Context, nodes: int, pods: int) -> dict[str, float]:
@@ -47,7 +35,7 @@ async def one_size(ctx: Context, nodes: int, pods: int) -> dict[str, float]:
             plain = await phase(api, 0, pods, 20, timeout)
         samples: list[int] = []
         stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample_connections(stack.database_url, samples, stop))
+        sampler = asyncio.create_task(sample_connections(stack.database_url, samples, stop))
         try:
             with CpuWindow(ctx.server_ports()) as gpu_cpu:
                 gpu = await phase(api, 1, pods, 20, timeout)

@@ -7,6 +7,7 @@ their data across restarts of `gpushare up`.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -235,3 +236,22 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "postgres-start":
         raise SystemExit("usage: python -m devstack.embedded postgres-start DATA_DIR")
     raise SystemExit(_postgres_start_helper(sys.argv[2]))
+
+
+async def sample_connections(
+    database_url: str, samples: list[int], stop: asyncio.Event, *, interval: float = 0.25
+) -> None:
+    """Append the database's connection count (other than this sampler's) to `samples` every `interval` seconds
+    until `stop` is set: how many connections the product holds under load."""
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        while not stop.is_set():
+            count = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            samples.append(int(count))
+            await asyncio.sleep(interval)
+    finally:
+        await conn.close()

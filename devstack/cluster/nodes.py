@@ -18,6 +18,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from devstack.cluster.waits import cancelled
 from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
 
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
@@ -197,11 +198,8 @@ class NodeHeartbeat:
 
     async def stop(self) -> None:
         """Stop the background task."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancelled(task)
 
     async def __aenter__(self) -> NodeHeartbeat:
         return self.start()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
@@ -57,3 +58,11 @@ async def wait_for_pods_bound(
         return done if len(done) >= count else None
 
     return await poll(bound, timeout_s, what=f"{count} pods ({label_selector}) in {namespace} to be bound")
+
+
+async def cancelled(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task and wait until it has stopped (None: nothing to do)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -11,13 +11,13 @@ environment runs. Each container's environment is kept for `container_env`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
+from devstack.cluster.waits import cancelled
 from shared.annotations import RESOURCES
 from shared.kube.pods import list_pods
 
@@ -72,11 +72,8 @@ class NodeKubelet:
 
     async def pause(self) -> None:
         """Stop admitting pods (the sockets stay up, so device plugins stay registered)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancelled(task)
 
     async def stop(self) -> None:
         """Stop watching and stop the stand-in's servers."""
@@ -180,11 +177,8 @@ class SharedAdmission:
 
     async def stop(self) -> None:
         """Stop admitting pods."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancelled(task)
 
     async def _loop(self) -> None:
         while True:

@@ -114,18 +114,20 @@ async def active_node(engine: AsyncEngine, name: str) -> bool:
     return row is not None
 
 
+async def _part_rows(conn: Any, allocation_id: uuid.UUID) -> list[Any]:
+    """The `allocation_parts` rows of one allocation, in container order."""
+    query = (
+        select(allocation_parts)
+        .where(allocation_parts.c.allocation_id == allocation_id)
+        .order_by(allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index)
+    )
+    return list((await conn.execute(query)).all())
+
+
 async def reservation_parts(engine: AsyncEngine, allocation_id: uuid.UUID) -> list[AllocationPart]:
     """The parts of one allocation, in container order."""
     async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                select(allocation_parts)
-                .where(allocation_parts.c.allocation_id == allocation_id)
-                .order_by(
-                    allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index
-                )
-            )
-        ).all()
+        rows = await _part_rows(conn, allocation_id)
     return [part_from_row(r) for r in rows]
 
 
@@ -151,15 +153,7 @@ async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord
         row = (await conn.execute(select(allocations).where(allocations.c.id == allocation_id))).first()
         if row is None:
             return None
-        rows = (
-            await conn.execute(
-                select(allocation_parts)
-                .where(allocation_parts.c.allocation_id == allocation_id)
-                .order_by(
-                    allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index
-                )
-            )
-        ).all()
+        rows = await _part_rows(conn, allocation_id)
         uuids = sorted({r.gpu_uuid for r in rows})
         memory = (await conn.execute(select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid.in_(uuids)))).all()
     return PodRecord(

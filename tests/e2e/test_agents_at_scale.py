@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-import asyncpg
 import pytest
 from kubernetes_asyncio import client
 
+from devstack.embedded import sample_connections
 from tests.e2e import helpers as h
 from tests.reliability.profile import PROFILE
 
@@ -28,18 +28,6 @@ CONNECTION_CAP = 6 + 5 + 3  # extender + binder + accounting pools (docs/archite
 DB_ERROR_MARKERS = ("dbapierror", "asyncpg", "too many clients", "sqlalchemy", "operationalerror")
 
 
-async def _connections(database_url: str, samples: list[int], stop: asyncio.Event) -> None:
-    """Sample the database's connections (other than this sampler) until `stop`."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        while not stop.is_set():
-            n = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            samples.append(int(n))
-            await asyncio.sleep(0.25)
-    finally:
-        await conn.close()
 
 
 async def test_a_burst_over_many_agents(stack, api, namespace) -> None:
@@ -47,7 +35,7 @@ async def test_a_burst_over_many_agents(stack, api, namespace) -> None:
     names = [f"scale-{i:04d}" for i in range(pods)]
     samples: list[int] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(_connections(stack.database_url, samples, stop))
+    sampler = asyncio.create_task(sample_connections(stack.database_url, samples, stop))
     gate = asyncio.Semaphore(IN_FLIGHT)
 
     async def create(i: int, name: str) -> None:
