@@ -11,6 +11,7 @@ and binding are what is measured). Connections are sampled from pg_stat_activity
 from __future__ import annotations
 
 import asyncio
+import os
 
 from bench.common import BenchResult, Context
 from bench.cpu import CpuWindow
@@ -58,7 +59,8 @@ async def one_size(ctx: Context, nodes: int, pods: int) -> dict[str, float]:
 
 async def run(ctx: Context) -> BenchResult:
     """Each node count in turn."""
-    sizes = ctx.pick([10, 20], [50, 200], [50, 200, 500])
+    override = os.environ.get("GPUSHARE_BENCH_SCALE_NODES", "")  # e.g. "500": one size only
+    sizes = [int(n) for n in override.split(",") if n.strip()] or ctx.pick([10, 20], [50, 200], [50, 200, 500])
     pods = ctx.pick(40, 300, 600)
     result = BenchResult(NAME, TITLE, ctx.profile, params={"nodes": sizes, "pods": pods, "gpus": "8x16GiB"})
     for nodes in sizes:
@@ -70,6 +72,8 @@ async def run(ctx: Context) -> BenchResult:
             result.notes.append(f"{nodes} nodes: only {figures['bound']} of {pods} pods bound in time")
     first, last = sizes[0], sizes[-1]
     m = result.metrics
+    if first == last:
+        return result
     m["connections_growth"] = m[f"n{last}_db_connections_max"] - m[f"n{first}_db_connections_max"]
     m["gpu_cpu_ms_per_pod_growth_pct"] = round(
         100 * (m[f"n{last}_gpu_cpu_ms_per_pod_total"] / m[f"n{first}_gpu_cpu_ms_per_pod_total"] - 1), 1
