@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.bus import BusNames, EventBus
+from shared.events.streams import StreamLimits
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
@@ -82,6 +83,7 @@ class ServiceRuntime:
             self.names,
             name=f"gpushare-{self.name}",
             replicas=self.settings.stream_replicas,
+            limits=StreamLimits.from_settings(self.settings),
         )
         if self.database:
             size = self.settings.db_pool_size or self.pool_size

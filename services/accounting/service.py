@@ -11,7 +11,7 @@ from shared.settings import Settings
 from .api import create_app
 from .metrics import AccountingMetrics
 from .projections import Projector
-from .tables import CONSUMER
+from .tables import CONSUMER, SAMPLES_CONSUMER
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +19,9 @@ BATCH = 256
 LINGER_S = 0.25
 
 
-def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableConsumer:
-    """The durable "accounting" consumer of every event, applying them to the projections."""
+def build_consumers(rt: ServiceRuntime, metrics: AccountingMetrics) -> list[DurableConsumer]:
+    """The durable consumers "accounting" (every event of the ledger stream) and "accounting-samples" (usage
+    and refusals from the samples stream), applying them to the projections."""
     assert rt.engine is not None and rt.bus is not None
     projector = Projector(rt.engine, on_latency=metrics.observe_latency)
 
@@ -33,7 +34,12 @@ def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableCon
 
     # one transaction for whatever arrived within LINGER_S (up to BATCH events): a burst, or a backlog being
     # replayed, costs a commit per batch instead of one per event; the read models lag by at most LINGER_S
-    return DurableConsumer(rt.bus, CONSUMER, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S)
+    return [
+        DurableConsumer(
+            rt.bus, durable, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S, stream=stream
+        )
+        for durable, stream in ((CONSUMER, rt.bus.names.stream), (SAMPLES_CONSUMER, rt.bus.names.samples_stream))
+    ]
 
 
 async def serve(settings: Settings, *, host: str, port: int) -> None:
@@ -41,7 +47,14 @@ async def serve(settings: Settings, *, host: str, port: int) -> None:
     async with ServiceRuntime("accounting", settings) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
-        consumer = build_consumer(rt, metrics)
-        rt.spawn(consumer.run(rt.stop))
-        app = create_app(rt.engine, settings, ledger=rt.ledger, metrics=metrics, ready=consumer.ready.is_set)
+        consumers = build_consumers(rt, metrics)
+        for consumer in consumers:
+            rt.spawn(consumer.run(rt.stop))
+        app = create_app(
+            rt.engine,
+            settings,
+            ledger=rt.ledger,
+            metrics=metrics,
+            ready=lambda: all(c.ready.is_set() for c in consumers),
+        )
         await rt.serve(app, host=host, port=port)

@@ -16,7 +16,8 @@ from shared.ledger.models import NAMING_CONVENTION
 # Kept apart from the ledger's metadata: these tables belong to accounting alone.
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
-CONSUMER = "accounting"
+CONSUMER = "accounting"  # the durable consumer of the ledger stream (and the name of both consumers' claims)
+SAMPLES_CONSUMER = "accounting-samples"  # the durable consumer of the samples stream
 
 # One row per life-cycle step of an allocation: reserved, bound, assigned, exchanged, released, failed.
 timeline = Table(

@@ -47,8 +47,10 @@ class DurableConsumer:
         concurrency: int = 1,
         batch_handler: BatchHandler | None = None,
         linger_s: float = 0.0,
+        stream: str | None = None,
     ) -> None:
         self.bus = bus
+        self.stream = stream or bus.names.stream  # the ledger stream unless told (the samples stream, say)
         self.durable = durable
         self.handler = handler
         self.kinds = frozenset(kinds) if kinds else None
@@ -89,7 +91,7 @@ class DurableConsumer:
             filter_subjects=several,
         )
         return await self.bus.js.pull_subscribe(
-            self._filter_subject(), durable=self.durable, stream=self.bus.names.stream, config=config
+            self._filter_subject(), durable=self.durable, stream=self.stream, config=config
         )
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -281,7 +283,7 @@ class DurableConsumer:
                 f"{names.parked_prefix}.{self.durable}",
                 msg.data,
                 headers={
-                    "Nats-Msg-Id": f"{self.durable}-{seq}",
+                    "Nats-Msg-Id": f"{self.stream}-{self.durable}-{seq}",
                     "Gpushare-Parked-Reason": reason[:1000],
                     "Gpushare-Original-Subject": msg.subject,
                 },
