@@ -1,4 +1,5 @@
-"""The accounting process: projection consumer + REST API + dashboard + metrics."""
+"""The accounting process: projection consumers + REST API + dashboard + metrics + housekeeping (ledger snapshots,
+pruning)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from shared.runtime import ServiceRuntime
 from shared.settings import Settings
 
 from .api import create_app
+from .housekeeping import Housekeeper, Retention
 from .metrics import AccountingMetrics
 from .projections import Projector
 from .tables import CONSUMER, SAMPLES_CONSUMER
@@ -50,6 +52,17 @@ async def serve(settings: Settings, *, host: str, port: int) -> None:
         consumers = build_consumers(rt, metrics)
         for consumer in consumers:
             rt.spawn(consumer.run(rt.stop))
+        housekeeper = Housekeeper(
+            rt.engine,
+            rt.bus,
+            Retention.from_settings(settings),
+            snapshot_interval_s=settings.snapshot_interval,
+            snapshot_keep=settings.snapshot_keep,
+            on_pruned=lambda table, rows: metrics.pruned_rows.labels(table=table).inc(rows),
+            on_snapshot=lambda result: metrics.observe_snapshot(result.sequence, result.trimmed),
+            on_failure=lambda task: metrics.housekeeping_failures.labels(task=task).inc(),
+        )
+        rt.spawn(housekeeper.run(rt.stop))
         app = create_app(
             rt.engine,
             settings,

@@ -68,6 +68,7 @@ usage_samples = Table(
     Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
     Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
     Index("ix_usage_samples_event_id", "event_id"),
+    Index("ix_usage_samples_ts", "ts"),  # old samples are thinned, then deleted (housekeeping)
 )
 
 PROJECTION_TABLES = (timeline, pending, usage_samples)  # what `gpushare ledger rebuild` refills
