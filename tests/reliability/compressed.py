@@ -25,6 +25,7 @@ from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
     Event,
+    ExchangedEvent,
     GpuInfo,
     HealthEvent,
     InventoryEvent,
@@ -99,9 +100,12 @@ class Cluster:
             ]
             await self.record(InventoryEvent(node=f"node-{n}", gpus=gpus, occurred_at=self.clock()))
 
-    async def place(self) -> ReservedEvent | None:
-        """Reserve, bind and assign a 1-4 GiB pod on a random GPU (None when it does not fit)."""
-        n, i = self.rng.randrange(self.nodes), self.rng.randrange(self.gpus_per_node)
+    async def place(
+        self, node: int | None = None, gpu: int | None = None, gib: int | None = None
+    ) -> ReservedEvent | None:
+        """Reserve, bind and assign a pod (1-4 GiB on a random GPU unless told) (None when it does not fit)."""
+        n = self.rng.randrange(self.nodes) if node is None else node
+        i = self.rng.randrange(self.gpus_per_node) if gpu is None else gpu
         a_id = uuid.UUID(int=self.rng.getrandbits(128))  # ids from the seed: the same run every time
         pod = f"pod-{a_id.hex[:8]}"
         part = AllocationPart(
@@ -109,7 +113,7 @@ class Cluster:
             container_index=0,
             gpu_uuid=self.gpu(n, i),
             gpu_index=i,
-            memory_mib=self.rng.choice([1, 2, 4]) * GIB,
+            memory_mib=(gib or self.rng.choice([1, 2, 4])) * GIB,
         )
         reserved = ReservedEvent(
             allocation_id=a_id,
@@ -148,11 +152,26 @@ class Cluster:
         self.live[a_id] = reserved
         return reserved
 
-    async def end(self) -> None:
-        """Release a random live pod."""
+    async def exchange(self, first: ReservedEvent, second: ReservedEvent) -> ExchangedEvent:
+        """Swap two live pods' equal shares on one node (the node agent's correction); returns the staged event."""
+        ask = ExchangedEvent(
+            node=first.node,
+            first_allocation_id=first.allocation_id,
+            first_container="main",
+            second_allocation_id=second.allocation_id,
+            second_container="main",
+            occurred_at=self.clock(),
+        )
+        staged = await self.record(ask)
+        assert isinstance(staged, ExchangedEvent) and staged.moves
+        self.published[-1] = staged
+        return staged
+
+    async def end(self, allocation_id: uuid.UUID | None = None) -> None:
+        """Release a live pod (a random one unless told)."""
         if not self.live:
             return
-        a_id = self.rng.choice(sorted(self.live))
+        a_id = self.rng.choice(sorted(self.live)) if allocation_id is None else allocation_id
         r = self.live.pop(a_id)
         await self.record(
             ReleasedEvent(
