@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.events.bus import EventBus
 from shared.events.consumer import DurableConsumer
 from shared.runtime import ServiceRuntime
 from shared.settings import Settings
@@ -21,11 +24,10 @@ BATCH = 256
 LINGER_S = 0.25
 
 
-def build_consumers(rt: ServiceRuntime, metrics: AccountingMetrics) -> list[DurableConsumer]:
+def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetrics) -> list[DurableConsumer]:
     """The durable consumers "accounting" (every event of the ledger stream) and "accounting-samples" (usage
     and refusals from the samples stream), applying them to the projections."""
-    assert rt.engine is not None and rt.bus is not None
-    projector = Projector(rt.engine, on_latency=metrics.observe_latency)
+    projector = Projector(engine, on_latency=metrics.observe_latency)
 
     async def handle(event):  # type: ignore[no-untyped-def]
         if await projector.handle(event):
@@ -37,10 +39,8 @@ def build_consumers(rt: ServiceRuntime, metrics: AccountingMetrics) -> list[Dura
     # one transaction for whatever arrived within LINGER_S (up to BATCH events): a burst, or a backlog being
     # replayed, costs a commit per batch instead of one per event; the read models lag by at most LINGER_S
     return [
-        DurableConsumer(
-            rt.bus, durable, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S, stream=stream
-        )
-        for durable, stream in ((CONSUMER, rt.bus.names.stream), (SAMPLES_CONSUMER, rt.bus.names.samples_stream))
+        DurableConsumer(bus, durable, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S, stream=stream)
+        for durable, stream in ((CONSUMER, bus.names.stream), (SAMPLES_CONSUMER, bus.names.samples_stream))
     ]
 
 
@@ -49,7 +49,8 @@ async def serve(settings: Settings, *, host: str, port: int) -> None:
     async with ServiceRuntime("accounting", settings) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
-        consumers = build_consumers(rt, metrics)
+        assert rt.bus is not None
+        consumers = build_consumers(rt.engine, rt.bus, metrics)
         for consumer in consumers:
             rt.spawn(consumer.run(rt.stop))
         housekeeper = Housekeeper(
