@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.bus import EventBus
 from shared.events.consumer import DurableConsumer
-from shared.runtime import ServiceRuntime
+from shared.runtime import Listen, ServiceRuntime
 from shared.settings import Settings
 
 from .api import create_app
@@ -46,7 +46,7 @@ def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetri
 
 async def serve(settings: Settings, *, host: str, port: int) -> None:
     """Run until SIGTERM / SIGINT."""
-    async with ServiceRuntime("accounting", settings) as rt:
+    async with ServiceRuntime("accounting", settings, listen=Listen(host, port)) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
         assert rt.bus is not None
@@ -71,4 +71,4 @@ async def serve(settings: Settings, *, host: str, port: int) -> None:
             metrics=metrics,
             ready=lambda: all(c.ready.is_set() for c in consumers),
         )
-        await rt.serve(app, host=host, port=port)
+        await rt.serve(app)

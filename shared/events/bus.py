@@ -80,30 +80,39 @@ class EventBus:
         replicas: int = 1,
         limits: StreamLimits | None = None,
     ) -> EventBus:
-        """Connect (reconnecting forever on loss) and make sure the streams exist (with `replicas`
+        """Connect (one attempt: a server that is away raises at once; once connected, reconnecting forever on
+        loss) and make sure the streams exist (with `replicas`
         copies each when created here; a 3-server NATS cluster wants 3). `limits` are applied to the streams
         when given (a process without its own settings creates missing streams with the defaults and leaves
         existing limits alone)."""
 
+        connected = False
+
         async def _disconnected() -> None:
-            log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
+            if connected:
+                log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
 
         async def _reconnected() -> None:
             log.info("reconnected to NATS", extra={"nats_url": url})
 
         async def _error(exc: Exception) -> None:
-            log.warning("NATS client error: %s", exc)
+            if connected:  # a failed first attempt is the caller's to report (once)
+                log.warning("NATS client error: %s", exc)
 
+        # the first connection gets two tries (the caller decides whether and when to try again); once it is up,
+        # a lost connection is re-established for ever
         nc = await nats.connect(
             url,
             name=name,
-            max_reconnect_attempts=-1,
+            max_reconnect_attempts=1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
         )
+        nc.options["max_reconnect_attempts"] = -1
+        connected = True
         bus = cls(nc, names or BusNames(), replicas=replicas)
         try:
             await bus.ensure_streams(limits)

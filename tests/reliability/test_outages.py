@@ -1,19 +1,24 @@
-"""Outages do not lose data: accounting's consumers wait out a PostgreSQL outage (stopped for good, then
-started again) instead of parking the events that arrive meanwhile."""
+"""Outages neither lose data nor kill services: accounting's consumers wait out a PostgreSQL outage instead of
+parking the events that arrive meanwhile, and every service started before PostgreSQL and NATS waits for them
+(alive, not ready, one log line per attempt) instead of crash-looping."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
+from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 
+from devstack.cluster.kubelet import KubeletStandIn
+from devstack.embedded import EmbeddedNats, free_port
 from services.accounting.metrics import AccountingMetrics
 from services.accounting.service import build_consumers
 from services.accounting.tables import pending, timeline, usage_samples
-from shared.events.bus import EventBus
+from shared.events.bus import BusNames, EventBus
 from shared.events.catalogue import (
     AllocationPart,
     RefusedEvent,
@@ -24,6 +29,7 @@ from shared.events.catalogue import (
 from shared.ledger.db import make_engine
 from tests.waiting import eventually
 
+from .harness import ServiceProcess
 from .late_servers import private_postgres
 
 OUTAGE_S = 12.0  # longer than the 7.5 s after which an event used to be parked
@@ -92,3 +98,108 @@ async def _equal(fetch, expected: tuple[int, int, int]) -> bool:  # type: ignore
         return await fetch() == expected
     except Exception:  # the database may still be starting
         return False
+
+
+def _kubeconfig(path: Path) -> Path:
+    """A kubeconfig for an API server nobody runs (the binder starts; its watches wait for it)."""
+    server = f"https://127.0.0.1:{free_port()}"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: nowhere\n"
+        f"clusters: [{{name: nowhere, cluster: {{server: '{server}', insecure-skip-tls-verify: true}}}}]\n"
+        "users: [{name: nobody, user: {token: none}}]\n"
+        "contexts: [{name: nowhere, context: {cluster: nowhere, user: nobody}}]\n"
+    )
+    return path
+
+
+async def _status(service: ServiceProcess, path: str) -> int | None:
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+            return (await client.get(service.base_url + path)).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _waits(service: ServiceProcess, what: str) -> int:
+    return service.log_tail(10**7).count(f"waiting for {what}")
+
+
+async def test_every_service_waits_for_late_servers_serving_healthz_and_never_crash_loops(
+    tmp_path: Path, bus_names: BusNames
+) -> None:
+    async with private_postgres() as pg:
+        await pg.stop()  # PostgreSQL and NATS both start after the services
+        nats = EmbeddedNats(tmp_path / "nats", port=free_port())
+        kubelet = KubeletStandIn(tmp_path / "dp", tmp_path / "pr.sock")
+        await kubelet.start()
+        env = {
+            "GPUSHARE_DATABASE_URL": pg.url,
+            "GPUSHARE_NATS_URL": nats.url,
+            "GPUSHARE_STREAM_NAME": bus_names.stream,
+            "GPUSHARE_SUBJECT_PREFIX": bus_names.prefix,
+            "GPUSHARE_LOG_FORMAT": "text",
+            "HOME": str(tmp_path),  # no ~/.kube/config
+            "KUBECONFIG": "",
+        }
+        logs = tmp_path / "logs"
+        node_agent_args = ["--node", "late-node", "--fake-gpus", "1x16GiB:Tesla-T4"]
+        node_agent_args += ["--device-plugin-dir", str(tmp_path / "dp"), "--pod-resources-socket"]
+        services = [
+            ServiceProcess("extender", ["extender", "--host", "127.0.0.1"], env, logs),
+            ServiceProcess("binder", ["binder", "--kubeconfig", str(_kubeconfig(tmp_path / "kc"))], env, logs),
+            ServiceProcess("accounting", ["accounting", "--host", "127.0.0.1"], env, logs),
+            ServiceProcess(
+                "node-agent",
+                ["node-agent", *node_agent_args, str(tmp_path / "pr.sock")],
+                env,
+                logs,
+                port_flag="--metrics-port",
+            ),
+        ]
+        try:
+            for service in services:
+                service.start()
+
+            async def alive_not_ready() -> bool:
+                for s in services:
+                    assert s.proc is not None and s.proc.poll() is None, f"{s.name} exited:\n{s.log_tail()}"
+                return all(
+                    [await _status(s, "/healthz") == 200 and await _status(s, "/readyz") == 503 for s in services]
+                )
+
+            await eventually(alive_not_ready, what="every service alive and not ready", within=90, interval=0.5)
+            # a few backoff rounds: one line per attempt, the interval doubling (0.5, 1, 2, 4 s ...)
+            await eventually(lambda: all(_waits(s, "NATS") >= 4 for s in services), what="four attempts", within=60)
+            assert await alive_not_ready()
+            for s in services:
+                assert _waits(s, "NATS") <= 7, f"{s.name} logs more than one line per attempt:\n{s.log_tail()}"
+                assert "NATS client error" not in s.log_tail(10**7)
+
+            await asyncio.to_thread(nats.start)
+            with_database = services[:3]
+            await eventually(
+                lambda: all(_waits(s, "PostgreSQL") >= 2 for s in with_database),
+                what="the wait for PostgreSQL",
+                within=60,
+            )
+            assert await alive_not_ready(), (
+                "connected to NATS, still waiting for PostgreSQL (or, the node agent, the binder)"
+            )
+            await pg.start()
+
+            async def ready(s: ServiceProcess) -> bool:
+                return await _status(s, "/readyz") == 200
+
+            for s in (services[0], services[2], services[3]):  # the binder has no API server: alive, not ready
+                await eventually(lambda s=s: ready(s), what=f"{s.name} ready", within=90, interval=0.5)
+            assert await _status(services[1], "/healthz") == 200
+            assert "binder started" in services[1].log_tail(10**7)
+            for s in services:
+                assert s.proc is not None and s.proc.poll() is None and s.starts == 1
+        finally:
+            codes = {s.name: s.stop() for s in services}
+            await kubelet.stop()
+            await asyncio.to_thread(nats.stop)
+        for s in services:
+            assert "Traceback" not in s.log_tail(10**7), f"{s.name}:\n{s.log_tail()}"
+        assert codes == {s.name: 0 for s in services}
