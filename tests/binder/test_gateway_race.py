@@ -6,15 +6,10 @@ holds or is refused for capacity, the GPU never holds more than its capacity, an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.binder.gateway import LedgerGateway
-from services.binder.metrics import BinderMetrics
 from services.node_agent.ledger_link import LedgerLink
 from shared.events.bus import EventBus
 from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent
@@ -22,6 +17,9 @@ from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.replay import differences, load_state, replay_state, wait_for_quiet
 from shared.ledger.reservations import InsufficientCapacity, Reservation, ReservationRequest
+from tests.node_agent import conftest as node_agent_fixtures
+
+gateway = node_agent_fixtures.gateway  # the binder's gateway answering over NATS, with an outbox relay
 
 NODE = "shrinking"
 GIB = 1024
@@ -42,28 +40,10 @@ def _request() -> ReservationRequest:
     return ReservationRequest(pod_uid=uid, namespace="ns", pod_name=uid[:8], node=NODE, parts=(part,))
 
 
-@pytest.fixture
-async def served(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Ledger, LedgerLink]]:
-    """The gateway answering over NATS, a relay, and a node agent's link to it."""
-    stop = asyncio.Event()
-    relay = OutboxRelay(engine, bus, poll_s=0.05)
-    ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
-    gateway = LedgerGateway(ledger, bus, metrics=BinderMetrics())
-    tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(gateway.run(stop))]
-    await asyncio.wait_for(gateway.ready.wait(), 10)
-    try:
-        yield ledger, LedgerLink(bus, NODE)
-    finally:
-        stop.set()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(task, 5)
-
-
 async def test_inventory_shrinks_racing_reservations_are_applied_safely(
-    served: tuple[Ledger, LedgerLink], engine: AsyncEngine, bus: EventBus
+    gateway: tuple[Ledger, OutboxRelay], engine: AsyncEngine, bus: EventBus
 ) -> None:
-    ledger, link = served
+    ledger, link = gateway[0], LedgerLink(bus, NODE)  # the gateway answers over NATS, as for a node agent
     for round_ in range(ROUNDS):
         # back to a healthy 16 GiB GPU 0 with nothing on it
         async with engine.connect() as conn:

@@ -257,8 +257,13 @@ async def compressed_cluster(
     try:
         yield Cluster(engine, bus, ledger, relay, clock, housekeeper, consumers, random.Random(seed))
     finally:
-        stop.set()
-        await asyncio.wait(tasks, timeout=5)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(stop, tasks)
+
+
+async def stop_tasks(stop: asyncio.Event, tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) -> None:
+    """Set `stop`, give the tasks `timeout_s` to finish (consumers end their fetch), then cancel the rest."""
+    stop.set()
+    await asyncio.wait(tasks, timeout=timeout_s)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

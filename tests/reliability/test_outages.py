@@ -29,6 +29,7 @@ from shared.events.catalogue import (
 from shared.ledger.db import make_engine
 from tests.waiting import eventually
 
+from .compressed import stop_tasks
 from .harness import ServiceProcess
 from .late_servers import private_postgres
 
@@ -85,11 +86,7 @@ async def test_accounting_waits_out_a_database_outage_and_parks_nothing(
             assert 0 < len(waits) <= 2 * 8
             assert all(c.outage_retries for c in consumers)
         finally:
-            stop.set()
-            await asyncio.wait(tasks, timeout=15)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(stop, tasks, 15)
             await engine.dispose()
 
 
