@@ -18,6 +18,7 @@ from shared.ledger.outbox import OutboxRelay
 from shared.ledger.replay import differences, load_state, replay_state, wait_for_quiet
 from shared.ledger.reservations import InsufficientCapacity, Reservation, ReservationRequest
 from tests.node_agent import conftest as node_agent_fixtures
+from tests.reliability.test_crash import _record
 
 gateway = node_agent_fixtures.gateway  # the binder's gateway answering over NATS, with an outbox relay
 
@@ -44,6 +45,7 @@ async def test_inventory_shrinks_racing_reservations_are_applied_safely(
     gateway: tuple[Ledger, OutboxRelay], engine: AsyncEngine, bus: EventBus
 ) -> None:
     ledger, link = gateway[0], LedgerLink(bus, NODE)  # the gateway answers over NATS, as for a node agent
+    outcomes = {"reserved": 0, "refused": 0, "old_capacity_kept": 0}
     for round_ in range(ROUNDS):
         # back to a healthy 16 GiB GPU 0 with nothing on it
         async with engine.connect() as conn:
@@ -67,12 +69,15 @@ async def test_inventory_shrinks_racing_reservations_are_applied_safely(
         reply = results[RESERVATIONS // 2]
         assert reply.ok, f"round {round_}: the inventory was refused: {reply.error}"
         assert all(isinstance(r, Reservation | InsufficientCapacity) for r in results if r is not reply)
+        outcomes["reserved"] += sum(isinstance(r, Reservation) for r in results)
+        outcomes["refused"] += sum(isinstance(r, InsufficientCapacity) for r in results)
         async with engine.connect() as conn:
             state = await load_state(conn)
         gpu = state.gpus["G0"]
         assert gpu.allocated_memory_mib <= gpu.memory_mib
         if shrink.gpus[-1].uuid == "G0" and gpu.allocated_memory_mib > 8 * GIB:
             # reservations won the race: the old capacity stays and the GPU is unhealthy
+            outcomes["old_capacity_kept"] += 1
             assert (gpu.memory_mib, gpu.healthy) == (16 * GIB, False)
             assert gpu.health_reason == "reported memory below allocated memory"
     await wait_for_quiet(engine)
@@ -80,3 +85,4 @@ async def test_inventory_shrinks_racing_reservations_are_applied_safely(
         live_state = await load_state(conn)
     replayed, _ = await replay_state(bus)
     assert differences(live_state, replayed) == []
+    _record("inventory-shrink-race", rounds=ROUNDS, reservations=ROUNDS * RESERVATIONS, **outcomes)

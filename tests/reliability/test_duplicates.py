@@ -34,6 +34,7 @@ from shared.ledger.replay import differences, load_state, read_events
 from shared.ledger.rules import is_live
 from shared.ledger.snapshots import SnapshotStore, replay_tail, take_snapshot
 from shared.ledger.state import LedgerState
+from tests.reliability.test_crash import _record
 
 from .compressed import GIB, Cluster, compressed_cluster
 
@@ -140,6 +141,15 @@ async def test_copies_hours_apart_are_applied_once_by_replay_and_every_consumer(
         for node, agent in agents.items():
             held = {u: m for u, m in allocated_by_gpu(agent.containers()).items() if m}
             assert held == {u: m for u, m in ledger_gpus.items() if m and live.gpus[u].node == node}
+    _record(
+        "duplicates",
+        copies=len(copies),
+        kinds=sorted({e.kind for e in copies}),
+        stream_events=len(all_events),
+        skipped_from_snapshot=from_snapshot.duplicates,
+        skipped_from_start=from_start.duplicates,
+        usage_rows=usage_rows,
+    )
 
 
 async def _live(engine: AsyncEngine) -> LedgerState:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from shared.events.catalogue import (
     UsageSample,
 )
 from shared.ledger.db import make_engine
+from tests.reliability.test_crash import _record
 from tests.waiting import eventually
 
 from .compressed import stop_tasks
@@ -77,14 +79,25 @@ async def test_accounting_waits_out_a_database_outage_and_parks_nothing(
             await asyncio.sleep(OUTAGE_S)  # the outage lasts this long (the fault, not a wait for a result)
             assert [c.parked for c in consumers] == [0, 0], "an outage parks nothing"
             await pg.start()
+            restarted = time.monotonic()
 
             await eventually(lambda: _equal(rows, (4, 3, 1)), what="every event applied", within=60)
+            caught_up_s = time.monotonic() - restarted
             assert [c.parked for c in consumers] == [0, 0]
             assert (await bus.js.stream_info(bus.names.parked_stream)).state.messages == 0
             waits = [r for r in caplog.records if "waits for the database or the bus" in r.getMessage()]
             # one line per attempt (capped backoff, 0.5 s doubling up to 10 s), not one per try of anything else
             assert 0 < len(waits) <= 2 * 8
             assert all(c.outage_retries for c in consumers)
+            _record(
+                "database-outage-accounting",
+                outage_s=OUTAGE_S,
+                events_during=len(during),
+                retries=[c.outage_retries for c in consumers],
+                log_lines=len(waits),
+                parked=[c.parked for c in consumers],
+                caught_up_s=round(caught_up_s, 2),
+            )
         finally:
             await stop_tasks(stop, tasks, 15)
             await engine.dispose()
@@ -183,12 +196,15 @@ async def test_every_service_waits_for_late_servers_serving_healthz_and_never_cr
                 "connected to NATS, still waiting for PostgreSQL (or, the node agent, the binder)"
             )
             await pg.start()
+            started = time.monotonic()
 
             async def ready(s: ServiceProcess) -> bool:
                 return await _status(s, "/readyz") == 200
 
+            ready_after = {}
             for s in (services[0], services[2], services[3]):  # the binder has no API server: alive, not ready
                 await eventually(lambda s=s: ready(s), what=f"{s.name} ready", within=90, interval=0.5)
+                ready_after[s.name] = round(time.monotonic() - started, 1)
             assert await _status(services[1], "/healthz") == 200
             assert "binder started" in services[1].log_tail(10**7)
             for s in services:
@@ -200,3 +216,10 @@ async def test_every_service_waits_for_late_servers_serving_healthz_and_never_cr
         for s in services:
             assert "Traceback" not in s.log_tail(10**7), f"{s.name}:\n{s.log_tail()}"
         assert codes == {s.name: 0 for s in services}
+        _record(
+            "startup-late-servers",
+            nats_waits={s.name: _waits(s, "NATS") for s in services},
+            postgres_waits={s.name: _waits(s, "PostgreSQL") for s in services},
+            ready_after_postgres_s=ready_after,
+            exit_codes=codes,
+        )
