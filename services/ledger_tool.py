@@ -8,7 +8,6 @@ import sys
 import time
 
 from shared.events.bus import BusNames, EventBus
-from shared.events.streams import StreamLimits
 from shared.ledger.db import make_engine
 from shared.ledger.replay import differences, load_state, write_state
 from shared.ledger.snapshots import SnapshotStore, StreamGap, replay_tail, snapshot_from_database, take_snapshot
@@ -40,12 +39,13 @@ def _progress(label: str):  # type: ignore[no-untyped-def]
 
 
 async def _connect(settings: Settings, name: str) -> EventBus:
+    """The bus; stream limits are left as the services set them (a tool run from a workstation without the
+    services' settings must not change them)."""
     return await EventBus.connect(
         settings.require_nats_url(),
         BusNames(settings.stream_name, settings.subject_prefix),
         name=name,
         replicas=settings.stream_replicas,
-        limits=StreamLimits.from_settings(settings),
     )
 
 

@@ -33,6 +33,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
+from shared.events.streams import LEDGER_KINDS
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
@@ -470,11 +471,12 @@ class ClusterView:
         """Apply one ledger event to the view, once per event id: a copy the outbox relay republished after
         the stream's dedup window (an old inventory, a reservation after its release) would undo what later
         events did until the next reload. Past the ids remembered, the reload every `--resync` seconds repairs."""
-        event_id = getattr(event, "event_id", None)
-        if event_id is not None:
-            if event_id in self._applied:
-                return
-            _remember(self._applied, event_id, _APPLIED_KEPT)
+        if getattr(event, "kind", None) not in LEDGER_KINDS:  # usage and refusals: nothing here, nothing to remember
+            return
+        event_id = event.event_id  # type: ignore[attr-defined]
+        if event_id in self._applied:
+            return
+        _remember(self._applied, event_id, _APPLIED_KEPT)
         match event:
             case ReservedEvent():
                 if event.allocation_id in self._ended:  # a copy republished after the allocation ended

@@ -15,6 +15,7 @@ removed events no snapshot covered) stops with `StreamGap` instead of producing 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -77,7 +78,8 @@ class SnapshotStore:
         for name in reversed(await self.names()):
             assert store is not None
             try:
-                snapshot = decode_snapshot((await store.get(name)).data or b"")
+                data = (await store.get(name)).data or b""
+                snapshot = await asyncio.to_thread(decode_snapshot, data)  # seconds for a large ledger
             except (SnapshotError, NotFoundError) as exc:
                 log.error("ledger snapshot %s is unreadable (%s); trying an older one", name, exc)
                 continue
@@ -90,7 +92,7 @@ class SnapshotStore:
         """Store a snapshot; returns its size in bytes."""
         store = await self._open(create=True)
         assert store is not None
-        data = encode_snapshot(snapshot)
+        data = await asyncio.to_thread(encode_snapshot, snapshot)  # off the event loop: the service keeps serving
         await store.put(snapshot.name, data)
         return len(data)
 

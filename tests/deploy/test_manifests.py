@@ -328,8 +328,8 @@ def test_every_shared_setting_is_one_gpushare_reads_and_parses(
     data = find(rendered["base"], "ConfigMap", "gpushare-config")["data"]
     known = {f"GPUSHARE_{name.upper()}" for name in Settings.model_fields}
     assert set(data) <= known, f"unknown settings: {set(data) - known}"
-    for key, value in data.items():
-        monkeypatch.setenv(key, value)
+    for name, value in data.items():
+        monkeypatch.setenv(name, value)
     settings = Settings()
     assert StreamLimits.from_settings(settings).samples_max_age_s == 86_400
     assert (settings.snapshot_interval, settings.usage_retention) == (3_600, 30 * 86_400)
