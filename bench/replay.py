@@ -133,11 +133,17 @@ def workload(total: int, *, nodes: int, gpus_per_node: int = 8, seed: int = 6) -
 
 
 async def publish_all(bus: EventBus, events: list[Any], *, timeout_s: float = 120.0) -> float:
-    """Publish on core NATS (the stream stores what its subjects match), then wait until the stream holds
-    them all; returns events/s. Faster than one JetStream ack per event, and the stored messages are the same.
+    """Publish on core NATS (the streams store what their subjects match), then wait until the ledger and
+    samples streams hold them all; returns events/s. Faster than one JetStream ack per event, and the stored
+    messages are the same.
     """
+
+    async def stored() -> int:
+        names = bus.names
+        return sum([(await bus.js.stream_info(s)).state.messages for s in (names.stream, names.samples_stream)])
+
     t0 = time.perf_counter()
-    before = (await bus.js.stream_info(bus.names.stream)).state.messages
+    before = await stored()
     for i, e in enumerate(events):
         await bus.nc.publish(
             subject_for(bus.names.prefix, e), encode_event(e), headers={"Nats-Msg-Id": str(e.event_id)}
@@ -146,7 +152,7 @@ async def publish_all(bus: EventBus, events: list[Any], *, timeout_s: float = 12
             await bus.nc.flush(timeout=30)
     await bus.nc.flush(timeout=30)
     deadline = time.monotonic() + timeout_s
-    while (await bus.js.stream_info(bus.names.stream)).state.messages < before + len(events):
+    while await stored() < before + len(events):
         if time.monotonic() > deadline:
             raise TimeoutError("the stream did not receive every published event")
         await asyncio.sleep(0.05)

@@ -75,7 +75,15 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_ledger(args: argparse.Namespace, settings: Settings) -> int:
     from services.ledger_tool import rebuild
 
-    return asyncio.run(rebuild(settings, apply=args.apply, verify=not args.apply or args.verify))
+    return asyncio.run(
+        rebuild(settings, apply=args.apply, verify=not args.apply or args.verify, from_start=args.from_start)
+    )
+
+
+def _cmd_snapshot(args: argparse.Namespace, settings: Settings) -> int:
+    from services.ledger_tool import snapshot
+
+    return asyncio.run(snapshot(settings, from_database=args.from_database, trim=not args.no_trim))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ledger",
         parents=[common],
-        help="ledger maintenance (rebuild from the event stream)",
+        help="ledger maintenance (rebuild from the event stream, snapshots)",
         description="Ledger maintenance.",
     )
     lsub = p.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
@@ -108,13 +116,33 @@ def build_parser() -> argparse.ArgumentParser:
         "rebuild",
         parents=[common],
         help="replay the event stream into the ledger",
-        description="Replay every event in the stream. By default compare the result with the "
-        "live ledger and rebuild accounting's projections; with --apply also "
-        "replace the ledger tables with the replayed state (disaster recovery).",
+        description="Start from the newest ledger snapshot and replay the ledger stream's events after it. By "
+        "default compare the result with the live ledger and rebuild accounting's projections; with --apply "
+        "also replace the ledger tables with the replayed state (disaster recovery). Exit 1: the ledgers "
+        "differ; exit 3: the stream lost events no snapshot covers.",
     )
     r.add_argument("--apply", action="store_true", help="replace the ledger tables with the replayed state")
     r.add_argument("--verify", action="store_true", help="with --apply, compare before replacing")
+    r.add_argument(
+        "--from-start", action="store_true", help="ignore snapshots and replay from the stream's first event"
+    )
     r.set_defaults(func=_cmd_ledger)
+    r = lsub.add_parser(
+        "snapshot",
+        parents=[common],
+        help="fold the ledger stream into a snapshot and trim what it covers",
+        description="Fold the newest ledger snapshot and the ledger stream's events after it into a new "
+        "snapshot, store it in the JetStream object store <stream>_SNAPSHOTS (keeping GPUSHARE_SNAPSHOT_KEEP), "
+        "and purge the stream's events it covers that every durable consumer has read. Accounting does this "
+        "every GPUSHARE_SNAPSHOT_INTERVAL. Exit 3: the stream lost events no snapshot covers (see --from-database).",
+    )
+    r.add_argument(
+        "--from-database",
+        action="store_true",
+        help="take the live ledger tables as the new base (after exit 3, or to start without the stream's history)",
+    )
+    r.add_argument("--no-trim", action="store_true", help="write the snapshot but leave the stream as it is")
+    r.set_defaults(func=_cmd_snapshot)
 
     for module_name in SERVICE_CLIS:
         module = optional_module(module_name)

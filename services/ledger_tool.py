@@ -1,4 +1,5 @@
-"""`gpushare ledger rebuild`: replay the event stream, compare with (or replace) the live ledger."""
+"""`gpushare ledger rebuild` and `gpushare ledger snapshot`: replay the ledger stream from the newest snapshot,
+compare with (or replace) the live ledger; fold the stream into a new snapshot and trim what it covers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import make_engine
-from shared.ledger.replay import differences, load_state, replay_state, write_state
+from shared.ledger.replay import differences, load_state, write_state
+from shared.ledger.snapshots import SnapshotStore, StreamGap, replay_tail, snapshot_from_database, take_snapshot
 from shared.optional import optional_module
 from shared.settings import Settings
 
@@ -17,6 +19,8 @@ log = logging.getLogger(__name__)
 # Projections other than the ledger that can rebuild themselves from the stream:
 # modules exposing `async def rebuild_projections(engine, bus, progress) -> int`.
 PROJECTION_MODULES = ("services.accounting.projections",)
+
+GAP_EXIT = 3  # the stream lost events no snapshot covers
 
 
 def _progress(label: str):  # type: ignore[no-untyped-def]
@@ -34,18 +38,35 @@ def _progress(label: str):  # type: ignore[no-untyped-def]
     return report
 
 
-async def rebuild(settings: Settings, *, apply: bool, verify: bool) -> int:
-    """Replay the stream; returns a process exit code (1 when verification finds differences)."""
-    engine = make_engine(settings.require_database_url(), pool_size=2)
-    bus = await EventBus.connect(
-        settings.require_nats_url(), BusNames(settings.stream_name, settings.subject_prefix), name="gpushare-rebuild"
+async def _connect(settings: Settings, name: str) -> EventBus:
+    """The bus; stream limits are left as the services set them (a tool run from a workstation without the
+    services' settings must not change them)."""
+    return await EventBus.connect(
+        settings.require_nats_url(),
+        BusNames(settings.stream_name, settings.subject_prefix),
+        name=name,
+        replicas=settings.stream_replicas,
     )
+
+
+async def rebuild(settings: Settings, *, apply: bool, verify: bool, from_start: bool = False) -> int:
+    """Replay the ledger stream from the newest snapshot (or from its first event); returns a process exit code
+    (1 when verification finds differences, 3 when the stream lost events no snapshot covers)."""
+    engine = make_engine(settings.require_database_url(), pool_size=2)
+    bus = await _connect(settings, "gpushare-rebuild")
     try:
-        replayed, stats = await replay_state(bus, progress=_progress("replaying ledger events"))
+        base = None if from_start else await SnapshotStore(bus).newest()
+        try:
+            replayed, stats = await replay_tail(bus, base, progress=_progress("replaying ledger events"))
+        except StreamGap as exc:
+            print(f"cannot rebuild: {exc}", file=sys.stderr)
+            return GAP_EXIT
+        start = f"snapshot {base.name} (taken {base.taken_at:%Y-%m-%d %H:%M:%S %Z})" if base else "the first event"
         log.info(
-            "replayed %d events (%d undecodable skipped) up to sequence %d",
+            "replayed %d events (%d undecodable skipped) from %s up to sequence %d",
             stats.events,
             stats.skipped,
+            start,
             stats.last_sequence,
         )
         code = 0
@@ -59,7 +80,7 @@ async def rebuild(settings: Settings, *, apply: bool, verify: bool) -> int:
             else:
                 print(
                     f"ledger verified: {len(live.allocations)} allocations, {len(live.gpus)} GPUs "
-                    f"match a replay of {stats.events} events",
+                    f"match {start} and a replay of {stats.events} events",
                     file=sys.stderr,
                 )
         if apply:
@@ -78,3 +99,43 @@ async def rebuild(settings: Settings, *, apply: bool, verify: bool) -> int:
     finally:
         await bus.close()
         await engine.dispose()
+
+
+async def snapshot(settings: Settings, *, from_database: bool, trim: bool) -> int:
+    """Write a ledger snapshot (folded from the stream, or from the live tables); returns an exit code."""
+    bus = await _connect(settings, "gpushare-snapshot")
+    try:
+        if from_database:
+            engine = make_engine(settings.require_database_url(), pool_size=1)
+            try:
+                result = await snapshot_from_database(bus, engine, keep=settings.snapshot_keep)
+            finally:
+                await engine.dispose()
+        else:
+            try:
+                result = await take_snapshot(
+                    bus,
+                    keep=settings.snapshot_keep,
+                    dedupe_horizon_s=settings.dedupe_horizon,
+                    trim=trim,
+                    progress=_progress("folding ledger events"),
+                )
+            except StreamGap as exc:
+                print(f"cannot take a snapshot: {exc}", file=sys.stderr)
+                return GAP_EXIT
+        if result.written:
+            print(
+                f"ledger snapshot at sequence {result.sequence}: {result.allocations} allocations, "
+                f"{result.events} events folded, {result.bytes} bytes; {result.trimmed} events trimmed from the "
+                f"stream; {len(result.deleted)} older snapshots deleted",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"no new events since the snapshot at sequence {result.sequence}; "
+                f"{result.trimmed} events trimmed from the stream",
+                file=sys.stderr,
+            )
+        return 0
+    finally:
+        await bus.close()

@@ -1,10 +1,13 @@
 """The common shell of a service process: database, bus, outbox relay, ledger, HTTP, clean stop.
 
-    async with ServiceRuntime("binder", settings) as rt:
+    async with ServiceRuntime("binder", settings, listen=Listen(port=8081)) as rt:
         rt.spawn(consumer.run(rt.stop))
-        await rt.serve(app, port=8081)      # returns when SIGTERM / SIGINT arrives
+        await rt.serve(app)      # returns when SIGTERM / SIGINT arrives
 
-Everything started here is stopped in reverse order on exit.
+With `listen`, the HTTP port serves from the start: `/healthz` answers 200 (alive) and `/readyz` 503 while the
+runtime waits for NATS and PostgreSQL, with capped exponential backoff and one log line per attempt, for as long
+as they are away (a service started before its servers waits instead of crash-looping). `serve(app)` then hands
+the same port to the service's app. Everything started here is stopped in reverse order on exit.
 """
 
 from __future__ import annotations
@@ -14,14 +17,20 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable, Coroutine
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.events.bus import BusNames, EventBus
+from shared.events.streams import StreamLimits
+from shared.http import install_common
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
@@ -29,7 +38,69 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 EVENT_LOOP_ENV = "GPUSHARE_EVENT_LOOP"
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where a service serves HTTP (HTTPS with a certificate and key)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8080
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Capped exponential backoff between attempts to reach a server."""
+
+    first_s: float = 0.5
+    max_s: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based)."""
+        return min(self.max_s, self.first_s * 2 ** (attempt - 1))
+
+
+class StartupAborted(SystemExit):
+    """SIGTERM / SIGINT arrived while the service was still waiting for its servers (a clean exit)."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers (the runtime has its own), saying when it listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.up = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the runtime's handlers set `stop`, which stops the server
+        yield
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.up.set()
+
+
+class _Switchable:
+    """An ASGI app that forwards to whichever app it holds: the waiting page first, the service's app later."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+def waiting_app(name: str) -> FastAPI:
+    """What a service serves while it waits for NATS and PostgreSQL: alive, not ready."""
+    app = FastAPI(title=f"gpushare {name} (starting)", docs_url=None, redoc_url=None, openapi_url=None)
+    install_common(app, ready=lambda: False)
+    return app
 
 
 def loop_factory(choice: str | None = None) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -59,17 +130,29 @@ def run_main(main: Coroutine[Any, Any, Any]) -> Any:
 class ServiceRuntime:
     """Connections and background tasks of one service process."""
 
-    def __init__(self, name: str, settings: Settings, *, database: bool = True, pool_size: int = 3) -> None:
+    def __init__(
+        self,
+        name: str,
+        settings: Settings,
+        *,
+        database: bool = True,
+        pool_size: int = 3,
+        listen: Listen | None = None,
+        backoff: Backoff = Backoff(),
+    ) -> None:
         self.name = name
         self.settings = settings
         self.database = database
         self.pool_size = pool_size
+        self.listen = listen
+        self.backoff = backoff
         self.stop = asyncio.Event()
         self.engine: AsyncEngine | None = None
         self.bus: EventBus | None = None
         self.relay: OutboxRelay | None = None
         self.ledger: Ledger | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._http: tuple[uvicorn.Server, _Switchable, asyncio.Task[None]] | None = None
 
     @property
     def names(self) -> BusNames:
@@ -77,25 +160,74 @@ class ServiceRuntime:
         return BusNames(self.settings.stream_name, self.settings.subject_prefix)
 
     async def __aenter__(self) -> ServiceRuntime:
-        self.bus = await EventBus.connect(
-            self.settings.require_nats_url(),
-            self.names,
-            name=f"gpushare-{self.name}",
-            replicas=self.settings.stream_replicas,
-        )
-        if self.database:
-            size = self.settings.db_pool_size or self.pool_size
-            # a hard cap (no overflow): the product's connections stay a fixed number, whatever the load
-            self.engine = make_engine(self.settings.require_database_url(), pool_size=size, max_overflow=0)
-            self.relay = OutboxRelay(self.engine, self.bus)
-            self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)
-            self.spawn(self.relay.run(self.stop))
+        nats_url = self.settings.require_nats_url()
+        database_url = self.settings.require_database_url() if self.database else None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.listen is not None:
+            await self._start_http(waiting_app(self.name), self.listen)
+        try:
+            self.bus = await self._until_connected(
+                "NATS",
+                lambda: EventBus.connect(
+                    nats_url,
+                    self.names,
+                    name=f"gpushare-{self.name}",
+                    replicas=self.settings.stream_replicas,
+                    limits=StreamLimits.from_settings(self.settings),
+                ),
+            )
+            if database_url is not None:
+                size = self.settings.db_pool_size or self.pool_size
+                # a hard cap (no overflow): the product's connections stay a fixed number, whatever the load
+                self.engine = make_engine(database_url, pool_size=size, max_overflow=0)
+                await self._until_connected("PostgreSQL", self._probe_database)
+                self.relay = OutboxRelay(self.engine, self.bus)
+                self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)
+                self.spawn(self.relay.run(self.stop))
+        except BaseException:
+            await self.__aexit__()
+            raise
         log.info("%s started", self.name, extra={"service": self.name})
         return self
+
+    async def _probe_database(self) -> None:
+        assert self.engine is not None
+        async with self.engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+    async def _until_connected(self, what: str, connect: Callable[[], Awaitable[T]]) -> T:
+        """`connect()`, retried with capped backoff until it succeeds (one log line per attempt) or the
+        service is asked to stop (then `StartupAborted`)."""
+        attempt, started = 0, time.monotonic()
+        while True:
+            try:
+                result = await connect()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                attempt += 1
+                delay = self.backoff.delay(attempt)
+                log.warning(
+                    "%s: waiting for %s (attempt %d, %.0fs so far): %s; next try in %.1fs",
+                    self.name,
+                    what,
+                    attempt,
+                    time.monotonic() - started,
+                    _reason(exc),
+                    delay,
+                    extra={"service": self.name, "attempt": attempt},
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), delay)
+                if self.stop.is_set():
+                    raise StartupAborted(0) from None
+                continue
+            if attempt:
+                log.info("%s: connected to %s after %d attempts", self.name, what, attempt + 1)
+            return result
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: %s received, stopping", self.name, sig.name)
@@ -114,6 +246,33 @@ class ServiceRuntime:
         self._tasks.append(task)
         return task
 
+    async def _start_http(self, app: ASGIApp, listen: Listen) -> None:
+        switch = _Switchable(app)
+        config = uvicorn.Config(
+            switch,
+            host=listen.host,
+            port=listen.port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=listen.tls_cert,
+            ssl_keyfile=listen.tls_key,
+            limit_concurrency=1000,
+            timeout_keep_alive=30,
+        )
+        server = _Server(config)
+        task = asyncio.create_task(server.serve())
+        self._http = (server, switch, task)
+        up = asyncio.create_task(server.up.wait())
+        await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
+        up.cancel()
+        if not server.started:  # the port is taken, say: uvicorn logged why
+            self._http = None
+            with contextlib.suppress(BaseException):
+                await task
+            raise SystemExit(f"{self.name}: cannot listen on {listen.host}:{listen.port}")
+        log.info("%s listening", self.name, extra={"service": self.name, "host": listen.host, "port": listen.port})
+
     async def serve(
         self,
         app: FastAPI | None,
@@ -123,35 +282,34 @@ class ServiceRuntime:
         tls_cert: str | None = None,
         tls_key: str | None = None,
     ) -> None:
-        """Serve `app` (if given) until the stop event is set; HTTPS when a certificate and key are given."""
-        if app is None or port is None:
+        """Serve `app` (if given) until the stop event is set: on the port that has been answering since start
+        (`listen`), or on `host`/`port` (HTTPS when a certificate and key are given)."""
+        if app is not None and self._http is None and port is not None:
+            await self._start_http(app, Listen(host, port, tls_cert, tls_key))
+        elif app is not None and self._http is not None:
+            self._http[1].app = app
+        if self._http is None:
             await self.stop.wait()
             return
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            ssl_certfile=tls_cert,
-            ssl_keyfile=tls_key,
-            limit_concurrency=1000,
-            timeout_keep_alive=30,
-        )
-        server = uvicorn.Server(config)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        serving = asyncio.create_task(server.serve())
-        log.info("%s listening", self.name, extra={"service": self.name, "host": host, "port": port})
+        task = self._http[2]
         stopper = asyncio.create_task(self.stop.wait())
-        await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
-        await serving
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         self.stop.set()
+        await self._stop_http()
+
+    async def _stop_http(self) -> None:
+        if self._http is None:
+            return
+        server, _, task = self._http
+        self._http = None
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop.set()
+        await self._stop_http()
         if self.relay is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.relay.flush(), 5)
@@ -163,3 +321,9 @@ class ServiceRuntime:
         if self.engine is not None:
             await self.engine.dispose()
         log.info("%s stopped", self.name, extra={"service": self.name})
+
+
+def _reason(exc: BaseException) -> str:
+    """A short reason for a failed connection attempt (the driver's text, without a traceback)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__

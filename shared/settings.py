@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.quantities import parse_duration, parse_size
+
 DEFAULT_STREAM = "GPUSHARE"
 DEFAULT_SUBJECT_PREFIX = "gpushare"
 ACCOUNTING_PORT = 8080  # accounting's default listen port
@@ -50,8 +52,53 @@ class Settings(BaseSettings):
         description="PostgreSQL connections one service process keeps at most (default per service: extender 6, "
         "binder 5, accounting 3)",
     )
+    samples_max_age: float = Field(
+        default=86_400.0, description="How long the samples stream keeps usage and refused events (24h; 0: no limit)"
+    )
+    samples_max_bytes: int = Field(default=0, description="Size cap of the samples stream (e.g. 2GiB; 0: none)")
+    ledger_max_age: float = Field(
+        default=0.0,
+        description="Age limit of the ledger stream (0: none; the snapshot job trims what a snapshot covers). "
+        "Keep it well above the snapshot interval",
+    )
+    ledger_max_bytes: int = Field(default=0, description="Size cap of the ledger stream (0: none)")
+    snapshot_interval: float = Field(
+        default=3_600.0, description="How often accounting writes a ledger snapshot and trims the streams (0: never)"
+    )
+    snapshot_keep: int = Field(default=3, ge=1, le=100, description="Ledger snapshots kept in the object store")
+    dedupe_horizon: float = Field(
+        default=7 * 86_400.0,
+        description="How long consumers remember applied event ids (applied_events rows, ids in snapshots)",
+    )
+    usage_full_resolution: float = Field(
+        default=86_400.0, description="Usage samples younger than this are kept as sampled (24h)"
+    )
+    usage_downsample_interval: float = Field(
+        default=300.0,
+        description="Older usage samples are thinned to one sample time per node per interval (5m; 0: not thinned)",
+    )
+    usage_retention: float = Field(default=30 * 86_400.0, description="Usage samples older than this are deleted (30d)")
     data_dir: Path = Field(default=Path(".gpushare"), description="Where `gpushare up` keeps its data")
     admin_token: SecretStr | None = Field(default=None, description="Bearer token required by mutating REST endpoints")
+
+    @field_validator(
+        "samples_max_age",
+        "ledger_max_age",
+        "snapshot_interval",
+        "dedupe_horizon",
+        "usage_full_resolution",
+        "usage_downsample_interval",
+        "usage_retention",
+        mode="before",
+    )
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        return parse_duration(value)
+
+    @field_validator("samples_max_bytes", "ledger_max_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> int:
+        return parse_size(value)
 
     @field_validator("log_level")
     @classmethod

@@ -29,8 +29,9 @@ async def stream_events(bus: Any, kind: str) -> list[Any]:
 
     from shared.events.catalogue import decode_event
 
+    stream = bus.names.stream_of(kind)
     durable = f"t{uuid.uuid4().hex[:10]}"
-    sub = await bus.js.pull_subscribe(bus.names.subject(kind, ">"), durable=durable, stream=bus.names.stream)
+    sub = await bus.js.pull_subscribe(bus.names.subject(kind, ">"), durable=durable, stream=stream)
     out = []
     try:
         while True:
@@ -44,5 +45,5 @@ async def stream_events(bus: Any, kind: str) -> list[Any]:
     finally:
         await sub.unsubscribe()
         with contextlib.suppress(Exception):
-            await bus.js.delete_consumer(bus.names.stream, durable)
+            await bus.js.delete_consumer(stream, durable)
     return out

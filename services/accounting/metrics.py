@@ -8,7 +8,7 @@ from collections import Counter as Tally
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -121,6 +121,39 @@ class AccountingMetrics:
             "Events applied to accounting's projections",
             registry=self.registry,
         )
+        self.pruned_rows = Counter(
+            "gpushare_accounting_pruned_rows_total",
+            "Rows housekeeping deleted (usage samples thinned or expired, old claims, old refusals)",
+            labelnames=["table"],
+            registry=self.registry,
+        )
+        self.housekeeping_failures = Counter(
+            "gpushare_accounting_housekeeping_failures_total",
+            "Housekeeping steps that failed (retried on their next turn)",
+            labelnames=["task"],
+            registry=self.registry,
+        )
+        self.snapshot_sequence = Gauge(
+            "gpushare_ledger_snapshot_sequence",
+            "Ledger stream sequence the newest ledger snapshot covers",
+            registry=self.registry,
+        )
+        self.snapshot_success = Gauge(
+            "gpushare_ledger_snapshot_last_success_timestamp_seconds",
+            "When the ledger snapshot was last brought up to date (Unix time)",
+            registry=self.registry,
+        )
+        self.stream_trimmed = Counter(
+            "gpushare_ledger_stream_trimmed_events_total",
+            "Ledger stream events purged because a snapshot covers them and every durable consumer read them",
+            registry=self.registry,
+        )
+
+    def observe_snapshot(self, sequence: int, trimmed: int) -> None:
+        """Record a snapshot brought up to date (and what it trimmed)."""
+        self.snapshot_sequence.set(sequence)
+        self.snapshot_success.set(time.time())
+        self.stream_trimmed.inc(trimmed)
 
     def observe_latency(self, name: str, seconds: float) -> None:
         """Record a life-cycle latency reported by the projector."""

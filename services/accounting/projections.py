@@ -1,8 +1,13 @@
 """Accounting's projections: fold every event into read models, exactly once per event.
 
-The durable consumer "accounting" feeds `Projector.handle`; each event's effect and its idempotency claim
-(`applied_events`, consumer "accounting") commit in one transaction, so a redelivery changes nothing.
-`rebuild_projections` empties the read models and replays the whole stream through the same `apply`.
+The durable consumers "accounting" (the ledger stream) and "accounting-samples" (usage and refusals, from the
+samples stream) feed `Projector.handle`. An event is applied once, whatever the gap between its copies: each
+event's effect and its idempotency claim (`applied_events`, consumer "accounting") commit in one transaction,
+and every effect is idempotent by itself too (timeline rows are unique per event and allocation, a refusal
+only replaces an older one, a usage event whose samples are stored is skipped), so a copy that arrives after
+its claim was pruned (`dedupe_horizon`) changes nothing either. Usage events are not claimed: their samples
+carry the event id, and a claim row per sample interval per node would outgrow the samples.
+`rebuild_projections` refills the read models from what the streams still hold through the same `apply`.
 
 Read models: `acc_timeline` (each allocation's steps with timestamps), `acc_pending` (the latest refusal
 per pod until it gets a reservation) and `usage_samples` (usage events, one row per sample). The ledger
@@ -17,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import delete, insert, select, text
+from sqlalchemy import Table, delete, insert, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -99,11 +104,14 @@ async def _step(
     )
 
 
-async def apply(conn: AsyncConnection, event: Event) -> Applied:
-    """Apply one event to the read models inside the caller's transaction (idempotent)."""
+async def apply(conn: AsyncConnection, event: Event, *, at: datetime | None = None) -> Applied:
+    """Apply one event to the read models inside the caller's transaction (idempotent). `at` is when (the
+    claim's time; the database's clock by default)."""
     if not isinstance(event, PROJECTED):
         return Applied(new=False)
-    if not await claim(conn, CONSUMER, event.event_id):
+    if isinstance(event, UsageEvent):
+        return Applied(new=await _usage(conn, event))
+    if not await claim(conn, CONSUMER, event.event_id, at=at):
         return Applied(new=False)
     out = Applied(new=True)
     match event:
@@ -146,29 +154,39 @@ async def apply(conn: AsyncConnection, event: Event) -> Applied:
                 ).scalar() or ""
                 detail = f"container {my_container} swapped shares with allocation {other} container {other_container}"
                 await _step(conn, event, mine, pod_uid, event.node, detail)
-        case UsageEvent():
-            if event.samples:
-                await conn.execute(
-                    insert(usage_samples),
-                    [
-                        {
-                            "event_id": event.event_id,
-                            "ts": event.occurred_at,
-                            "node": event.node,
-                            "gpu_uuid": s.gpu_uuid,
-                            "pod_uid": s.pod_uid,
-                            "namespace": s.namespace,
-                            "pod_name": s.pod_name,
-                            "container": s.container,
-                            "used_memory_mib": s.used_memory_mib,
-                            "utilization_pct": s.utilization_pct,
-                        }
-                        for s in event.samples
-                    ],
-                )
         case RefusedEvent():
             await _refused(conn, event)
     return out
+
+
+async def _usage(conn: AsyncConnection, event: UsageEvent) -> bool:
+    """Store a usage event's samples unless they are stored already; True when stored."""
+    if not event.samples:
+        return False
+    known = (
+        await conn.execute(select(usage_samples.c.id).where(usage_samples.c.event_id == event.event_id).limit(1))
+    ).first()
+    if known is not None:
+        return False
+    await conn.execute(
+        insert(usage_samples),
+        [
+            {
+                "event_id": event.event_id,
+                "ts": event.occurred_at,
+                "node": event.node,
+                "gpu_uuid": s.gpu_uuid,
+                "pod_uid": s.pod_uid,
+                "namespace": s.namespace,
+                "pod_name": s.pod_name,
+                "container": s.container,
+                "used_memory_mib": s.used_memory_mib,
+                "utilization_pct": s.utilization_pct,
+            }
+            for s in event.samples
+        ],
+    )
+    return True
 
 
 async def _refused(conn: AsyncConnection, event: RefusedEvent) -> None:
@@ -207,9 +225,16 @@ async def _refused(conn: AsyncConnection, event: RefusedEvent) -> None:
 class Projector:
     """The consumer's handler: applies an event in its own transaction, then reports latencies."""
 
-    def __init__(self, engine: AsyncEngine, on_latency: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        on_latency: Callable[[str, float], None] | None = None,
+        *,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
         self.engine = engine
         self.on_latency = on_latency
+        self.clock = clock  # when claims are made (None: the database's clock); tests run a compressed clock
         self.applied = 0
 
     async def handle(self, event: Event) -> bool:
@@ -218,8 +243,9 @@ class Projector:
 
     async def handle_many(self, events: list[Event]) -> int:
         """Apply several events in one transaction (all or none); returns how many changed something."""
+        at = self.clock() if self.clock is not None else None
         async with self.engine.begin() as conn:
-            results = [await apply(conn, event) for event in events]
+            results = [await apply(conn, event, at=at) for event in events]
         new = [r for r in results if r.new]
         self.applied += len(new)
         if self.on_latency is not None:
@@ -229,16 +255,37 @@ class Projector:
         return len(new)
 
 
-async def truncate_projections(conn: AsyncConnection) -> None:
-    """Empty the read models and forget which events they applied."""
-    await conn.execute(text(f"TRUNCATE {', '.join(t.name for t in PROJECTION_TABLES)} RESTART IDENTITY"))
+async def truncate_projections(conn: AsyncConnection, tables: tuple[Table, ...] = PROJECTION_TABLES) -> None:
+    """Empty read models and forget which events the projections applied."""
+    if tables:
+        await conn.execute(text(f"TRUNCATE {', '.join(t.name for t in tables)} RESTART IDENTITY"))
     await conn.execute(delete(applied_events).where(applied_events.c.consumer == CONSUMER))
 
 
+async def _complete(bus: EventBus, stream: str) -> bool:
+    """Whether `stream` still holds its first event (nothing aged out or was trimmed)."""
+    state = (await bus.js.stream_info(stream)).state
+    return state.messages == 0 or state.first_seq <= 1
+
+
 async def rebuild_projections(engine: AsyncEngine, bus: EventBus, progress: Progress | None = None) -> int:
-    """Empty the read models and replay the whole stream into them; returns how many events applied."""
+    """Refill the read models from the ledger stream and the samples stream; returns how many events applied.
+
+    A read model is emptied first when its stream still holds everything (a full rebuild). Once the snapshot
+    job trimmed the ledger stream, or samples aged out, the rows derived from what is gone are kept, and what
+    the streams hold is applied over them (every effect is idempotent, so rows that exist stay as they are).
+    """
+    names = bus.names
+    emptied: list[Table] = []
+    if await _complete(bus, names.stream):
+        emptied.append(timeline)
+    if await _complete(bus, names.samples_stream):
+        emptied += [pending, usage_samples]
     async with engine.begin() as conn:
-        await truncate_projections(conn)
+        await truncate_projections(conn, tuple(emptied))
+    kept = [t.name for t in PROJECTION_TABLES if t not in emptied]
+    if kept:
+        log.info("the streams no longer hold their first events: keeping the rows of %s", ", ".join(kept))
     count = 0
     batch: list[Event] = []
 
@@ -250,10 +297,11 @@ async def rebuild_projections(engine: AsyncEngine, bus: EventBus, progress: Prog
         batch.clear()
         return applied
 
-    async for event in read_events(bus, progress=progress):
-        batch.append(event)
-        if len(batch) >= REBUILD_BATCH:
-            count += await flush()
+    for stream in (names.stream, names.samples_stream):
+        async for event in read_events(bus, stream=stream, progress=progress):
+            batch.append(event)
+            if len(batch) >= REBUILD_BATCH:
+                count += await flush()
     if batch:
         count += await flush()
     log.info("accounting projections rebuilt from %d events", count)

@@ -1,17 +1,22 @@
-"""The accounting process: projection consumer + REST API + dashboard + metrics."""
+"""The accounting process: projection consumers + REST API + dashboard + metrics + housekeeping (ledger snapshots,
+pruning)."""
 
 from __future__ import annotations
 
 import logging
 
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.events.bus import EventBus
 from shared.events.consumer import DurableConsumer
-from shared.runtime import ServiceRuntime
+from shared.runtime import Listen, ServiceRuntime
 from shared.settings import Settings
 
 from .api import create_app
+from .housekeeping import Housekeeper, Retention
 from .metrics import AccountingMetrics
 from .projections import Projector
-from .tables import CONSUMER
+from .tables import CONSUMER, SAMPLES_CONSUMER
 
 log = logging.getLogger(__name__)
 
@@ -19,10 +24,10 @@ BATCH = 256
 LINGER_S = 0.25
 
 
-def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableConsumer:
-    """The durable "accounting" consumer of every event, applying them to the projections."""
-    assert rt.engine is not None and rt.bus is not None
-    projector = Projector(rt.engine, on_latency=metrics.observe_latency)
+def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetrics) -> list[DurableConsumer]:
+    """The durable consumers "accounting" (every event of the ledger stream) and "accounting-samples" (usage
+    and refusals from the samples stream), applying them to the projections."""
+    projector = Projector(engine, on_latency=metrics.observe_latency)
 
     async def handle(event):  # type: ignore[no-untyped-def]
         if await projector.handle(event):
@@ -33,15 +38,37 @@ def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableCon
 
     # one transaction for whatever arrived within LINGER_S (up to BATCH events): a burst, or a backlog being
     # replayed, costs a commit per batch instead of one per event; the read models lag by at most LINGER_S
-    return DurableConsumer(rt.bus, CONSUMER, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S)
+    return [
+        DurableConsumer(bus, durable, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S, stream=stream)
+        for durable, stream in ((CONSUMER, bus.names.stream), (SAMPLES_CONSUMER, bus.names.samples_stream))
+    ]
 
 
 async def serve(settings: Settings, *, host: str, port: int) -> None:
     """Run until SIGTERM / SIGINT."""
-    async with ServiceRuntime("accounting", settings) as rt:
+    async with ServiceRuntime("accounting", settings, listen=Listen(host, port)) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
-        consumer = build_consumer(rt, metrics)
-        rt.spawn(consumer.run(rt.stop))
-        app = create_app(rt.engine, settings, ledger=rt.ledger, metrics=metrics, ready=consumer.ready.is_set)
-        await rt.serve(app, host=host, port=port)
+        assert rt.bus is not None
+        consumers = build_consumers(rt.engine, rt.bus, metrics)
+        for consumer in consumers:
+            rt.spawn(consumer.run(rt.stop))
+        housekeeper = Housekeeper(
+            rt.engine,
+            rt.bus,
+            Retention.from_settings(settings),
+            snapshot_interval_s=settings.snapshot_interval,
+            snapshot_keep=settings.snapshot_keep,
+            on_pruned=lambda table, rows: metrics.pruned_rows.labels(table=table).inc(rows),
+            on_snapshot=lambda result: metrics.observe_snapshot(result.sequence, result.trimmed),
+            on_failure=lambda task: metrics.housekeeping_failures.labels(task=task).inc(),
+        )
+        rt.spawn(housekeeper.run(rt.stop))
+        app = create_app(
+            rt.engine,
+            settings,
+            ledger=rt.ledger,
+            metrics=metrics,
+            ready=lambda: all(c.ready.is_set() for c in consumers),
+        )
+        await rt.serve(app)

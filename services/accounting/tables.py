@@ -16,7 +16,8 @@ from shared.ledger.models import NAMING_CONVENTION
 # Kept apart from the ledger's metadata: these tables belong to accounting alone.
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
-CONSUMER = "accounting"
+CONSUMER = "accounting"  # the durable consumer of the ledger stream (and the name of both consumers' claims)
+SAMPLES_CONSUMER = "accounting-samples"  # the durable consumer of the samples stream
 
 # One row per life-cycle step of an allocation: reserved, bound, assigned, exchanged, released, failed.
 timeline = Table(
@@ -67,6 +68,7 @@ usage_samples = Table(
     Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
     Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
     Index("ix_usage_samples_event_id", "event_id"),
+    Index("ix_usage_samples_ts", "ts"),  # old samples are thinned, then deleted (housekeeping)
 )
 
 PROJECTION_TABLES = (timeline, pending, usage_samples)  # what `gpushare ledger rebuild` refills

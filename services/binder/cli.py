@@ -63,7 +63,7 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
     from services.binder.app import make_app
     from services.binder.service import Binder, BinderConfig
     from shared.kube.client import api_client
-    from shared.runtime import ServiceRuntime
+    from shared.runtime import Listen, ServiceRuntime
 
     settings.require_database_url()
     settings.require_nats_url()
@@ -79,11 +79,11 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
         reserve_grace_s=args.reserve_grace,
     )
     try:
-        async with ServiceRuntime("binder", settings, pool_size=5) as rt:
+        async with ServiceRuntime("binder", settings, pool_size=5, listen=Listen(args.host, args.port)) as rt:
             assert rt.ledger is not None and rt.bus is not None
             binder = Binder(rt.ledger, rt.bus, api, config)
             rt.spawn(binder.run(rt.stop))
-            await rt.serve(make_app(binder), host=args.host, port=args.port)
+            await rt.serve(make_app(binder))
     finally:
         await api.close()
     return 0

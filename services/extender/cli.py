@@ -37,11 +37,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 async def _serve(args: argparse.Namespace, settings: Settings) -> None:
     from services.extender.app import create_app
     from services.extender.service import ExtenderService
-    from shared.runtime import ServiceRuntime
+    from shared.runtime import Listen, ServiceRuntime
 
+    listen = Listen(args.host, args.port, args.tls_cert, args.tls_key)
     # kube-scheduler binds many pods at once and each bind holds a connection for its reservation; connections
     # beyond the pool are closed after use, and opening one costs more than the reservation itself
-    async with ServiceRuntime("extender", settings, pool_size=6) as rt:
+    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen) as rt:
         assert rt.engine is not None and rt.ledger is not None
         service = ExtenderService(
             engine=rt.engine,
@@ -55,13 +56,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
         )
         await service.start()
         try:
-            await rt.serve(
-                create_app(service, prefix=args.prefix),
-                host=args.host,
-                port=args.port,
-                tls_cert=args.tls_cert,
-                tls_key=args.tls_key,
-            )
+            await rt.serve(create_app(service, prefix=args.prefix))
         finally:
             await service.close()
 

@@ -33,6 +33,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
+from shared.events.streams import LEDGER_KINDS
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
@@ -47,6 +48,17 @@ from shared.placement.columns import NodeColumns
 
 _STREAM_ROWS = 2_000  # rows per fetch of the streamed reload (server-side cursor)
 _EXCHANGES_KEPT = 4_096  # ids of the latest exchanges applied (a re-published one must not swap back)
+_ENDED_KEPT = 16_384  # ids of the latest allocations that ended (a late copy of their reservation is not counted)
+_APPLIED_KEPT = 65_536  # ids of the latest events applied (a copy republished later is skipped)
+
+
+def _remember(ids: dict[uuid.UUID, None], key: uuid.UUID, limit: int) -> None:
+    """Add `key` to an insertion-ordered set of at most `limit` ids (the oldest is dropped first)."""
+    ids[key] = None
+    if len(ids) > limit:
+        del ids[next(iter(ids))]
+
+
 _STATES = {s.value: s.value for s in AllocationState}  # one string object per state name
 NO_INVENTORY = "node has no gpushare inventory (no node agent reported GPUs)"
 
@@ -217,6 +229,8 @@ class ClusterView:
         self.loaded = False
         self.version = 0
         self._exchanged: dict[uuid.UUID, None] = {}  # insertion-ordered: the oldest is dropped first
+        self._ended: dict[uuid.UUID, None] = {}  # allocations whose release or failure the view applied
+        self._applied: dict[uuid.UUID, None] = {}  # events applied (both survive reloads: copies come any time)
         self._swap(_State())
 
     def _swap(self, state: _State) -> None:
@@ -422,9 +436,7 @@ class ClusterView:
         a, b = by_id.get(event.first_allocation_id), by_id.get(event.second_allocation_id)
         if a is None or b is None or event.event_id in self._exchanged:
             return
-        self._exchanged[event.event_id] = None
-        if len(self._exchanged) > _EXCHANGES_KEPT:
-            del self._exchanged[next(iter(self._exchanged))]
+        _remember(self._exchanged, event.event_id, _EXCHANGES_KEPT)
         try:
             first, second = swap_shares(
                 a.parts, event.first_container, b.parts, event.second_container, HeldPart.relocated
@@ -456,9 +468,19 @@ class ClusterView:
         self._rebuild(event.node)
 
     def apply(self, event: object) -> None:
-        """Apply one ledger event to the view."""
+        """Apply one ledger event to the view, once per event id: a copy the outbox relay republished after
+        the stream's dedup window (an old inventory, a reservation after its release) would undo what later
+        events did until the next reload. Past the ids remembered, the reload every `--resync` seconds repairs."""
+        if getattr(event, "kind", None) not in LEDGER_KINDS:  # usage and refusals: nothing here, nothing to remember
+            return
+        event_id = event.event_id  # type: ignore[attr-defined]
+        if event_id in self._applied:
+            return
+        _remember(self._applied, event_id, _APPLIED_KEPT)
         match event:
             case ReservedEvent():
+                if event.allocation_id in self._ended:  # a copy republished after the allocation ended
+                    return
                 self.add_reservation(
                     event.allocation_id, event.pod_uid, event.namespace, event.pod_name, event.node, event.parts
                 )
@@ -469,6 +491,7 @@ class ClusterView:
             case ExchangedEvent():
                 self._exchange(event)
             case FailedEvent() | ReleasedEvent():
+                _remember(self._ended, event.allocation_id, _ENDED_KEPT)
                 a = self.allocations.get(event.pod_uid)
                 if a is not None and a.allocation_id == event.allocation_id:
                     self._end(a)

@@ -110,7 +110,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
 
     from services.node_agent.agent import AgentConfig, NodeAgent
     from shared.http import install_common
-    from shared.runtime import ServiceRuntime
+    from shared.runtime import Listen, ServiceRuntime
 
     config = AgentConfig(
         node=args.node,
@@ -125,7 +125,8 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         proc_root=Path(args.proc_root),
         address=args.node_address,
     )
-    async with ServiceRuntime("node-agent", settings, database=False) as rt:
+    listen = Listen(port=args.metrics_port)
+    async with ServiceRuntime("node-agent", settings, database=False, listen=listen) as rt:
         kube = await _kube(args.kubeconfig)
         api = kube.pop("api", None)
         assert rt.bus is not None
@@ -144,7 +145,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
             }
 
         try:
-            await rt.serve(app, port=args.metrics_port)
+            await rt.serve(app)
         finally:
             await agent.close()
             if api is not None:

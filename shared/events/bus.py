@@ -1,4 +1,5 @@
-"""The JetStream connection: one stream with a dedup window, publishing with `Nats-Msg-Id`."""
+"""The JetStream connection: the ledger stream, the samples stream and the parking stream (each with a dedup
+window), publishing with `Nats-Msg-Id`. Which kinds go to which stream: `shared.events.streams`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from shared.events.catalogue import encode_event, subject_for
+from shared.events.streams import LEDGER_KINDS, SAMPLE_KINDS, StreamLimits
 from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -36,9 +38,27 @@ class BusNames:
         """The subject prefix of parked messages (outside the main stream's subjects)."""
         return f"{self.prefix}-parked"
 
+    @property
+    def samples_stream(self) -> str:
+        """The stream that keeps usage and refused events for a limited age."""
+        return f"{self.stream}_SAMPLES"
+
+    @property
+    def snapshot_bucket(self) -> str:
+        """The JetStream object store that keeps ledger snapshots."""
+        return f"{self.stream}_SNAPSHOTS"
+
     def subject(self, kind: str = "*", node: str = ">") -> str:
         """A subject or filter: `<prefix>.<kind>.<node>`."""
         return f"{self.prefix}.{kind}.{node}"
+
+    def stream_subjects(self, samples: bool) -> list[str]:
+        """The subjects of the samples stream, or of the ledger stream (one per kind: streams may not overlap)."""
+        return sorted(self.subject(kind, ">") for kind in (SAMPLE_KINDS if samples else LEDGER_KINDS))
+
+    def stream_of(self, kind: str) -> str:
+        """The stream that keeps events of `kind`."""
+        return self.samples_stream if kind in SAMPLE_KINDS else self.stream
 
 
 class EventBus:
@@ -52,54 +72,106 @@ class EventBus:
 
     @classmethod
     async def connect(
-        cls, url: str, names: BusNames | None = None, *, name: str = "gpushare", replicas: int = 1
+        cls,
+        url: str,
+        names: BusNames | None = None,
+        *,
+        name: str = "gpushare",
+        replicas: int = 1,
+        limits: StreamLimits | None = None,
     ) -> EventBus:
-        """Connect (reconnecting forever on loss) and make sure the streams exist (with `replicas`
-        copies each when created here; a 3-server NATS cluster wants 3)."""
+        """Connect (one attempt: a server that is away raises at once; once connected, reconnecting forever on
+        loss) and make sure the streams exist (with `replicas`
+        copies each when created here; a 3-server NATS cluster wants 3). `limits` are applied to the streams
+        when given (a process without its own settings creates missing streams with the defaults and leaves
+        existing limits alone)."""
+
+        connected = False
 
         async def _disconnected() -> None:
-            log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
+            if connected:
+                log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
 
         async def _reconnected() -> None:
             log.info("reconnected to NATS", extra={"nats_url": url})
 
         async def _error(exc: Exception) -> None:
-            log.warning("NATS client error: %s", exc)
+            if connected:  # a failed first attempt is the caller's to report (once)
+                log.warning("NATS client error: %s", exc)
 
+        # the first connection gets two tries (the caller decides whether and when to try again); once it is up,
+        # a lost connection is re-established for ever
         nc = await nats.connect(
             url,
             name=name,
-            max_reconnect_attempts=-1,
+            max_reconnect_attempts=1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
         )
+        nc.options["max_reconnect_attempts"] = -1
+        connected = True
         bus = cls(nc, names or BusNames(), replicas=replicas)
-        await bus.ensure_streams()
+        try:
+            await bus.ensure_streams(limits)
+        except BaseException:
+            await nc.close()
+            raise
         return bus
 
-    async def ensure_streams(self) -> None:
-        """Create the event stream and the parking stream when they are missing (idempotent)."""
-        for stream, subjects in (
-            (self.names.stream, [f"{self.names.prefix}.>"]),
-            (self.names.parked_stream, [f"{self.names.parked_prefix}.>"]),
+    async def ensure_streams(self, limits: StreamLimits | None = None) -> None:
+        """Create the ledger, samples and parking streams when missing, and bring existing ones to the
+        subjects this release expects (idempotent).
+
+        A stream from before the samples stream existed holds `<prefix>.>`: its subjects are narrowed to the
+        ledger kinds first (streams may not overlap), then the samples stream is created. Messages already
+        stored stay where they are; replay ignores the kinds it does not fold, and the snapshot job purges
+        them once every durable consumer has passed them.
+        """
+        explicit = limits is not None
+        limits = limits or StreamLimits()
+        for stream, subjects, (max_age, max_bytes) in (
+            (self.names.stream, self.names.stream_subjects(samples=False), limits.age_and_bytes(samples=False)),
+            (self.names.samples_stream, self.names.stream_subjects(samples=True), limits.age_and_bytes(samples=True)),
+            (self.names.parked_stream, [f"{self.names.parked_prefix}.>"], (0.0, 0)),
         ):
-            try:
-                await self.js.stream_info(stream)
-            except NotFoundError:
-                await self.js.add_stream(
-                    StreamConfig(
-                        name=stream,
-                        subjects=subjects,
-                        retention=RetentionPolicy.LIMITS,
-                        storage=StorageType.FILE,
-                        duplicate_window=DEDUP_WINDOW_S,
-                        num_replicas=self.replicas,
-                    )
+            await self._ensure_stream(stream, subjects, max_age, max_bytes, set_limits=explicit)
+
+    async def _ensure_stream(
+        self, stream: str, subjects: list[str], max_age: float, max_bytes: int, *, set_limits: bool
+    ) -> None:
+        try:
+            info = await self.js.stream_info(stream)
+        except NotFoundError:
+            await self.js.add_stream(
+                StreamConfig(
+                    name=stream,
+                    subjects=subjects,
+                    retention=RetentionPolicy.LIMITS,
+                    storage=StorageType.FILE,
+                    duplicate_window=_dedup_window(max_age),
+                    num_replicas=self.replicas,
+                    max_age=max_age,
+                    max_bytes=max_bytes or -1,
                 )
-                log.info("created JetStream stream", extra={"stream": stream, "subjects": subjects})
+            )
+            log.info("created JetStream stream", extra={"stream": stream, "subjects": subjects, "max_age_s": max_age})
+            return
+        config, changes = info.config, {}
+        if sorted(config.subjects or []) != subjects:
+            changes["subjects"] = subjects
+        if set_limits and ((config.max_age or 0.0), max(config.max_bytes or 0, 0)) != (max_age, max_bytes):
+            changes.update(max_age=max_age, max_bytes=max_bytes or -1, duplicate_window=_dedup_window(max_age))
+        if changes:
+            await self.js.update_stream(config.evolve(**changes))
+            log.info(
+                "updated JetStream stream %s: %s",
+                stream,
+                ", ".join(f"{k}={v}" for k, v in changes.items()),
+                extra={"stream": stream, "subjects": subjects},
+            )
 
     async def publish(self, event: object) -> PubAck:
         """Publish one event; a repeat of the same event id within the dedup window is dropped."""
@@ -114,8 +186,9 @@ class EventBus:
         return await self.js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
 
     async def delete_streams(self) -> None:
-        """Remove both streams (tests and `--reset` only)."""
-        for stream in (self.names.stream, self.names.parked_stream):
+        """Remove every stream and the snapshot store (tests and `--reset` only)."""
+        names = self.names
+        for stream in (names.stream, names.samples_stream, names.parked_stream, f"OBJ_{names.snapshot_bucket}"):
             try:
                 await self.js.delete_stream(stream)
             except NotFoundError:
@@ -130,3 +203,8 @@ class EventBus:
         except Exception as exc:  # closing anyway
             log.debug("flush before close failed: %s", exc)
         await self.nc.close()
+
+
+def _dedup_window(max_age: float) -> float:
+    """The dedup window: two minutes, never longer than the stream keeps messages (JetStream's rule)."""
+    return min(DEDUP_WINDOW_S, max_age) if max_age > 0 else DEDUP_WINDOW_S

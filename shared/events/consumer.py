@@ -1,10 +1,13 @@
 """Durable JetStream consumers: explicit ack after the effect, bounded redelivery, poison parking.
 
 A handler receives a decoded event and returns once its effect is durable (committed to the ledger, or
-published). Only then is the message acked. A handler that raises is retried with backoff up to
-`max_deliver` times; after that, or at once for messages that cannot be decoded or that the handler
-rejects with `PermanentError`, the message is copied to the parking stream with its reason and
-terminated, so it is never looped. Handlers must be idempotent: JetStream delivers at least once.
+published). Only then is the message acked. A handler that fails because the database or the bus is away
+(`shared.transient`) is retried in place with capped exponential backoff for as long as the outage lasts,
+keeping the message in progress (an outage never parks an event, and events keep their order). A handler
+that raises anything else is retried with backoff up to `max_deliver` times; after that, or at once for
+messages that cannot be decoded or that the handler rejects with `PermanentError`, the message is copied to
+the parking stream with its reason and terminated, so it is never looped. Handlers must be idempotent:
+JetStream delivers at least once.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -19,6 +23,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, EventDecodeError, decode_event
+from shared.transient import is_transient_failure
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +52,12 @@ class DurableConsumer:
         concurrency: int = 1,
         batch_handler: BatchHandler | None = None,
         linger_s: float = 0.0,
+        stream: str | None = None,
+        max_backoff_s: float = 10.0,
+        transient: Callable[[BaseException], bool] = is_transient_failure,
     ) -> None:
         self.bus = bus
+        self.stream = stream or bus.names.stream  # the ledger stream unless told (the samples stream, say)
         self.durable = durable
         self.handler = handler
         self.kinds = frozenset(kinds) if kinds else None
@@ -60,9 +69,13 @@ class DurableConsumer:
         self.batch_handler = batch_handler if self.concurrency == 1 else None
         # with a batch handler: wait up to this long for a batch to fill (trades latency for fewer commits)
         self.linger_s = linger_s if self.batch_handler is not None else 0.0
+        self.max_backoff_s = max_backoff_s
+        self.transient = transient
         self.applied = 0
         self.parked = 0
+        self.outage_retries = 0  # handler calls retried because the database or the bus was away
         self.ready = asyncio.Event()
+        self._stop: asyncio.Event | None = None
 
     def _filter_subject(self) -> str:
         names = self.bus.names
@@ -89,7 +102,7 @@ class DurableConsumer:
             filter_subjects=several,
         )
         return await self.bus.js.pull_subscribe(
-            self._filter_subject(), durable=self.durable, stream=self.bus.names.stream, config=config
+            self._filter_subject(), durable=self.durable, stream=self.stream, config=config
         )
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -101,6 +114,7 @@ class DurableConsumer:
         are awaited; on cancellation they are cancelled (their messages are redelivered).
         """
         stop = stop or asyncio.Event()
+        self._stop = stop
         sub = None
         in_flight: set[asyncio.Task[None]] = set()
         pending = 0  # how many more messages the server said were waiting after the last one fetched
@@ -200,8 +214,9 @@ class DurableConsumer:
                 wanted.append((msg, event))
         if not wanted:
             return
+        events = [event for _, event in wanted]
         try:
-            await self.batch_handler([event for _, event in wanted])
+            await self._through_outages(lambda: self.batch_handler(events), [m for m, _ in wanted], events[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -238,7 +253,7 @@ class DurableConsumer:
         if event is None:
             return
         try:
-            await self.handler(event)
+            await self._through_outages(lambda: self.handler(event), [msg], event)
         except PermanentError as exc:
             await self._park(msg, f"rejected by handler: {exc}")
             return
@@ -265,6 +280,58 @@ class DurableConsumer:
         await msg.ack()
         self.applied += 1
 
+    async def _through_outages(self, call: Callable[[], Awaitable[None]], msgs: list[Any], event: Event) -> None:
+        """Await `call()`, retrying it while it fails with a transient error (database or bus away), with capped
+        exponential backoff and the messages kept in progress; one log line per attempt. Other errors, and a
+        transient one once the consumer is stopping, are raised."""
+        attempt, started = 0, time.monotonic()
+        while True:
+            try:
+                await call()
+                if attempt:
+                    log.info(
+                        "consumer %s: %s %s applied after %d retries over %.1fs",
+                        self.durable,
+                        event.kind,
+                        event.event_id,
+                        attempt,
+                        time.monotonic() - started,
+                        extra={"consumer": self.durable, "event_id": str(event.event_id)},
+                    )
+                return
+            except Exception as exc:
+                if isinstance(exc, PermanentError) or not self.transient(exc):
+                    raise
+                if self._stop is not None and self._stop.is_set():
+                    raise
+                attempt += 1
+                self.outage_retries += 1
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                log.warning(
+                    "consumer %s: %s %s waits for the database or the bus (%r); attempt %d, retrying in %.1fs "
+                    "(%.0fs so far)",
+                    self.durable,
+                    event.kind,
+                    event.event_id,
+                    exc,
+                    attempt,
+                    delay,
+                    time.monotonic() - started,
+                    extra={"consumer": self.durable, "event_id": str(event.event_id), "attempt": attempt},
+                )
+                for msg in msgs:  # not redelivered meanwhile (the bus may be away too: then it is, later)
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+                await self._pause(delay)
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep `delay` seconds, or less when the consumer is asked to stop."""
+        if self._stop is None:
+            await asyncio.sleep(delay)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), delay)
+
     async def _park(self, msg: Any, reason: str) -> None:
         names = self.bus.names
         seq = msg.metadata.sequence.stream if msg.metadata else 0
@@ -281,7 +348,7 @@ class DurableConsumer:
                 f"{names.parked_prefix}.{self.durable}",
                 msg.data,
                 headers={
-                    "Nats-Msg-Id": f"{self.durable}-{seq}",
+                    "Nats-Msg-Id": f"{self.stream}-{self.durable}-{seq}",
                     "Gpushare-Parked-Reason": reason[:1000],
                     "Gpushare-Original-Subject": msg.subject,
                 },

@@ -39,13 +39,18 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
             },
         )
     )
+    # The GPU rows are locked (in UUID order, as reservations lock them) before their counters are read: a
+    # reservation committing between the read and the update would otherwise leave the new capacity below
+    # what is allocated, and the CHECK would refuse the whole inventory. Locked, the reservation waits and
+    # then sees the new capacity (and is refused if it no longer fits), or it went first and is read here.
     existing = {
         r.uuid: r
         for r in (
             await conn.execute(
-                select(gpus.c.uuid, gpus.c.node, gpus.c.allocated_memory_mib).where(
-                    gpus.c.uuid.in_([g.uuid for g in event.gpus]) | (gpus.c.node == event.node)
-                )
+                select(gpus.c.uuid, gpus.c.node, gpus.c.allocated_memory_mib)
+                .where(gpus.c.uuid.in_([g.uuid for g in event.gpus]) | (gpus.c.node == event.node))
+                .order_by(gpus.c.uuid)
+                .with_for_update()
             )
         ).all()
     }

@@ -151,6 +151,7 @@ applied_events = Table(
     Column("event_id", UUID(as_uuid=True), nullable=False),
     Column("applied_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("consumer", "event_id"),
+    Index("ix_applied_events_applied_at", "applied_at"),  # claims are pruned after the dedupe horizon
 )
 
 outbox = Table(

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -49,18 +49,26 @@ def _stream_sequence(reply: str) -> int:
 
 
 async def read_events(
-    bus: EventBus, *, stats: ReplayStats | None = None, progress: Progress | None = None, idle_timeout_s: float = 10.0
+    bus: EventBus,
+    *,
+    stream: str | None = None,
+    after: int = 0,
+    stats: ReplayStats | None = None,
+    progress: Progress | None = None,
+    idle_timeout_s: float = 10.0,
 ) -> AsyncIterator[Event]:
-    """Every event in the stream, oldest first, up to the last one present when called.
+    """Every event in the stream (the ledger stream unless told) after stream sequence `after`, oldest first,
+    up to the last one present when called.
 
     Undecodable messages are counted and skipped (consumers park them the same way). Messages arrive
     through a callback into a local buffer that is drained in batches: the per-message cost of
     `next_msg` (a task and a timer per message) dominated replay time.
     """
     stats = stats or ReplayStats()
-    info = await bus.js.stream_info(bus.names.stream)
+    stream = stream or bus.names.stream
+    info = await bus.js.stream_info(stream)
     last = info.state.last_seq
-    if info.state.messages == 0 or last == 0:
+    if info.state.messages == 0 or last <= after:
         return
     buffer: deque[Msg] = deque()
     arrived, drained = asyncio.Event(), asyncio.Event()
@@ -72,12 +80,17 @@ async def read_events(
         buffer.append(msg)
         arrived.set()
 
+    start = (
+        ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
+        if after > 0
+        else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    )
     sub = await bus.js.subscribe(
         f"{bus.names.prefix}.>",
         cb=on_message,
         ordered_consumer=True,
-        deliver_policy=DeliverPolicy.ALL,
-        stream=bus.names.stream,
+        config=start,
+        stream=stream,
         pending_msgs_limit=1_000_000,
     )
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from shared.events.catalogue import (
@@ -100,7 +100,7 @@ class LedgerState:
     live_by_pod: dict[str, uuid.UUID] = field(default_factory=dict)
     early: dict[uuid.UUID, list[Any]] = field(default_factory=dict)
     applied: int = 0
-    seen: set[uuid.UUID] = field(default_factory=set)
+    seen: dict[uuid.UUID, datetime] = field(default_factory=dict)  # event id -> when it occurred
     duplicates: int = 0
 
     def apply(self, event: Event) -> None:
@@ -109,7 +109,7 @@ class LedgerState:
         if event.event_id in self.seen:
             self.duplicates += 1
             return
-        self.seen.add(event.event_id)
+        self.seen[event.event_id] = event.occurred_at
         match event:
             case InventoryEvent():
                 self._inventory(event)
@@ -258,6 +258,21 @@ class LedgerState:
                 gpu.allocated_memory_mib += sign * memory
                 gpu.allocated_compute += sign * compute
 
+    def forget_seen(self, horizon_s: float) -> int:
+        """Forget the ids of events that occurred more than `horizon_s` before the newest one seen (what a
+        snapshot keeps for recognising copies in the tail after it); returns how many were forgotten.
+
+        Copies come from the outbox relay republishing rows it still holds, so a copy follows its original
+        within one relay batch in the stream, however long the outage between them; the horizon (days by
+        default) is far beyond that. Past it, life-cycle and exchange events are idempotent by themselves.
+        """
+        if not self.seen:
+            return 0
+        cutoff = max(self.seen.values()) - timedelta(seconds=horizon_s)
+        before = len(self.seen)
+        self.seen = {event_id: at for event_id, at in self.seen.items() if at >= cutoff}
+        return before - len(self.seen)
+
     def canonical(self) -> dict[str, Any]:
         """A plain, order-independent form for comparing two ledgers."""
         return {
@@ -318,5 +333,5 @@ class LedgerState:
             quotas=dict(self.quotas),
             live_by_pod=dict(self.live_by_pod),
             early={k: list(v) for k, v in self.early.items()},
-            seen=set(self.seen),
+            seen=dict(self.seen),
         )

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from services.accounting.api import create_app
 from services.accounting.metrics import AccountingMetrics
 from services.accounting.projections import Projector
-from services.accounting.tables import CONSUMER
+from services.accounting.tables import CONSUMER, SAMPLES_CONSUMER
 from services.cli import main as gpushare
 from shared.events.bus import EventBus
 from shared.events.catalogue import (
@@ -63,7 +63,8 @@ class Stack:
     engine: AsyncEngine
     bus: EventBus
     ledger: Ledger
-    consumer: DurableConsumer
+    consumer: DurableConsumer  # the ledger stream's
+    samples_consumer: DurableConsumer  # the samples stream's
     metrics: AccountingMetrics
     app: FastAPI
     client: httpx.AsyncClient
@@ -72,16 +73,19 @@ class Stack:
     seeded_at: datetime | None = None
 
     async def settle(self, timeout_s: float = 20.0) -> None:
-        """Wait until every committed change is published and applied by the consumer."""
+        """Wait until every committed change is published and applied by both consumers."""
         await wait_for_quiet(self.engine, timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
+        names = self.bus.names
         while True:
-            info = await self.bus.js.stream_info(self.bus.names.stream)
-            try:
-                ci = await self.bus.js.consumer_info(self.bus.names.stream, CONSUMER)
-                done = ci.delivered.stream_seq >= info.state.last_seq and ci.num_ack_pending == 0
-            except Exception:
-                done = False
+            done = True
+            for stream, durable in ((names.stream, CONSUMER), (names.samples_stream, SAMPLES_CONSUMER)):
+                info = await self.bus.js.stream_info(stream)
+                try:
+                    ci = await self.bus.js.consumer_info(stream, durable)
+                    done = done and ci.delivered.stream_seq >= info.state.last_seq and ci.num_ack_pending == 0
+                except Exception:
+                    done = False
             if done:
                 return
             if time.monotonic() > deadline:
@@ -106,11 +110,12 @@ async def stack(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[Stack]:
     metrics = AccountingMetrics(min_refresh_s=0)
     projector = Projector(engine, on_latency=metrics.observe_latency)
     consumer = DurableConsumer(bus, CONSUMER, projector.handle, batch=128)
-    tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(consumer.run(stop))]
+    samples = DurableConsumer(bus, SAMPLES_CONSUMER, projector.handle, batch=128, stream=bus.names.samples_stream)
+    tasks = [asyncio.create_task(t.run(stop)) for t in (relay, consumer, samples)]
     app = create_app(engine, settings, ledger=ledger, metrics=metrics)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://accounting")
     try:
-        yield Stack(engine, bus, ledger, consumer, metrics, app, client, settings)
+        yield Stack(engine, bus, ledger, consumer, samples, metrics, app, client, settings)
     finally:
         stop.set()
         await client.aclose()

@@ -317,3 +317,19 @@ def test_before_1_30_overlay_is_the_base_without_the_admission_policy(
     older = {key(o) for o in rendered["overlays/before-1.30"]}
     assert base - older == {("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)}
     assert older < base
+
+
+def test_every_shared_setting_is_one_gpushare_reads_and_parses(
+    rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared.events.streams import StreamLimits
+    from shared.settings import Settings
+
+    data = find(rendered["base"], "ConfigMap", "gpushare-config")["data"]
+    known = {f"GPUSHARE_{name.upper()}" for name in Settings.model_fields}
+    assert set(data) <= known, f"unknown settings: {set(data) - known}"
+    for name, value in data.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert StreamLimits.from_settings(settings).samples_max_age_s == 86_400
+    assert (settings.snapshot_interval, settings.usage_retention) == (3_600, 30 * 86_400)

@@ -86,3 +86,27 @@ async def test_statement_errors_are_not_retried(engine: AsyncEngine) -> None:
         await retry_transient(duplicate, budget_s=5, what="test")
     assert calls == 1
     assert not is_transient(ValueError("x")) and is_transient(ConnectionRefusedError())
+
+
+def test_outages_of_the_database_or_the_bus_are_transient_and_errors_of_the_work_are_not() -> None:
+    import nats.errors
+
+    from shared.transient import is_transient_failure
+
+    def raised_from(cause: BaseException) -> RuntimeError:
+        try:
+            raise RuntimeError("handler failed") from cause
+        except RuntimeError as exc:
+            return exc
+
+    for exc in (
+        LedgerUnavailable(UNAVAILABLE),
+        ConnectionRefusedError(),
+        FileNotFoundError(2, "no socket"),
+        nats.errors.NoRespondersError(),
+        nats.errors.ConnectionClosedError(),
+        raised_from(ConnectionResetError()),
+    ):
+        assert is_transient_failure(exc), exc
+    for exc in (ValueError("bad"), KeyError("x"), raised_from(ValueError("bad")), nats.errors.BadSubjectError()):
+        assert not is_transient_failure(exc), exc

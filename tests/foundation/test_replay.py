@@ -16,7 +16,7 @@ from shared.events.catalogue import AllocationPart, GpuInfo, HealthEvent, Invent
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.replay import differences, load_state, replay_state, wait_for_quiet, write_state
-from shared.ledger.reservations import InsufficientCapacity, ReservationRequest
+from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, ReservationRequest
 
 
 async def _busy_ledger(engine: AsyncEngine, bus: EventBus, seed: int = 7) -> Ledger:
@@ -71,7 +71,7 @@ async def _busy_ledger(engine: AsyncEngine, bus: EventBus, seed: int = 7) -> Led
             )
             try:
                 live.append(await ledger.reserve(req))
-            except InsufficientCapacity:
+            except (InsufficientCapacity, QuotaExceeded):  # a second busy round on the same ledger fills it
                 pass
     await ledger.record(HealthEvent(node="node-1", gpu_uuid="GPU-1-1", healthy=False, reason="XID 79"))
     await ledger.retire_node("node-2")

@@ -66,6 +66,7 @@ class ServiceProcess:
     env: dict[str, str]
     log_dir: Path
     port: int = field(default_factory=free_port)
+    port_flag: str = "--port"  # the node agent's is --metrics-port
     proc: subprocess.Popen | None = None
     starts: int = 0
     kills: int = 0
@@ -86,7 +87,7 @@ class ServiceProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                gpushare_command(*self.args, "--port", str(self.port)),
+                gpushare_command(*self.args, self.port_flag, str(self.port)),
                 cwd=REPO,
                 env={**os.environ, **self.env},
                 stdout=log,
