@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 SERVICE_CIDR = "10.96.0.0/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+KUBECONFIG_NAME = "kubeconfig"  # the admin kubeconfig, in the work directory
 
 
 @dataclass
@@ -334,7 +335,7 @@ class ControlPlane:
             res = subprocess.run(cmd, capture_output=True, check=False)
             if res.returncode:
                 raise ControlPlaneUnavailable(f"{' '.join(cmd)} failed: {res.stderr.decode()}")
-        self.kubeconfig_path = wd / "kubeconfig"
+        self.kubeconfig_path = wd / KUBECONFIG_NAME
         kubeconfig = {
             "apiVersion": "v1",
             "kind": "Config",

@@ -11,6 +11,7 @@ from shared.settings import Settings
 from .api import create_app
 from .metrics import AccountingMetrics
 from .projections import Projector
+from .resource_quotas import ResourceQuotas
 from .tables import CONSUMER
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,27 @@ def build_consumer(rt: ServiceRuntime, metrics: AccountingMetrics) -> DurableCon
     return DurableConsumer(rt.bus, CONSUMER, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S)
 
 
-async def serve(settings: Settings, *, host: str, port: int) -> None:
-    """Run until SIGTERM / SIGINT."""
+async def serve(
+    settings: Settings, *, host: str, port: int, kubernetes: bool = True, kubeconfig: str | None = None
+) -> None:
+    """Run until SIGTERM / SIGINT (`kubernetes`: show the cluster's ResourceQuotas, read with `kubeconfig`,
+    default $KUBECONFIG or in-cluster)."""
     async with ServiceRuntime("accounting", settings) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
         consumer = build_consumer(rt, metrics)
         rt.spawn(consumer.run(rt.stop))
-        app = create_app(rt.engine, settings, ledger=rt.ledger, metrics=metrics, ready=consumer.ready.is_set)
-        await rt.serve(app, host=host, port=port)
+        resource_quotas = ResourceQuotas(kubeconfig) if kubernetes else None
+        app = create_app(
+            rt.engine,
+            settings,
+            ledger=rt.ledger,
+            metrics=metrics,
+            ready=consumer.ready.is_set,
+            resource_quotas=resource_quotas,
+        )
+        try:
+            await rt.serve(app, host=host, port=port)
+        finally:
+            if resource_quotas is not None:
+                await resource_quotas.close()
