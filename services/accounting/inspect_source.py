@@ -206,7 +206,9 @@ async def from_apiserver(api: client.ApiClient, request: Request, unit: MemoryUn
             if not token:
                 break
     except ApiException as exc:
-        raise Unavailable(f"the API server at {host} refused to list nodes and pods: {status_message(exc)}") from None
+        raise Unavailable(
+            f"the API server at {host} refused to list nodes and pods: {exc.status} {status_message(exc)}"
+        ) from None
     except TimeoutError:
         raise ApiServerUnreachable(f"the API server at {host} did not answer within {request.timeout_s:g} s") from None
     shown = nodes_from_cluster(nodes, pod_list, unit)
@@ -240,7 +242,12 @@ async def read(settings: Settings, request: Request) -> Reading:
             raise
         except Unavailable as exc:
             reason = str(exc)
-        nodes = await from_apiserver(api, request, settings.resource_memory_unit)
+        try:
+            nodes = await from_apiserver(api, request, settings.resource_memory_unit)
+        except ApiServerUnreachable:
+            raise
+        except Unavailable as exc:
+            raise Unavailable(f"accounting is unreachable ({reason}), and {exc}") from None
         note = (
             f"accounting is unreachable ({reason}); showing what the API server alone knows: node capacity and "
             "gpushare pod annotations (no usage, GPU models or UUIDs)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import socket
 import sys
 from pathlib import Path
@@ -22,10 +23,13 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
+from devstack.cluster import Paths
+from devstack.cluster.nodes import create_gpu_node
 from shared.settings import Settings
 from tests.accounting.live import LiveServer
+from tests.deploy.tools import K8S, find, load_all
 from tests.e2e import helpers as h
-from tests.system_tools import ensure_tool, unavailable
+from tests.system_tools import ensure_tool, running_control_plane, unavailable
 
 pytestmark = pytest.mark.e2e
 
@@ -207,3 +211,48 @@ async def test_kubectl_inspect_reads_accounting_through_the_apiserver_or_the_api
     assert code == 0 and out.startswith("gpushare "), out
     code, out, err = await kubectl.inspect("--help")
     assert code == 0 and out.startswith("usage: kubectl inspect gpushare"), out
+
+
+async def test_rbac_decides_who_may_look(control_plane_binaries: Paths, database_url: str, tmp_path: Path) -> None:
+    """On an API server that authorizes with RBAC: the shipped `gpushare-inspect` role lets a user read accounting
+    through the service proxy; a user who may only list nodes and pods gets the API server's view (and the note
+    says the proxy was forbidden); a user with neither is told both refusals."""
+    users = {name: secrets.token_hex(16) for name in ("alice", "carol", "bob")}
+    kubectl = Kubectl(ensure_tool(("kubectl",), "kubernetes-client"), plugin_env(tmp_path))
+    address = host_address()
+    with running_control_plane(control_plane_binaries, authorization_mode="RBAC", users=users) as cp:
+        async with cp.api_client() as api:
+            rbac = client.RbacAuthorizationV1Api(api)
+            role = find(load_all((K8S / "base" / "rbac.yaml").read_text()), "ClusterRole", "gpushare-inspect")
+            await rbac.create_cluster_role(role)
+            listing = {"metadata": {"name": "list-nodes-pods"}, "rules": [role["rules"][1]]}
+            assert role["rules"][1]["resources"] == ["nodes", "pods"]
+            await rbac.create_cluster_role(listing)
+            for user, granted in (("alice", "gpushare-inspect"), ("carol", "list-nodes-pods")):
+                await rbac.create_cluster_role_binding(
+                    {
+                        "metadata": {"name": f"{user}-{granted}"},
+                        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": granted},
+                        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+                    }
+                )
+            await create_gpu_node(api, "rbac-gpu-0", gpus=[(16, "Tesla-T4"), (16, "Tesla-T4")])
+            await client.CoreV1Api(api).create_namespace({"metadata": {"name": "gpushare-system"}})
+            with LiveServer(database_url, Settings(), host=address) as accounting:
+                await publish_accounting(api, "gpushare-system", address, accounting.port)
+
+                async def as_user(user: str) -> tuple[int, str, str]:
+                    kubeconfig = cp.user_kubeconfig(user, tmp_path / f"{user}.kubeconfig")
+                    return await kubectl.inspect("-o", "json", env={"KUBECONFIG": str(kubeconfig)})
+
+                code, out, err = await as_user("alice")
+                assert (code, err) == (0, "") and json.loads(out)["source"] == "accounting", err
+                code, out, err = await as_user("carol")
+                assert code == 0 and json.loads(out)["source"] == "kubernetes", err
+                assert [n["name"] for n in json.loads(out)["nodes"]] == ["rbac-gpu-0"]
+                (line,) = err.splitlines()
+                assert line.startswith("note: accounting is unreachable") and "403" in line and "carol" in line, err
+                code, out, err = await as_user("bob")
+                assert code == 2 and out == "" and err.count("403") == 2 and "Traceback" not in err, err
+                assert 'User "bob" cannot get resource "services/proxy"' in err, err
+                assert 'User "bob" cannot list resource "nodes"' in err, err
