@@ -35,6 +35,7 @@ from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UsageEvent
 from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
+from shared.metrics import gpu_labels, mib_to_bytes, percent_to_ratio
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -351,9 +352,9 @@ class NodeAgent:
         view = self.view.containers()
         allocated = allocated_by_gpu(view)
         for g in self.gpus:
-            labels = (node, g.uuid, str(g.index), g.model)
-            m.gpu_total.labels(*labels).set(schedulable_mib(g.memory_total_mib, self.config.unit))
-            m.gpu_allocated.labels(*labels).set(allocated.get(g.uuid, 0))
+            labels = gpu_labels(node, g.index, g.uuid, g.model)
+            m.gpu_total.labels(*labels).set(mib_to_bytes(schedulable_mib(g.memory_total_mib, self.config.unit)))
+            m.gpu_allocated.labels(*labels).set(mib_to_bytes(allocated.get(g.uuid, 0)))
             m.gpu_healthy.labels(*labels).set(1 if self.health.get(g.uuid, True) else 0)
         pods: dict[tuple[str, str], int] = {}
         for c in view:
@@ -361,7 +362,7 @@ class NodeAgent:
                 key = (c.namespace, c.pod_name)
                 pods[key] = pods.get(key, 0) + sum(s.memory_mib for s in c.shares)
         for (ns, pod), mib in pods.items():
-            m.pod_allocated.labels(node, ns, pod).set(mib)
+            m.pod_allocated.labels(node, ns, pod).set(mib_to_bytes(mib))
 
     async def sample_usage(self) -> UsageEvent:
         """Sample processes, publish a UsageEvent on the bus, update metrics, track over-use."""
@@ -380,11 +381,11 @@ class NodeAgent:
             if s.pod_uid:
                 used_pod[(s.namespace, s.pod_name)] = used_pod.get((s.namespace, s.pod_name), 0) + s.used_memory_mib
         for g in self.gpus:
-            labels = (node, g.uuid, str(g.index), g.model)
-            m.gpu_used.labels(*labels).set(used_gpu.get(g.uuid, 0))
-            m.gpu_util.labels(*labels).set(utilization.get(g.uuid, 0.0))
+            labels = gpu_labels(node, g.index, g.uuid, g.model)
+            m.gpu_used.labels(*labels).set(mib_to_bytes(used_gpu.get(g.uuid, 0)))
+            m.gpu_util.labels(*labels).set(percent_to_ratio(utilization.get(g.uuid, 0.0)))
         for (ns, pod), mib in used_pod.items():
-            m.pod_used.labels(node, ns, pod).set(mib)
+            m.pod_used.labels(node, ns, pod).set(mib_to_bytes(mib))
         self._update_gpu_metrics()
         for sample, limit in self.overuse.update(samples, allocated_by_pod_gpu(view), time.monotonic()):
             await self._overuse(sample, limit)
