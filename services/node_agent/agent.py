@@ -28,6 +28,7 @@ from services.node_agent.assignment import device_id
 from services.node_agent.discovery import GpuBackend, GpuDevice, HealthChange, schedulable_mib
 from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUnavailable
 from services.node_agent.metrics import AgentMetrics
+from services.node_agent.mps import MpsRoot
 from services.node_agent.plugin import PluginServer, dp_pb2
 from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
 from services.node_agent.view import NodeView, allocated_by_gpu
@@ -50,6 +51,7 @@ class AgentConfig:
     device_plugin_dir: Path = DEVICE_PLUGIN_DIR
     pod_resources_socket: str = POD_RESOURCES_SOCKET
     mps: bool = False
+    mps_root: Path | None = None  # hand out MPS limits while the control daemon runs there (services/node_agent/mps.py)
     type_label_key: str = "gpu-type"
     usage_interval_s: float = 5.0
     inventory_interval_s: float = 30.0
@@ -98,6 +100,7 @@ class NodeAgent:
             gpu_memory_mib=lambda: {g.uuid: schedulable_mib(g.memory_total_mib, self.config.unit) for g in self.gpus},
             gpu_total_mib=lambda: {g.uuid: g.memory_total_mib for g in self.gpus},
             mps=self.config.mps,
+            mps_root=MpsRoot(self.config.mps_root) if self.config.mps_root else None,
             on_outcome=lambda reason: self.metrics.plugin_outcomes.labels(self.config.node, reason).inc(),
         )
         self.plugins = [
