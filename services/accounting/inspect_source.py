@@ -75,8 +75,12 @@ async def fetch(get: Get, request: Request) -> tuple[list[dict[str, Any]], str]:
     """Nodes from accounting's API (with allocations when `detail` or a node is named) and the memory unit."""
     if request.node:
         one = await get(f"/v1/nodes/{request.node}")
+        if not isinstance(one, dict) or "gpus" not in one:
+            raise Unavailable(f"the answer to /v1/nodes/{request.node} is not accounting's (no `gpus`)")
         return [one], one.get("memory_unit", "GiB")
     listing = await get("/v1/nodes")
+    if not isinstance(listing, dict) or not isinstance(listing.get("items"), list):
+        raise Unavailable("the answer to /v1/nodes is not accounting's (no `items` list)")
     nodes = listing["items"]
     if request.detail:
         gate = asyncio.Semaphore(PARALLEL)
@@ -226,9 +230,10 @@ async def read(settings: Settings, request: Request) -> Reading:
         raise Unavailable(f"kubeconfig {path} does not exist")
     try:
         api = await api_client(path, context=request.context)
-    except (ConfigException, OSError) as exc:
-        if path or request.context:
-            raise Unavailable(f"cannot use the Kubernetes configuration {path or ''}: {exc}") from None
+    except Exception as exc:  # a user's kubeconfig fails in many ways (YAML, shape, an exec plugin): say which
+        if path or request.context or not isinstance(exc, ConfigException | OSError):
+            why = f"{exc.__class__.__name__}: {exc}".replace("\n", " ")
+            raise Unavailable(f"cannot use the Kubernetes configuration {path or ''}: {why}") from None
         try:
             return await from_url(settings.accounting_url, request)
         except Unavailable as unreachable:

@@ -387,3 +387,18 @@ def test_the_kubectl_plugin_says_its_name_and_gpushare_its_version(capsys: pytes
         with pytest.raises(SystemExit) as exit_:
             run()
         assert exit_.value.code == 0 and capsys.readouterr().out.startswith("gpushare 0.")
+
+
+async def test_a_broken_kubeconfig_is_named_not_a_traceback(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken"
+    broken.write_text("clusters: [not closed\n")
+    shapeless = tmp_path / "shapeless"
+    shapeless.write_text("just a string\n")
+    for path, says in (
+        (broken, "ParserError"),
+        (shapeless, "TypeError"),
+        (tmp_path / "missing", "does not exist"),
+    ):
+        code = await cli("inspect", "--kubeconfig", str(path))
+        err = capsys.readouterr().err
+        assert code == 2 and f"{path}" in err and says in err and "Traceback" not in err, err
