@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -66,6 +67,15 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _node(text: str) -> str:
+    if len(text) > 253 or not NODE_NAME.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Kubernetes node name")
+    return text
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text.removesuffix("s"))
@@ -78,7 +88,7 @@ def _seconds(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `inspect` (also those of the kubectl plugin)."""
-    p.add_argument("node", nargs="?", metavar="NODE", help="only this node")
+    p.add_argument("node", nargs="?", metavar="NODE", type=_node, help="only this node")
     p.add_argument("-d", "--details", action="store_true", help="one row per pod, per node")
     p.add_argument("-o", "--output", choices=["json", "wide"], help="json, or wide (model, UUID, used)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")

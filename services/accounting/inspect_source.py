@@ -128,10 +128,17 @@ class ApiServerUnreachable(Unavailable):
     """The API server itself did not answer (so nothing can be read through it)."""
 
 
-async def _kube(call: Callable[[], Awaitable[Any]], host: str) -> Any:
+async def _kube_json(host: str, call: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+    """The JSON body of one API call made with `_preload_content=False` (ApiException for non-2xx answers).
+
+    A connection that fails is ApiServerUnreachable; a timeout stays a TimeoutError for the caller to judge (the
+    service proxy may be the one waiting, on an endpoint that does not answer).
+    """
     try:
-        return await call()
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return await read_json(await call())
+    except TimeoutError:
+        raise
+    except (aiohttp.ClientError, OSError) as exc:
         why = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
         raise ApiServerUnreachable(f"cannot reach the API server at {host} ({why})") from None
 
@@ -143,18 +150,17 @@ async def through_apiserver(api: client.ApiClient, request: Request) -> Reading:
     where = f"service {request.namespace}/{SERVICE} through the API server at {host}"
 
     async def get(path: str) -> Any:
-        resp = await _kube(
-            lambda: core.connect_get_namespaced_service_proxy_with_path(
-                f"{SERVICE}:{PORT_NAME}",
-                request.namespace,
-                path.lstrip("/"),
-                _preload_content=False,
-                _request_timeout=request.timeout_s,
-            ),
-            host,
-        )
         try:
-            return await read_json(resp)
+            return await _kube_json(
+                host,
+                lambda: core.connect_get_namespaced_service_proxy_with_path(
+                    f"{SERVICE}:{PORT_NAME}",
+                    request.namespace,
+                    path.lstrip("/"),
+                    _preload_content=False,
+                    _request_timeout=request.timeout_s,
+                ),
+            )
         except ApiException as exc:
             try:
                 body = json.loads(exc.body or "{}")
@@ -183,10 +189,10 @@ async def from_apiserver(api: client.ApiClient, request: Request, unit: MemoryUn
     host = api.configuration.host
     node_selector = {"field_selector": f"metadata.name={request.node}"} if request.node else {}
     try:
-        nodes = await _kube(
-            lambda: core.list_node(_preload_content=False, _request_timeout=request.timeout_s, **node_selector), host
+        listed = await _kube_json(
+            host, lambda: core.list_node(_preload_content=False, _request_timeout=request.timeout_s, **node_selector)
         )
-        nodes = (await read_json(nodes)).get("items") or []
+        nodes = listed.get("items") or []
         fields = "status.phase!=Succeeded,status.phase!=Failed," + (
             f"spec.nodeName={request.node}" if request.node else "spec.nodeName!="
         )
@@ -194,7 +200,8 @@ async def from_apiserver(api: client.ApiClient, request: Request, unit: MemoryUn
         token: str | None = None
         while True:
             page = {"_continue": token} if token else {}
-            resp = await _kube(
+            body = await _kube_json(
+                host,
                 lambda page=page: core.list_pod_for_all_namespaces(
                     field_selector=fields,
                     limit=PAGE,
@@ -202,9 +209,7 @@ async def from_apiserver(api: client.ApiClient, request: Request, unit: MemoryUn
                     _request_timeout=request.timeout_s,
                     **page,
                 ),
-                host,
             )
-            body = await read_json(resp)
             pod_list += body.get("items") or []
             token = (body.get("metadata") or {}).get("continue")
             if not token:

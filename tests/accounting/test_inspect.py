@@ -387,6 +387,9 @@ def test_the_kubectl_plugin_says_its_name_and_gpushare_its_version(capsys: pytes
         with pytest.raises(SystemExit) as exit_:
             run()
         assert exit_.value.code == 0 and capsys.readouterr().out.startswith("gpushare 0.")
+    with pytest.raises(SystemExit) as exit_:
+        inspect_main(["../v1/quotas"])  # never put into a URL path
+    assert exit_.value.code == 2 and "'../v1/quotas' is not a Kubernetes node name" in capsys.readouterr().err
 
 
 async def test_a_broken_kubeconfig_is_named_not_a_traceback(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
