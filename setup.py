@@ -25,7 +25,10 @@ class BuildPyWithProtos(build_py):
 
     def run(self) -> None:
         super().run()
-        compile_protos(HERE if getattr(self, "editable_mode", False) else Path(self.build_lib))
+        if getattr(self, "editable_mode", False):
+            compile_protos(HERE)  # the checkout's modules, when missing or older than their .proto
+        else:  # always fresh: never ship modules a checkout generated with another grpcio-tools
+            compile_protos(Path(self.build_lib), force=True)
 
 
 setup(cmdclass={"build_py": BuildPyWithProtos})
