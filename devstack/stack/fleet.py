@@ -144,10 +144,13 @@ def _metrics_text(fleet: Fleet) -> str:
         "# HELP gpushare_fleet_agents_ready Simulated node agents that are ready",
         "# TYPE gpushare_fleet_agents_ready gauge",
         f"gpushare_fleet_agents_ready {fleet.ready()}",
-        "# HELP gpushare_device_plugin_outcomes_total Device-plugin outcomes of every simulated node, summed",
-        "# TYPE gpushare_device_plugin_outcomes_total counter",
+        "# HELP gpushare_node_agent_device_plugin_outcomes_total Device-plugin outcomes of every node, summed",
+        "# TYPE gpushare_node_agent_device_plugin_outcomes_total counter",
     ]
-    lines += [f'gpushare_device_plugin_outcomes_total{{reason="{r}"}} {v}' for r, v in sorted(fleet.outcomes().items())]
+    lines += [
+        f'gpushare_node_agent_device_plugin_outcomes_total{{reason="{r}"}} {v}'
+        for r, v in sorted(fleet.outcomes().items())
+    ]
     return "\n".join(lines) + "\n"
 
 

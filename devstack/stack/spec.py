@@ -132,9 +132,12 @@ def binder_command(common: CommonFlags, port: int, kubeconfig: str) -> ServiceCo
     return ServiceCommand("binder", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
 
 
-def accounting_command(common: CommonFlags, port: int, admin_token: str | None) -> ServiceCommand:
-    """Accounting (REST /v1, dashboard /ui)."""
-    argv = gpushare_argv("accounting", "--host", "127.0.0.1", "--port", str(port), common=common)
+def accounting_command(
+    common: CommonFlags, port: int, admin_token: str | None, kubeconfig: str | None = None
+) -> ServiceCommand:
+    """Accounting (REST /v1, dashboard /ui); with `kubeconfig` it shows that cluster's ResourceQuotas too."""
+    kube = ["--kubeconfig", kubeconfig] if kubeconfig else ["--no-kubernetes"]
+    argv = gpushare_argv("accounting", "--host", "127.0.0.1", "--port", str(port), *kube, common=common)
     env = {"GPUSHARE_ADMIN_TOKEN": admin_token} if admin_token else {}
     return ServiceCommand("accounting", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}", env)
 

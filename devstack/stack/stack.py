@@ -186,7 +186,7 @@ class Stack:
         self.progress("starting extender and accounting")
         first = [
             self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout)),
-            self._spawn(spec.accounting_command(self._common(), acc_port, c.admin_token)),
+            self._spawn(spec.accounting_command(self._common(), acc_port, c.admin_token, self._future_kubeconfig())),
         ]
         cluster = asyncio.create_task(self._obtain_cluster())
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
@@ -220,6 +220,14 @@ class Stack:
             addresses={n: self.node_address(n) for n in self.node_names},
             admit=self.config.fleet_admit,
         )
+
+    def _future_kubeconfig(self) -> str | None:
+        """The kubeconfig of the cluster `_obtain_cluster` will use (None: the simulator, no cluster)."""
+        if self.config.kubeconfig:
+            return self.config.kubeconfig
+        from devstack.cluster.controlplane import KUBECONFIG_NAME
+
+        return None if self.config.simulate else str(self.data_dir / "cluster" / KUBECONFIG_NAME)
 
     async def _obtain_cluster(self) -> None:
         c = self.config

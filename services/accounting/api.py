@@ -17,6 +17,7 @@ from shared.ledger.ledger import Ledger
 from shared.settings import Settings
 
 from .metrics import AccountingMetrics
+from .resource_quotas import ResourceQuotas
 from .routes import ROUTERS
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ def create_app(
     ledger: Ledger | None = None,
     metrics: AccountingMetrics | None = None,
     ready: Any = lambda: True,
+    resource_quotas: ResourceQuotas | None = None,
 ) -> FastAPI:
-    """The accounting application over a ledger database (`ledger` is needed for quota writes)."""
+    """The accounting application over a ledger database (`ledger` is needed for quota writes,
+    `resource_quotas` to show the cluster's ResourceQuotas beside them)."""
     metrics = metrics or AccountingMetrics()
     app = FastAPI(
         title="gpushare accounting",
@@ -42,6 +45,7 @@ def create_app(
     app.state.settings = settings
     app.state.ledger = ledger
     app.state.metrics = metrics
+    app.state.resource_quotas = resource_quotas
 
     @app.middleware("http")
     async def _refresh_metrics(request: Request, call_next):  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
     from .service import serve
 
-    run_main(serve(settings, host=args.host, port=args.port))
+    run_main(serve(settings, host=args.host, port=args.port, kubernetes=args.kubernetes, kubeconfig=args.kubeconfig))
     return 0
 
 
@@ -32,5 +32,16 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=ACCOUNTING_PORT, help=f"listen port (default {ACCOUNTING_PORT})")
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig for reading ResourceQuotas on gpushare's resources (default: $KUBECONFIG, in-cluster)",
+    )
+    p.add_argument(
+        "--no-kubernetes",
+        dest="kubernetes",
+        action="store_false",
+        help="do not read ResourceQuotas from the API server (/v1/quotas then shows the ledger's quotas only)",
+    )
     p.set_defaults(func=run)
     inspect_cli.register(subparsers, common)

@@ -1,5 +1,6 @@
 """What accounting's routes depend on (FastAPI `Depends`): the engine and a connection, the settings, the
-ledger writer, and the admin token that quota writes need (an `Authorization: Bearer` header)."""
+ledger writer, the ResourceQuota reader, and the admin token that quota writes need (an `Authorization: Bearer`
+header)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.ledger.ledger import Ledger
 from shared.settings import Settings
+
+from .resource_quotas import ResourceQuotas
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,14 @@ def writable(ledger: Ledger | None) -> Ledger:
     if ledger is None:
         raise HTTPException(503, "this accounting instance cannot write to the ledger")
     return ledger
+
+
+def get_resource_quotas(request: Request) -> ResourceQuotas | None:
+    """The reader of the cluster's ResourceQuotas, when this instance has Kubernetes access configured."""
+    return request.app.state.resource_quotas
+
+
+MaybeResourceQuotas = Annotated[ResourceQuotas | None, Depends(get_resource_quotas)]
 
 
 bearer = HTTPBearer(auto_error=False, description="GPUSHARE_ADMIN_TOKEN, for quota changes")

@@ -64,7 +64,6 @@ def node_view(node: dict[str, Any], unit: str) -> NodeView:
         allocated=allocated,
         pending=_units_up(pending_mib, u) if pending_mib else None,
     )
-    index_of = {g["uuid"]: g["index"] for g in gpus}
     seen: dict[str, tuple[str, str, dict[int, int], int]] = {}
     for a in node.get("allocations", []):
         if a.get("terminating_at"):
@@ -72,11 +71,11 @@ def node_view(node: dict[str, Any], unit: str) -> NodeView:
         per_index: dict[int, int] = {}
         pending = 0
         for p in a["parts"]:
-            if p["gpu_uuid"] in index_of:
-                idx = index_of[p["gpu_uuid"]]
-                per_index[idx] = per_index.get(idx, 0) + p["memory_mib"]
-            else:
+            idx = gpu_index(p, gpus)
+            if idx is None:
                 pending += p["memory_mib"]
+            else:
+                per_index[idx] = per_index.get(idx, 0) + p["memory_mib"]
         seen.setdefault(
             a["pod_uid"],
             (
@@ -89,6 +88,17 @@ def node_view(node: dict[str, Any], unit: str) -> NodeView:
     # gpushare lists pods GPU by GPU; order by the lowest GPU index a pod holds, then by name.
     view.pods = sorted(seen.values(), key=lambda p: (min(p[2], default=10**6), p[1], p[0]))
     return view
+
+
+def gpu_index(part: dict[str, Any], gpus: list[dict[str, Any]]) -> int | None:
+    """The index of the node's GPU a part is on (None: on no GPU the node lists, i.e. pending).
+
+    Accounting's parts name their GPU by UUID; parts read from the API server alone (no UUIDs known) by index.
+    """
+    if part.get("gpu_uuid") is not None:
+        return next((g["index"] for g in gpus if g["uuid"] == part["gpu_uuid"]), None)
+    index = part.get("gpu_index")
+    return index if index is not None and any(g["index"] == index for g in gpus) else None
 
 
 def unit_label(views: list[NodeView], unit: str) -> str:
@@ -180,10 +190,10 @@ def wide(nodes: list[dict[str, Any]], unit: str) -> str:
         for g in sorted(n.get("gpus", []), key=lambda g: g["index"]):
             used = g.get("used_memory_mib")
             used_text = "n/a" if used is None else f"{_fmt_units(used, u)}/{v.allocated[g['index']]}"
+            health = {True: "healthy", False: "unhealthy"}.get(g.get("healthy"), "unknown")
             text += (
-                f"{n['name']}\t{v.address}\tGPU{g['index']}\t{g['model'] or '-'}\t{g['uuid']}\t"
-                f"{v.allocated[g['index']]}/{v.totals[g['index']]}\t{used_text}\t"
-                f"{'healthy' if g['healthy'] else 'unhealthy'}\n"
+                f"{n['name']}\t{v.address}\tGPU{g['index']}\t{g.get('model') or '-'}\t{g.get('uuid') or '-'}\t"
+                f"{v.allocated[g['index']]}/{v.totals[g['index']]}\t{used_text}\t{health}\n"
             )
         used_all += v.used
         total_all += v.total

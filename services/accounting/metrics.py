@@ -13,9 +13,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from shared.metrics import GPU_LABELS, NODE_LABELS, gpu_labels, mib_to_bytes, node_labels
+
 from . import queries
 
-MIB = 1024 * 1024
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -44,41 +45,41 @@ class LedgerCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self.snapshot
         node_total = GaugeMetricFamily(
-            "gpushare_node_gpu_memory_bytes", "Schedulable GPU memory of a node", labels=["node"]
+            "gpushare_node_gpu_memory_bytes", "Schedulable GPU memory of a node", labels=NODE_LABELS
         )
         node_alloc = GaugeMetricFamily(
-            "gpushare_node_gpu_memory_allocated_bytes", "GPU memory allocated on a node", labels=["node"]
+            "gpushare_node_gpu_memory_allocated_bytes", "GPU memory allocated on a node", labels=NODE_LABELS
         )
-        node_gpus = GaugeMetricFamily("gpushare_node_gpus", "GPUs of a node in the ledger", labels=["node"])
-        gpu_labels = ["node", "gpu", "gpu_index", "model"]
-        gpu_total = GaugeMetricFamily("gpushare_gpu_memory_bytes", "Schedulable memory of a GPU", labels=gpu_labels)
+        node_gpus = GaugeMetricFamily("gpushare_node_gpus", "GPUs of a node in the ledger", labels=NODE_LABELS)
+        gpu_total = GaugeMetricFamily("gpushare_gpu_memory_bytes", "Schedulable memory of a GPU", labels=GPU_LABELS)
         gpu_alloc = GaugeMetricFamily(
-            "gpushare_gpu_memory_allocated_bytes", "Memory of a GPU held by live allocations", labels=gpu_labels
+            "gpushare_gpu_memory_allocated_bytes", "Memory of a GPU held by live allocations", labels=GPU_LABELS
         )
         gpu_used = GaugeMetricFamily(
-            "gpushare_gpu_memory_used_bytes", "Memory of a GPU in use at its latest usage sample", labels=gpu_labels
+            "gpushare_gpu_memory_used_bytes", "Memory of a GPU in use at its latest usage sample", labels=GPU_LABELS
         )
         for n in s.nodes:
-            node_total.add_metric([n["name"]], n["memory_mib"] * MIB)
-            node_alloc.add_metric([n["name"]], n["allocated_memory_mib"] * MIB)
-            node_gpus.add_metric([n["name"]], n["gpu_count"])
+            node = node_labels(n["name"])
+            node_total.add_metric(node, mib_to_bytes(n["memory_mib"]))
+            node_alloc.add_metric(node, mib_to_bytes(n["allocated_memory_mib"]))
+            node_gpus.add_metric(node, n["gpu_count"])
             for g in n["gpus"]:
-                labels = [n["name"], g["uuid"], str(g["index"]), g["model"]]
-                gpu_total.add_metric(labels, g["memory_mib"] * MIB)
-                gpu_alloc.add_metric(labels, g["allocated_memory_mib"] * MIB)
+                labels = gpu_labels(n["name"], g["index"], g["uuid"], g["model"])
+                gpu_total.add_metric(labels, mib_to_bytes(g["memory_mib"]))
+                gpu_alloc.add_metric(labels, mib_to_bytes(g["allocated_memory_mib"]))
                 if g["used_memory_mib"] is not None:
-                    gpu_used.add_metric(labels, g["used_memory_mib"] * MIB)
+                    gpu_used.add_metric(labels, mib_to_bytes(g["used_memory_mib"]))
         ns_alloc = GaugeMetricFamily(
             "gpushare_namespace_gpu_memory_allocated_bytes", "GPU memory a namespace holds", labels=["namespace"]
         )
         for ns, (mem, _compute) in sorted(s.namespaces.items()):
-            ns_alloc.add_metric([ns], mem * MIB)
+            ns_alloc.add_metric([ns], mib_to_bytes(mem))
         ns_quota = GaugeMetricFamily(
             "gpushare_namespace_gpu_memory_quota_bytes", "A namespace's GPU memory quota", labels=["namespace"]
         )
         for q in s.quotas:
             if q["memory_mib"] is not None:
-                ns_quota.add_metric([q["namespace"]], q["memory_mib"] * MIB)
+                ns_quota.add_metric([q["namespace"]], mib_to_bytes(q["memory_mib"]))
         pending = GaugeMetricFamily(
             "gpushare_pending_pods", "Pods the extender could not place, by reason", labels=["reason"]
         )

@@ -336,10 +336,26 @@ class Quota(Answer):
     allocated_memory_mib: int
 
 
+class ResourceQuotaUsage(Answer):
+    """A Kubernetes ResourceQuota's limit on one of gpushare's resources, and what it counts now."""
+
+    namespace: str
+    name: str
+    key: str = Field(description="the quota's key, e.g. `requests.aliyun.com/gpu-mem`")
+    resource: str = Field(description="the resource it limits, e.g. `aliyun.com/gpu-mem`")
+    hard: int = Field(description="the limit, in the resource's unit (gpu-mem: `memory_unit`)")
+    used: int = Field(description="what the namespace's pods request now, as the quota controller counts it")
+
+
 class QuotaList(Answer):
-    """`GET /v1/quotas`."""
+    """`GET /v1/quotas`: the ledger's quotas, and the cluster's ResourceQuotas on gpushare's resources."""
 
     items: list[Quota]
+    resource_quotas: list[ResourceQuotaUsage]
+    resource_quotas_unavailable: str | None = Field(
+        description="why `resource_quotas` is empty although there may be some (no Kubernetes access); null otherwise"
+    )
+    memory_unit: MemoryUnit
 
 
 class QuotaDeleted(Answer):

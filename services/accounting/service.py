@@ -16,6 +16,7 @@ from .api import create_app
 from .housekeeping import Housekeeper, Retention
 from .metrics import AccountingMetrics
 from .projections import Projector
+from .resource_quotas import ResourceQuotas
 from .tables import CONSUMER, SAMPLES_CONSUMER
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,11 @@ def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetri
     ]
 
 
-async def serve(settings: Settings, *, host: str, port: int) -> None:
-    """Run until SIGTERM / SIGINT."""
+async def serve(
+    settings: Settings, *, host: str, port: int, kubernetes: bool = True, kubeconfig: str | None = None
+) -> None:
+    """Run until SIGTERM / SIGINT (`kubernetes`: show the cluster's ResourceQuotas, read with `kubeconfig`,
+    default $KUBECONFIG or in-cluster)."""
     async with ServiceRuntime("accounting", settings, listen=Listen(host, port)) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
@@ -64,11 +68,17 @@ async def serve(settings: Settings, *, host: str, port: int) -> None:
             on_failure=lambda task: metrics.housekeeping_failures.labels(task=task).inc(),
         )
         rt.spawn(housekeeper.run(rt.stop))
+        resource_quotas = ResourceQuotas(kubeconfig) if kubernetes else None
         app = create_app(
             rt.engine,
             settings,
             ledger=rt.ledger,
             metrics=metrics,
             ready=lambda: all(c.ready.is_set() for c in consumers),
+            resource_quotas=resource_quotas,
         )
-        await rt.serve(app)
+        try:
+            await rt.serve(app)
+        finally:
+            if resource_quotas is not None:
+                await resource_quotas.close()

@@ -28,6 +28,7 @@ from services.node_agent.assignment import device_id
 from services.node_agent.discovery import GpuBackend, GpuDevice, HealthChange, schedulable_mib
 from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUnavailable
 from services.node_agent.metrics import AgentMetrics
+from services.node_agent.mps import MpsRoot
 from services.node_agent.plugin import PluginServer, dp_pb2
 from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
 from services.node_agent.view import NodeView, allocated_by_gpu
@@ -35,6 +36,7 @@ from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UsageEvent
 from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
+from shared.metrics import gpu_labels, mib_to_bytes, percent_to_ratio
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class AgentConfig:
     device_plugin_dir: Path = DEVICE_PLUGIN_DIR
     pod_resources_socket: str = POD_RESOURCES_SOCKET
     mps: bool = False
+    mps_root: Path | None = None  # hand out MPS limits while the control daemon runs there (services/node_agent/mps.py)
     type_label_key: str = "gpu-type"
     usage_interval_s: float = 5.0
     inventory_interval_s: float = 30.0
@@ -97,6 +100,7 @@ class NodeAgent:
             gpu_memory_mib=lambda: {g.uuid: schedulable_mib(g.memory_total_mib, self.config.unit) for g in self.gpus},
             gpu_total_mib=lambda: {g.uuid: g.memory_total_mib for g in self.gpus},
             mps=self.config.mps,
+            mps_root=MpsRoot(self.config.mps_root) if self.config.mps_root else None,
             on_outcome=lambda reason: self.metrics.plugin_outcomes.labels(self.config.node, reason).inc(),
         )
         self.plugins = [
@@ -351,9 +355,9 @@ class NodeAgent:
         view = self.view.containers()
         allocated = allocated_by_gpu(view)
         for g in self.gpus:
-            labels = (node, g.uuid, str(g.index), g.model)
-            m.gpu_total.labels(*labels).set(schedulable_mib(g.memory_total_mib, self.config.unit))
-            m.gpu_allocated.labels(*labels).set(allocated.get(g.uuid, 0))
+            labels = gpu_labels(node, g.index, g.uuid, g.model)
+            m.gpu_total.labels(*labels).set(mib_to_bytes(schedulable_mib(g.memory_total_mib, self.config.unit)))
+            m.gpu_allocated.labels(*labels).set(mib_to_bytes(allocated.get(g.uuid, 0)))
             m.gpu_healthy.labels(*labels).set(1 if self.health.get(g.uuid, True) else 0)
         pods: dict[tuple[str, str], int] = {}
         for c in view:
@@ -361,7 +365,7 @@ class NodeAgent:
                 key = (c.namespace, c.pod_name)
                 pods[key] = pods.get(key, 0) + sum(s.memory_mib for s in c.shares)
         for (ns, pod), mib in pods.items():
-            m.pod_allocated.labels(node, ns, pod).set(mib)
+            m.pod_allocated.labels(node, ns, pod).set(mib_to_bytes(mib))
 
     async def sample_usage(self) -> UsageEvent:
         """Sample processes, publish a UsageEvent on the bus, update metrics, track over-use."""
@@ -380,11 +384,11 @@ class NodeAgent:
             if s.pod_uid:
                 used_pod[(s.namespace, s.pod_name)] = used_pod.get((s.namespace, s.pod_name), 0) + s.used_memory_mib
         for g in self.gpus:
-            labels = (node, g.uuid, str(g.index), g.model)
-            m.gpu_used.labels(*labels).set(used_gpu.get(g.uuid, 0))
-            m.gpu_util.labels(*labels).set(utilization.get(g.uuid, 0.0))
+            labels = gpu_labels(node, g.index, g.uuid, g.model)
+            m.gpu_used.labels(*labels).set(mib_to_bytes(used_gpu.get(g.uuid, 0)))
+            m.gpu_util.labels(*labels).set(percent_to_ratio(utilization.get(g.uuid, 0.0)))
         for (ns, pod), mib in used_pod.items():
-            m.pod_used.labels(node, ns, pod).set(mib)
+            m.pod_used.labels(node, ns, pod).set(mib_to_bytes(mib))
         self._update_gpu_metrics()
         for sample, limit in self.overuse.update(samples, allocated_by_pod_gpu(view), time.monotonic()):
             await self._overuse(sample, limit)

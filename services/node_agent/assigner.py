@@ -33,6 +33,7 @@ from services.node_agent.assignment import (
     units_by_gpu,
 )
 from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUnavailable
+from services.node_agent.mps import MpsRoot
 from services.node_agent.view import NodeView
 from shared.annotations import RESOURCE_MEM
 from shared.events.catalogue import AssignedEvent, ExchangedEvent, decode_event
@@ -67,6 +68,7 @@ class Assigner:
         gpu_memory_mib: Callable[[], dict[str, int]],
         gpu_total_mib: Callable[[], dict[str, int]],
         mps: bool = False,
+        mps_root: MpsRoot | None = None,
         on_outcome: Callable[[str], None] | None = None,
         confirm_deadline_s: float = CONFIRM_DEADLINE_S,
     ) -> None:
@@ -78,7 +80,8 @@ class Assigner:
         self.pod_resources_socket = pod_resources_socket
         self.gpu_memory_mib = gpu_memory_mib
         self.gpu_total_mib = gpu_total_mib
-        self.mps = mps
+        self.mps = mps  # always hand out MPS limits (--mps)
+        self.mps_root = mps_root  # while the control daemon runs there (--mps-root)
         self.on_outcome = on_outcome or (lambda _reason: None)
         self.confirm_deadline_s = confirm_deadline_s
         self.decisions: dict[frozenset[str], list[Decision]] = {}
@@ -140,7 +143,9 @@ class Assigner:
             extra={"allocation_id": str(chosen.allocation_id), "gpus": [s.gpu_uuid for s in chosen.shares]},
         )
         self.on_outcome("allocated")
-        return container_env(chosen, self.gpu_memory_mib(), self.gpu_total_mib(), self.unit, mps=self.mps)
+        client = self.mps_root is not None and self.mps_root.running()
+        env = container_env(chosen, self.gpu_memory_mib(), self.gpu_total_mib(), self.unit, mps=self.mps or client)
+        return {**env, **self.mps_root.client_env()} if client and self.mps_root is not None else env
 
     def _match(self, view: list[PendingContainer], device_ids: list[str]) -> PendingContainer:
         try:

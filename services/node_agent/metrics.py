@@ -1,35 +1,56 @@
-"""Prometheus metrics of the node agent (a private registry per agent, served on --metrics-port)."""
+"""Prometheus metrics of the node agent (a private registry per agent, served on --metrics-port).
+
+One node's live view, named `gpushare_node_agent_*` so it never adds up with accounting's cluster view of the
+same GPUs; GPUs carry dcgm-exporter's labels (`shared.metrics.GPU_LABELS`), amounts are bytes and ratios.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from shared.metrics import GPU_LABELS
+
+POD_LABELS = ("node", "namespace", "pod")
+
 
 class AgentMetrics:
-    """Per GPU total / allocated / used memory and utilisation; per pod allocated vs used; outcomes."""
+    """Per GPU total / allocated / used memory, utilisation and health; per pod allocated vs used; outcomes."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        gpu = ["node", "gpu", "gpu_index", "model"]
-        pod = ["node", "namespace", "pod"]
-        r = self.registry
-        self.gpu_total = Gauge("gpushare_gpu_memory_total_mib", "Schedulable GPU memory", gpu, registry=r)
+        gpu, pod, r = GPU_LABELS, POD_LABELS, self.registry
+        self.gpu_total = Gauge("gpushare_node_agent_gpu_memory_bytes", "Schedulable GPU memory", gpu, registry=r)
         self.gpu_allocated = Gauge(
-            "gpushare_gpu_memory_allocated_mib", "GPU memory held by live allocations", gpu, registry=r
+            "gpushare_node_agent_gpu_memory_allocated_bytes", "GPU memory held by live allocations", gpu, registry=r
         )
-        self.gpu_used = Gauge("gpushare_gpu_memory_used_mib", "GPU memory used by processes", gpu, registry=r)
-        self.gpu_util = Gauge("gpushare_gpu_utilization_pct", "GPU utilisation", gpu, registry=r)
-        self.gpu_healthy = Gauge("gpushare_gpu_healthy", "1 when the GPU is healthy", gpu, registry=r)
+        self.gpu_used = Gauge(
+            "gpushare_node_agent_gpu_memory_used_bytes", "GPU memory used by processes (NVML)", gpu, registry=r
+        )
+        self.gpu_util = Gauge(
+            "gpushare_node_agent_gpu_utilization_ratio", "GPU utilisation, 0 to 1 (NVML)", gpu, registry=r
+        )
+        self.gpu_healthy = Gauge("gpushare_node_agent_gpu_healthy", "1 when the GPU is healthy", gpu, registry=r)
         self.pod_allocated = Gauge(
-            "gpushare_pod_memory_allocated_mib", "GPU memory allocated to a pod", pod, registry=r
+            "gpushare_node_agent_pod_gpu_memory_allocated_bytes", "GPU memory allocated to a pod", pod, registry=r
         )
-        self.pod_used = Gauge("gpushare_pod_memory_used_mib", "GPU memory a pod's processes use", pod, registry=r)
+        self.pod_used = Gauge(
+            "gpushare_node_agent_pod_gpu_memory_used_bytes", "GPU memory a pod's processes use", pod, registry=r
+        )
         self.pod_overuse = Gauge(
-            "gpushare_pod_memory_overuse", "1 while a pod uses more than allocated past the grace", pod, registry=r
+            "gpushare_node_agent_pod_gpu_memory_overuse",
+            "1 while a pod uses more GPU memory than allocated past the grace period",
+            pod,
+            registry=r,
         )
         self.overuse_events = Counter(
-            "gpushare_pod_memory_overuse_events", "Over-use episodes past the grace period", pod, registry=r
+            "gpushare_node_agent_pod_gpu_memory_overuse_episodes_total",
+            "Over-use episodes past the grace period",
+            pod,
+            registry=r,
         )
         self.plugin_outcomes = Counter(
-            "gpushare_device_plugin_outcomes", "Allocate / PreStart outcomes", ["node", "reason"], registry=r
+            "gpushare_node_agent_device_plugin_outcomes_total",
+            "Allocate / PreStartContainer outcomes",
+            ["node", "reason"],
+            registry=r,
         )

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.node_agent.assignment import AssignmentError
+from services.node_agent.mps import client_mounts
 from shared.kubelet_api import KUBELET_SOCKET, load
 
 dp_pb2, dp_grpc = load("deviceplugin")
@@ -89,7 +90,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             except AssignmentError as exc:
                 log.error("Allocate refused: %s", exc, extra={"resource": self.resource})
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gpushare: {exc}")
-            responses.append(dp_pb2.ContainerAllocateResponse(envs=envs))
+            mounts = [dp_pb2.Mount(host_path=h, container_path=c) for h, c in client_mounts(envs)]
+            responses.append(dp_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts))
         return dp_pb2.AllocateResponse(container_responses=responses)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:

@@ -9,15 +9,16 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 
-async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+async def api_client(kubeconfig: str | None = None, *, context: str | None = None) -> client.ApiClient:
     """An `ApiClient` for `kubeconfig` (default: $KUBECONFIG, then in-cluster, then ~/.kube/config).
 
-    Raises `ConfigException` with a message naming what was tried when nothing works.
+    `context` picks a kubeconfig context other than the current one. Raises `ConfigException` with a message
+    naming what was tried when nothing works.
     """
     path = kubeconfig or os.environ.get("KUBECONFIG")
     configuration = client.Configuration()
     if path:
-        await config.load_kube_config(config_file=path, client_configuration=configuration)
+        await config.load_kube_config(config_file=path, context=context, client_configuration=configuration)
     else:
         try:
             config.load_incluster_config(client_configuration=configuration)
@@ -27,7 +28,7 @@ async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
                 raise ConfigException(
                     "no Kubernetes configuration: set KUBECONFIG, run in a cluster, or create ~/.kube/config"
                 ) from None
-            await config.load_kube_config(config_file=str(default), client_configuration=configuration)
+            await config.load_kube_config(config_file=str(default), context=context, client_configuration=configuration)
     # kubernetes_asyncio reads bearer tokens from the `BearerToken` key in some versions and from
     # `authorization` in others; make both present.
     token = configuration.api_key.get("authorization") or configuration.api_key.get("BearerToken")
@@ -57,3 +58,17 @@ def skip_environment_lookups(api: client.ApiClient) -> None:
     session = getattr(getattr(api, "rest_client", None), "pool_manager", None)
     if session is not None and hasattr(session, "_trust_env"):
         session._trust_env = False
+
+
+def user_kubeconfig(explicit: str | None = None) -> str | None:
+    """The kubeconfig a user's command reads, in kubectl's order: `explicit` (--kubeconfig), $KUBECONFIG, then
+    ~/.kube/config when it exists; None when there is none (only the in-cluster configuration remains)."""
+    if explicit or os.environ.get("KUBECONFIG"):
+        return explicit or os.environ["KUBECONFIG"]
+    default = Path.home() / ".kube" / "config"
+    return str(default) if default.exists() else None
+
+
+def kubeconfig_exists(path: str) -> bool:
+    """Whether any file of a kubeconfig path list (`a:b`, as in $KUBECONFIG) exists."""
+    return any(os.path.exists(os.path.expanduser(p)) for p in path.split(os.pathsep) if p)

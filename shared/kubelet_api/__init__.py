@@ -1,20 +1,17 @@
-"""The kubelet gRPC APIs the node agent speaks, compiled from the project's own `.proto` files.
+"""The kubelet gRPC APIs the node agent speaks, generated from the project's `.proto` files.
 
 `deviceplugin.proto` is kubelet's device plugin API (package `v1beta1`), `podresources.proto` its
-pod-resources API (package `v1`). The generated `*_pb2*.py` modules are build output (not committed):
-`python -m shared.kubelet_api` writes them, and `load()` writes them on the fly when missing or
-older than their `.proto`.
+pod-resources API (package `v1`). The generated `*_pb2*.py` modules are build output (not committed): building
+the wheel writes them into it (`setup.py`), and `python -m shared.kubelet_api` into a development checkout
+(`shared.kubelet_api.build`). `load()` only imports them: nothing is compiled or written at run time.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 from types import ModuleType
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]  # the directory holding the `shared` package
 PROTOS = ("deviceplugin", "podresources")
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")  # where kubelet looks for device plugin sockets
 KUBELET_SOCKET = "kubelet.sock"  # kubelet's registration socket, in the device plugin directory
@@ -22,54 +19,22 @@ POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # kubelet'
 PACKAGE = __name__
 
 
-def _generated(name: str) -> list[Path]:
-    return [HERE / f"{name}_pb2.py", HERE / f"{name}_pb2_grpc.py"]
-
-
-def _stale(name: str) -> bool:
-    source = HERE / f"{name}.proto"
-    outputs = _generated(name)
-    return any(not p.exists() or p.stat().st_mtime < source.stat().st_mtime for p in outputs)
-
-
-def compile_protos(*, force: bool = False) -> list[str]:
-    """Compile the `.proto` files with grpcio-tools into this package; returns what was compiled.
-
-    Idempotent: up-to-date outputs are left alone unless `force`. Raises RuntimeError naming the file
-    when protoc fails.
-    """
-    from grpc_tools import protoc  # imported here: only needed when compiling
-
-    include = Path(protoc.__file__).resolve().parent / "_proto"
-    done = []
-    for name in PROTOS:
-        if not force and not _stale(name):
-            continue
-        rel = (HERE / f"{name}.proto").relative_to(ROOT)
-        code = protoc.main(
-            [
-                "grpc_tools.protoc",
-                f"-I{ROOT}",
-                f"-I{include}",
-                f"--python_out={ROOT}",
-                f"--pyi_out={ROOT}",
-                f"--grpc_python_out={ROOT}",
-                str(rel),
-            ]
-        )
-        if code != 0:
-            raise RuntimeError(f"protoc failed on {rel} (exit {code})")
-        done.append(name)
-    importlib.invalidate_caches()
-    return done
+class StubsMissing(RuntimeError):
+    """The generated gRPC modules are not installed (a checkout that was never built)."""
 
 
 def load(name: str) -> tuple[ModuleType, ModuleType]:
-    """The (messages, services) modules of one API, compiling first when needed."""
+    """The (messages, services) modules of one API."""
     if name not in PROTOS:
         raise ValueError(f"unknown proto {name!r}; known: {', '.join(PROTOS)}")
-    if f"{PACKAGE}.{name}_pb2" not in sys.modules and _stale(name):
-        compile_protos()
-    pb2 = importlib.import_module(f"{PACKAGE}.{name}_pb2")
-    grpc_mod = importlib.import_module(f"{PACKAGE}.{name}_pb2_grpc")
+    try:
+        pb2 = importlib.import_module(f"{PACKAGE}.{name}_pb2")
+        grpc_mod = importlib.import_module(f"{PACKAGE}.{name}_pb2_grpc")
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith(f"{PACKAGE}.{name}_pb2"):
+            raise
+        raise StubsMissing(
+            f"the kubelet gRPC modules ({name}_pb2) are not built: they are generated when the gpushare wheel is "
+            "built; in a development checkout run `python -m shared.kubelet_api` (or `make install`)"
+        ) from None
     return pb2, grpc_mod

@@ -1,10 +1,12 @@
-"""`python -m shared.kubelet_api [--force]`: compile the kubelet `.proto` files (idempotent)."""
+"""`python -m shared.kubelet_api [--force]`: compile the kubelet `.proto` files into this checkout (idempotent;
+needs grpcio-tools, in the `dev` extra)."""
 
 from __future__ import annotations
 
 import sys
 
-from shared.kubelet_api import PROTOS, compile_protos
+from shared.kubelet_api import PROTOS
+from shared.kubelet_api.build import compile_protos
 
 
 def main(argv: list[str]) -> int:

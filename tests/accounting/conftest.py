@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -13,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
 from sqlalchemy import text
@@ -34,12 +31,13 @@ from shared.events.catalogue import (
     UsageSample,
 )
 from shared.events.consumer import DurableConsumer
-from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.replay import wait_for_quiet
 from shared.ledger.reservations import Reservation, ReservationRequest
 from shared.settings import Settings
+
+from .live import LiveServer
 
 ADMIN_TOKEN = "s3cret-admin-token"
 GIB = 1024
@@ -256,54 +254,6 @@ async def seed(s: Stack) -> Stack:
 @pytest.fixture
 async def seeded(stack: Stack) -> Stack:
     return await seed(stack)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """Accounting's app served by uvicorn in a thread with its own event loop and engine."""
-
-    def __init__(self, database_url: str, settings: Settings) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.database_url = database_url
-        self.settings = settings
-        self.server: uvicorn.Server | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        async def main() -> None:
-            engine = make_engine(self.database_url, pool_size=4)
-            ledger = Ledger(engine, prefix=self.settings.subject_prefix, source="live-test")
-            app = create_app(engine, self.settings, ledger=ledger, metrics=AccountingMetrics())
-            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False)
-            self.server = uvicorn.Server(config)
-            try:
-                await self.server.serve()
-            finally:
-                await engine.dispose()
-
-        asyncio.run(main())
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise TimeoutError("the live accounting server did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture

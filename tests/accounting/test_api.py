@@ -9,6 +9,8 @@ import pytest
 from pydantic import SecretStr
 
 from services.accounting.api import create_app
+from services.accounting.resource_quotas import ResourceQuotas, gpu_quota_rows, quantity
+from services.accounting.routes.quotas import NO_KUBERNETES
 from shared.events.catalogue import QuotaEvent
 from shared.ledger.replay import read_events
 from shared.settings import Settings
@@ -165,7 +167,12 @@ async def test_rightsizing(seeded: Stack) -> None:
 
 async def test_quotas_need_the_token_and_go_through_the_ledger(seeded: Stack) -> None:
     c = seeded.client
-    assert (await c.get("/v1/quotas")).json() == {"items": []}
+    assert (await c.get("/v1/quotas")).json() == {
+        "items": [],
+        "resource_quotas": [],
+        "resource_quotas_unavailable": NO_KUBERNETES,
+        "memory_unit": "GiB",
+    }
     assert (await c.get("/v1/quotas/team-a")).status_code == 404
     body = {"memory_mib": 10 * GIB}
     missing = await c.put("/v1/quotas/team-a", json=body)
@@ -222,3 +229,56 @@ def test_gib_hours_keep_small_amounts() -> None:
     assert round(tiny, 4) == 0.0 and significant(tiny) > 0
     assert significant(tiny) == float(f"{tiny:.6g}")
     assert significant(1234.56789) == 1234.57
+
+
+def test_resource_quota_rows_on_gpushares_resources() -> None:
+    items = [
+        {
+            "metadata": {"namespace": "team-a", "name": "gpus"},
+            "spec": {"hard": {"requests.aliyun.com/gpu-mem": "16"}},
+            "status": {
+                "hard": {"requests.aliyun.com/gpu-mem": "16", "requests.aliyun.com/gpu-count": "2", "pods": "10"},
+                "used": {"requests.aliyun.com/gpu-mem": "4", "pods": "3"},
+            },
+        },
+        # not counted yet by the quota controller: the spec's limits, nothing used
+        {"metadata": {"namespace": "team-b", "name": "new"}, "spec": {"hard": {"requests.aliyun.com/gpu-mem": "1k"}}},
+        {"metadata": {"namespace": "team-c", "name": "cpu"}, "status": {"hard": {"requests.cpu": "4"}}},
+    ]
+    assert gpu_quota_rows(items) == [
+        {
+            "namespace": "team-a",
+            "name": "gpus",
+            "key": "requests.aliyun.com/gpu-count",
+            "resource": "aliyun.com/gpu-count",
+            "hard": 2,
+            "used": 0,
+        },
+        {
+            "namespace": "team-a",
+            "name": "gpus",
+            "key": "requests.aliyun.com/gpu-mem",
+            "resource": "aliyun.com/gpu-mem",
+            "hard": 16,
+            "used": 4,
+        },
+        {
+            "namespace": "team-b",
+            "name": "new",
+            "key": "requests.aliyun.com/gpu-mem",
+            "resource": "aliyun.com/gpu-mem",
+            "hard": 1000,
+            "used": 0,
+        },
+    ]
+    assert [quantity(q) for q in ("8", "2Ki", "1.5", "-1", "x")] == [8, 2048, None, None, None]
+
+
+async def test_quotas_say_why_resource_quotas_are_missing(stack: Stack, tmp_path) -> None:
+    missing = tmp_path / "kubeconfig"
+    missing.write_text("{}")  # no cluster, no context: Kubernetes access cannot be configured
+    app = create_app(stack.engine, stack.settings, resource_quotas=ResourceQuotas(str(missing)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as client:
+        body = (await client.get("/v1/quotas")).json()
+    assert body["resource_quotas"] == [] and body["items"] == []
+    assert body["resource_quotas_unavailable"].startswith("accounting has no Kubernetes access (")

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from services.accounting import inspect_view
+from services.accounting import inspect_cluster, inspect_view
 from services.accounting.inspect_cli import render
+from shared.settings import MemoryUnit
 
 from .conftest import LiveServer, Stack, cli
 
@@ -251,3 +252,156 @@ async def test_cli_against_a_live_accounting(
     code = await cli("inspect", "--accounting-url", "http://127.0.0.1:9")
     err = capsys.readouterr().err
     assert code == 2 and "cannot reach accounting at http://127.0.0.1:9" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------- the API server alone (accounting unreachable)
+
+
+def k8s_node(name: str, mem: int | None, count: int | None = None, address: str = "10.0.0.1", labels=None) -> dict:
+    capacity = {"cpu": "8"}
+    if mem is not None:
+        capacity["aliyun.com/gpu-mem"] = str(mem)
+    if count is not None:
+        capacity["aliyun.com/gpu-count"] = str(count)
+    return {
+        "metadata": {"name": name, "labels": labels or {}},
+        "status": {"capacity": capacity, "addresses": [{"type": "InternalIP", "address": address}]},
+    }
+
+
+def k8s_pod(name: str, node: str, mems: list[int], annotations=None, phase: str = "Running", **meta) -> dict:
+    containers = [
+        {"name": f"c{i}", "resources": {"limits": {"aliyun.com/gpu-mem": str(m)}}} for i, m in enumerate(mems)
+    ]
+    return {
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": annotations or {}}
+        | meta,
+        "spec": {"nodeName": node, "containers": containers},
+        "status": {"phase": phase},
+    }
+
+
+def record(parts: list[dict]) -> str:
+    return json.dumps({"id": "00000000-0000-0000-0000-000000000001", "node": "n", "version": 1, "parts": parts})
+
+
+def test_the_api_servers_view_is_gpushares_published_example() -> None:
+    # gpushare-device-plugin's user guide: two 3 GiB pods on node5's 7 GiB GPU, read from the cluster alone.
+    nodes = [k8s_node("node5", 7, 1, "10.202.115.1"), k8s_node("cpu-only", None)]
+    idx = {"ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_POD": "3"}
+    pods = [
+        k8s_pod("tf-jupyter-954ffbbf8-lztc9", "node5", [3], idx),
+        k8s_pod("tf-jupyter2-69b6f97566-j4f4w", "node5", [3], idx),
+        k8s_pod("finished", "node5", [3], idx, phase="Succeeded"),
+        k8s_pod("elsewhere", "cpu-only", [3], idx),
+    ]
+    shown = inspect_cluster.nodes_from_cluster(nodes, pods, MemoryUnit.GIB)
+    assert [n["name"] for n in shown] == ["node5"]
+    out = inspect_view.details(shown, "GiB")
+    assert [line.rstrip() for line in out.splitlines()][1:8] == [
+        "NAME:       node5",
+        "IPADDRESS:  10.202.115.1",
+        "",
+        "NAME                          NAMESPACE  GPU0(Allocated)",
+        "tf-jupyter-954ffbbf8-lztc9    default    3",
+        "tf-jupyter2-69b6f97566-j4f4w  default    3",
+        "Allocated :                   6 (85%)",
+    ]
+    assert out.rstrip().endswith("Allocated/Total GPU Memory In Cluster:  6/7 (85%)")
+
+
+def test_the_api_servers_view_reads_records_indices_and_pending_pods() -> None:
+    nodes = [k8s_node("a", 32, 2, "10.0.0.1"), k8s_node("b", 15, None, "10.0.0.2")]
+    parts = [
+        # an init container (ends before the app starts) and a sidecar beside the app on GPU 1
+        {
+            "container": "init",
+            "container_index": 0,
+            "gpu_uuid": "GPU-1",
+            "gpu_index": 1,
+            "memory_mib": 5 * GIB,
+            "init": True,
+        },
+        {
+            "container": "side",
+            "container_index": 1,
+            "gpu_uuid": "GPU-1",
+            "gpu_index": 1,
+            "memory_mib": 1 * GIB,
+            "init": True,
+            "sidecar": True,
+        },
+        {"container": "main", "container_index": 0, "gpu_uuid": "GPU-1", "gpu_index": 1, "memory_mib": 2 * GIB},
+        {"container": "main", "container_index": 0, "gpu_uuid": "GPU-0", "gpu_index": 0, "memory_mib": 2 * GIB},
+    ]
+    pods = [
+        k8s_pod("recorded", "a", [4], {"gpushare.io/allocation": record(parts), "ALIYUN_COM_GPU_MEM_IDX": "0,1"}),
+        k8s_pod("aliyun", "a", [4], {"ALIYUN_COM_GPU_MEM_IDX": "0"}),
+        k8s_pod("spread", "a", [1], {"ALIYUN_COM_GPU_MEM_IDX": "0,1", "ALIYUN_COM_GPU_MEM_POD": "3"}),
+        k8s_pod("bound-only", "b", [2]),
+        k8s_pod("no-such-gpu", "b", [1], {"ALIYUN_COM_GPU_MEM_IDX": "3"}),
+        k8s_pod("leaving", "b", [4], {"ALIYUN_COM_GPU_MEM_IDX": "0"}, deletionTimestamp="2026-12-03T10:00:00Z"),
+        k8s_pod("no-gpu", "b", []),
+        k8s_pod("unreadable", "b", [2], {"gpushare.io/allocation": "{", "ALIYUN_COM_GPU_MEM_IDX": "x"}),
+    ]
+    a, b = inspect_cluster.nodes_from_cluster(nodes, pods, MemoryUnit.GIB)
+    # record: GPU0 2, GPU1 max(init 5, sidecar 1 + app 2) = 5; aliyun 4 on GPU0; spread 3 GiB as 1.5 + 1.5
+    assert [g["allocated_memory_mib"] for g in a["gpus"]] == [2 * GIB + 4 * GIB + 1536, 5 * GIB + 1536]
+    assert [g["memory_mib"] for g in a["gpus"]] == [16 * GIB, 16 * GIB] and a["pending_memory_mib"] == 0
+    # b has one 15 GiB GPU (no count); pending: bound without an index, an index it lacks, an unreadable one
+    assert [g["memory_mib"] for g in b["gpus"]] == [15 * GIB]
+    assert b["gpus"][0]["allocated_memory_mib"] == 4 * GIB
+    assert b["pending_memory_mib"] == (2 + 1 + 2) * GIB
+    assert {x["pod_name"]: x["terminating_at"] for x in b["allocations"]}["leaving"] == "2026-12-03T10:00:00Z"
+    assert "no-gpu" not in {x["pod_name"] for x in b["allocations"]}
+    assert inspect_view.summary([a, b], "GiB").splitlines()[1:3] == [
+        "a     10.0.0.1   8/16                   7/16                                       15/32",  # 7.5, 6.5 up
+        "b     10.0.0.2   4/15                   0/0                    5                   9/15",
+    ]
+    detail = inspect_view.details([b], "GiB")
+    assert "Terminating (share held until gone): default/leaving" in detail
+    assert "bound-only   default    0                2" in detail
+    wide = inspect_view.wide([a], "GiB").splitlines()
+    assert wide[1].split() == ["a", "10.0.0.1", "GPU0", "-", "-", "8/16", "n/a", "unknown"]
+
+
+def test_the_api_servers_view_in_mib() -> None:
+    shown = inspect_cluster.nodes_from_cluster(
+        [k8s_node("m", 30720, 2)], [k8s_pod("p", "m", [1000], {"ALIYUN_COM_GPU_MEM_IDX": "1"})], MemoryUnit.MIB
+    )
+    out = inspect_view.summary(shown, "MiB")
+    assert out.splitlines()[0].endswith("GPU Memory(MiB)")
+    assert out.splitlines()[1].split() == ["m", "10.0.0.1", "0/15360", "1000/15360", "1000/30720"]
+
+
+def test_the_kubectl_plugin_says_its_name_and_gpushare_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import inspect_main
+    from services.cli import main as gpushare
+
+    with pytest.raises(SystemExit) as exit_:
+        inspect_main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: kubectl inspect gpushare ")
+    assert "--kubeconfig" in out and "--context" in out and "-n NAMESPACE" in out and "--database-url" not in out
+    for run in (lambda: gpushare(["--version"]), lambda: inspect_main(["--version"])):
+        with pytest.raises(SystemExit) as exit_:
+            run()
+        assert exit_.value.code == 0 and capsys.readouterr().out.startswith("gpushare 0.")
+    with pytest.raises(SystemExit) as exit_:
+        inspect_main(["../v1/quotas"])  # never put into a URL path
+    assert exit_.value.code == 2 and "'../v1/quotas' is not a Kubernetes node name" in capsys.readouterr().err
+
+
+async def test_a_broken_kubeconfig_is_named_not_a_traceback(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken"
+    broken.write_text("clusters: [not closed\n")
+    shapeless = tmp_path / "shapeless"
+    shapeless.write_text("just a string\n")
+    for path, says in (
+        (broken, "ParserError"),
+        (shapeless, "TypeError"),
+        (tmp_path / "missing", "does not exist"),
+    ):
+        code = await cli("inspect", "--kubeconfig", str(path))
+        err = capsys.readouterr().err
+        assert code == 2 and f"{path}" in err and says in err and "Traceback" not in err, err

@@ -21,9 +21,12 @@ async def test_metrics_names_and_values(seeded: Stack) -> None:
     r = await seeded.client.get("/metrics")
     assert r.status_code == 200
     m = _samples(r.text)
-    assert m[("gpushare_node_gpu_memory_bytes", (("node", "node-0"),))] == 30 * GIB * MIB
-    assert m[("gpushare_node_gpu_memory_allocated_bytes", (("node", "node-1"),))] == 8 * GIB * MIB
-    gpu = (("gpu", "GPU-0-0"), ("gpu_index", "0"), ("model", "Tesla-T4"), ("node", "node-0"))
+    assert m[("gpushare_node_gpu_memory_bytes", (("Hostname", "node-0"), ("node", "node-0")))] == 30 * GIB * MIB
+    assert (
+        m[("gpushare_node_gpu_memory_allocated_bytes", (("Hostname", "node-1"), ("node", "node-1")))] == 8 * GIB * MIB
+    )
+    # dcgm-exporter's labels: gpu = index, UUID, modelName, Hostname (beside Kubernetes' node)
+    gpu = (("Hostname", "node-0"), ("UUID", "GPU-0-0"), ("gpu", "0"), ("modelName", "Tesla-T4"), ("node", "node-0"))
     assert m[("gpushare_gpu_memory_bytes", gpu)] == 15 * GIB * MIB
     assert m[("gpushare_gpu_memory_allocated_bytes", gpu)] == 2 * GIB * MIB
     assert m[("gpushare_gpu_memory_used_bytes", gpu)] == 1200 * MIB
@@ -43,7 +46,7 @@ async def test_metrics_names_and_values(seeded: Stack) -> None:
     assert m[("gpushare_accounting_events_applied_total", ())] == 0  # counted by the service's handler only
 
     # Every metric uses the prefix and the project's label names.
-    allowed = {"node", "gpu", "gpu_index", "model", "namespace", "pod", "container", "reason", "le"}
+    allowed = {"node", "Hostname", "gpu", "UUID", "modelName", "namespace", "pod", "reason", "le"}
     families = list(text_string_to_metric_families(r.text))
     assert {f.name for f in families} >= {
         "gpushare_node_gpu_memory_bytes",

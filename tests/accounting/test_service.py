@@ -16,7 +16,8 @@ from shared.events.catalogue import GpuInfo, InventoryEvent, RefusedEvent
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
 
-from .conftest import free_port, truncate_projections
+from .conftest import truncate_projections
+from .live import free_port
 
 
 async def _until(check, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]

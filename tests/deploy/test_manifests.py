@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import yaml
 
 from devstack.embedded import nats_server_binary
 from services.cli import build_parser
-from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, find, key, pod_spec, unavailable
+from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, ROOT, find, key, pod_spec, unavailable
 
 # Kinds without a schema in kubernetes-validate (CRDs): checked by hand below.
 CRD_KINDS = {"ServiceMonitor"}
@@ -333,3 +334,129 @@ def test_every_shared_setting_is_one_gpushare_reads_and_parses(
     settings = Settings()
     assert StreamLimits.from_settings(settings).samples_max_age_s == 86_400
     assert (settings.snapshot_interval, settings.usage_retention) == (3_600, 30 * 86_400)
+
+
+def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def test_every_pod_runs_with_the_runtime_default_seccomp_profile(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    checked = 0
+    for name in KUSTOMIZATIONS:
+        for obj in rendered[name]:
+            spec = pod_spec(obj)
+            if spec is None:
+                continue
+            pod_level = (spec.get("securityContext") or {}).get("seccompProfile", {}).get("type")
+            for container in _containers(spec):
+                profile = (container.get("securityContext") or {}).get("seccompProfile", {}).get("type", pod_level)
+                assert profile == "RuntimeDefault", f"{name}: {key(obj)} container {container['name']}: {profile}"
+                checked += 1
+    assert checked >= 40
+
+
+def test_gpushare_compat_admits_the_host_network_extender_to_postgres_and_nats(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    base, compat = rendered["base"], rendered["overlays/gpushare-compat"]
+    cidrs = set()
+    for policy, port in (("postgres", 5432), ("nats", 4222)):
+        before = find(base, "NetworkPolicy", policy)["spec"]["ingress"]
+        after = find(compat, "NetworkPolicy", policy)["spec"]["ingress"]
+        assert after[: len(before)] == before, "the base's rules stay as they are"
+        (added,) = after[len(before) :]
+        assert added["ports"] == [{"port": port}], added
+        (source,) = added["from"]
+        cidrs.add(source["ipBlock"]["cidr"])
+        # the rule is for the host-network extender: no pod selector, so it matches the node's address only
+        assert set(source) == {"ipBlock"}, source
+    (cidr,) = cidrs  # one CIDR, the same in both patches
+    assert ipaddress.ip_network(cidr).num_addresses >= 1
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert cidr in install and "host-network-postgres.yaml" in install, "install.md says which value to replace"
+
+
+IMAGE = re.compile(r"^(?P<name>[^@]+?)(?::(?P<tag>[^:@/]+))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+EXACT_TAG = re.compile(r"^v?\d+\.\d+(\.\d+)?([-.][a-z0-9.]+)*$")
+
+
+def test_third_party_images_are_pinned_by_exact_version(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    seen = set()
+    for name in KUSTOMIZATIONS:
+        for obj in rendered[name]:
+            for container in _containers(pod_spec(obj) or {"containers": []}):
+                match = IMAGE.match(container["image"])
+                assert match, container["image"]
+                if match["name"].endswith("/gpushare"):
+                    continue  # the project's own image: `kustomize edit set image gpushare=...` (install.md step 1)
+                tag = match["tag"] or ""
+                assert EXACT_TAG.match(tag) or match["digest"], f"{name}: {key(obj)} runs {container['image']}"
+                seen.add(match["name"])
+                if match["name"] in {"postgres", "nats"}:  # a major.minor.patch release, not a moving minor
+                    assert tag.count(".") >= (1 if match["name"] == "postgres" else 2), container["image"]
+    assert {"postgres", "nats", "registry.k8s.io/kube-scheduler", "nvcr.io/nvidia/cuda"} <= seen
+    # the base's kustomization pins the same tags as the manifests, so a digest added there lands on them
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    pinned = {i["name"]: str(i["newTag"]) for i in kustomization["images"] if i["name"] in {"postgres", "nats"}}
+    for image in (
+        find(rendered["base"], "StatefulSet", n)["spec"]["template"]["spec"]["containers"][0]["image"]
+        for n in ("postgres", "nats")
+    ):
+        image_name, tag = image.split(":")
+        assert pinned[image_name] == tag, (image, pinned)
+
+
+def test_a_digest_added_to_the_kustomization_pins_every_workload(kubectl: str, tmp_path: Path) -> None:
+    """The step docs/install.md describes (`kustomize edit set image postgres=postgres:16.6@sha256:...`): rendered,
+    every PostgreSQL and NATS container runs `name:tag@digest`."""
+    digests = {"postgres": "sha256:" + "1" * 64, "nats": "sha256:" + "2" * 64}
+    overlay = tmp_path / "pinned"
+    overlay.mkdir()
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    images = [
+        {"name": i["name"], "newTag": str(i["newTag"]), "digest": digests[i["name"]]}
+        for i in kustomization["images"]
+        if i["name"] in digests
+    ]
+    base = os.path.relpath(K8S / "overlays" / "gpushare-compat", overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [base], "images": images}))
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    running = {
+        c["image"]
+        for obj in yaml.safe_load_all(proc.stdout)
+        if obj and pod_spec(obj)
+        for c in _containers(pod_spec(obj))
+        if not c["image"].endswith(("gpushare:0.1.0",))
+    }
+    tags = {i["name"]: i["newTag"] for i in images}
+    assert running == {f"{n}:{tags[n]}@{d}" for n, d in digests.items()}, running
+
+
+def test_components_label_the_service_monitor_and_run_mps_where_labelled(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    from services.node_agent.mps import MpsRoot
+
+    base, full = rendered["base"], rendered["overlays/with-components"]
+    assert "release" not in find(base, "ServiceMonitor", "gpushare")["metadata"]["labels"]
+    assert find(full, "ServiceMonitor", "gpushare")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert {key(o) for o in full} - {key(o) for o in base} == {("DaemonSet", "gpushare-mps-control")}
+    daemon = find(full, "DaemonSet", "gpushare-mps-control")["spec"]["template"]["spec"]
+    assert daemon["nodeSelector"] == {"gpushare": "true", "gpushare.io/mps": "true"}
+    agent = find(full, "DaemonSet", "gpushare-node-agent")["spec"]["template"]["spec"]
+    args = agent["containers"][0]["args"]
+    root = MpsRoot(Path(args[args.index("--mps-root") + 1]))
+    # the daemon's pipe and shared memory are where the agent's MpsRoot looks and what it mounts into clients
+    env = {e["name"]: e["value"] for e in daemon["containers"][0]["env"]}
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root.pipe_dir)
+    host = {v["name"]: v["hostPath"]["path"] for v in daemon["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in daemon["containers"][0]["volumeMounts"]}
+    assert host[mounts["/dev/shm"]] == str(root.shm_dir) and host[mounts[str(root.root)]] == str(root.root)
+    agent_mount = {m["mountPath"]: m for m in agent["containers"][0]["volumeMounts"]}[str(root.root)]
+    assert agent_mount["readOnly"] is True
+    assert {v["name"]: v.get("hostPath", {}).get("path") for v in agent["volumes"]}[agent_mount["name"]] == str(
+        root.root
+    )

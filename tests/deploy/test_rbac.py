@@ -5,6 +5,10 @@ reference to a kubernetes_asyncio API method (`read_namespaced_pod`, `patch_node
 watch, ...) becomes a `(apiGroup, resource, verb)`. The rules bound to the service's ServiceAccount in the
 base kustomization must grant exactly that set: a verb nobody uses fails the test, and so does a call
 without a rule.
+
+`kubectl inspect gpushare` (services/accounting/inspect_*.py) runs with the user's own credentials, not
+accounting's ServiceAccount: its calls are checked against the `gpushare-inspect` ClusterRole that admins bind
+to the users who may look.
 """
 
 from __future__ import annotations
@@ -39,6 +43,16 @@ VERBS = (
     ("delete_", "delete"),
 )
 SUBRESOURCES = {"status": "status", "binding": "binding", "eviction": "eviction", "log": "log", "scale": "scale"}
+CONNECT_VERBS = {
+    "get": "get",
+    "head": "get",
+    "options": "get",
+    "post": "create",
+    "put": "update",
+    "patch": "patch",
+    "delete": "delete",
+}
+CONNECT_SUBRESOURCES = ("proxy", "exec", "attach", "portforward")
 PLURALS = {"endpoints": "endpoints", "binding": "bindings"}
 WATCHERS = {"watch_objects", "stream"}  # call(list_method, ...) lists then watches
 SERVICES = {
@@ -47,14 +61,24 @@ SERVICES = {
     "gpushare-node-agent": "node_agent",
     "gpushare-accounting": "accounting",
 }
+USER_CLIENT = "inspect_"  # services/accounting/inspect_*.py: the kubectl plugin, with the user's credentials
+INSPECT_ROLE = "gpushare-inspect"
 
 
 def api_method(name: str) -> Need | None:
     """`(group, resource, verb)` of a kubernetes_asyncio API method name, or None if it is not one."""
     name = name.removesuffix("_with_http_info")
     group = next((g for g, cls in API_CLASSES.items() if callable(getattr(cls, name, None))), None)
-    if group is None or name.startswith(("get_api_resources", "connect_")):
+    if group is None or name.startswith("get_api_resources"):
         return None
+    if name.startswith("connect_"):  # connect_<http verb>_namespaced_<resource>_<subresource>[_with_path]
+        method, _, rest = name.removeprefix("connect_").removesuffix("_with_path").partition("_")
+        rest = rest.removeprefix("namespaced_")
+        sub = next((s for s in CONNECT_SUBRESOURCES if rest.endswith("_" + s)), None)
+        if method not in CONNECT_VERBS or sub is None:
+            return None
+        resource = rest.removesuffix("_" + sub)
+        return group, f"{PLURALS.get(resource) or resource + 's'}/{sub}", CONNECT_VERBS[method]
     verb_prefix, verb = next(((p, v) for p, v in VERBS if name.startswith(p)), (None, None))
     if verb_prefix is None:
         return None
@@ -134,10 +158,12 @@ def shared_helpers() -> dict[str, set[Need]]:
     return helpers
 
 
-def code_needs(package: str) -> tuple[set[Need], int]:
-    """API calls made by services/<package>/ and the number of Python files read."""
+def code_needs(package: str, *, user_client: bool = False) -> tuple[set[Need], int]:
+    """API calls made by services/<package>/ and the number of Python files read (`user_client`: only the
+    modules that run with the user's credentials, else all but those)."""
     files = sorted((ROOT / "services" / package).rglob("*.py"))
     files = [f for f in files if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+    files = [f for f in files if f.name.startswith(USER_CLIENT) == user_client]
     needs: set[Need] = set()
     for path in files:
         needs |= needs_of(_parse(path), shared_helpers())
@@ -172,6 +198,9 @@ def test_api_method_mapping() -> None:
     assert api_method("read_namespaced_config_map") == ("", "configmaps", "get")
     assert api_method("replace_namespaced_lease") == ("coordination.k8s.io", "leases", "update")
     assert api_method("list_nodes") is None and api_method("read_text") is None
+    assert api_method("connect_get_namespaced_service_proxy_with_path") == ("", "services/proxy", "get")
+    assert api_method("connect_post_namespaced_pod_exec") == ("", "pods/exec", "create")
+    assert api_method("connect_get_node_proxy") == ("", "nodes/proxy", "get")
 
 
 def test_scanner_sees_direct_helper_and_watch_calls() -> None:
@@ -225,3 +254,26 @@ def test_every_workload_runs_as_its_own_account(rendered: dict[str, list[dict[st
         assert spec["serviceAccountName"] == account
     text = (ROOT / "k8s" / "base" / "rbac.yaml").read_text()
     assert not re.search(r"\bcluster-admin\b|\"\*\"", text)
+
+
+def test_the_inspect_role_is_exactly_what_the_kubectl_plugin_calls(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    from services.accounting.inspect_source import PORT_NAME, SERVICE
+
+    objects = rendered["base"]
+    needs, files = code_needs("accounting", user_client=True)
+    assert files >= 3 and ("", "services/proxy", "get") in needs
+    role = find(objects, "ClusterRole", INSPECT_ROLE)
+    have = {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+    assert have == needs, (
+        f"{INSPECT_ROLE}: rules nobody calls {sorted(have - needs)}; calls without a rule {sorted(needs - have)}"
+    )
+    (proxy,) = [rule for rule in role["rules"] if "services/proxy" in rule["resources"]]
+    # RBAC sees the proxied service as `<name>:<port name>`, the form the plugin asks for
+    assert proxy["resourceNames"] == [f"{SERVICE}:{PORT_NAME}"] and proxy["resources"] == ["services/proxy"]
+    assert not [
+        b
+        for b in objects
+        if b["kind"] in {"RoleBinding", "ClusterRoleBinding"} and b["roleRef"]["name"] == INSPECT_ROLE
+    ], "who may inspect is the admin's choice: the role ships unbound"

@@ -110,7 +110,7 @@ async def _settles(check, within: float):  # type: ignore[no-untyped-def]
 
 
 async def _exchanges(stack) -> int:  # type: ignore[no-untyped-def]
-    """Exchanges the node agents made (their `gpushare_device_plugin_outcomes_total{reason="exchanged"}`)."""
+    """Exchanges the node agents made (their `gpushare_node_agent_device_plugin_outcomes_total{reason="exchanged"}`)."""
     total = 0
     async with httpx.AsyncClient(timeout=10) as http:
         for name, proc in stack.processes.items():
@@ -118,6 +118,6 @@ async def _exchanges(stack) -> int:  # type: ignore[no-untyped-def]
                 continue
             text = (await http.get(proc.command.listens + "/metrics")).text
             for line in text.splitlines():
-                if line.startswith("gpushare_device_plugin_outcomes_total") and 'reason="exchanged"' in line:
+                if line.startswith("gpushare_node_agent_device_plugin_outcomes_total") and 'reason="exchanged"' in line:
                     total += int(float(re.split(r"\s+", line)[-1]))
     return total

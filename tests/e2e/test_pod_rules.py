@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from kubernetes_asyncio import client
@@ -145,6 +146,28 @@ async def test_native_resource_quota_and_ledger_quota_each_refuse(stack, api, na
     # the native quota counts the pending pod already; the ledger only what is placed
     used = (await core.read_namespaced_resource_quota("gpu-mem", namespace)).status.used
     assert used["requests.aliyun.com/gpu-mem"] == "8", used
+
+    # accounting's /v1/quotas shows both, side by side: the ledger quota and the ResourceQuota as the cluster counts it
+    async def both() -> dict | None:
+        async with httpx.AsyncClient(timeout=5) as http:
+            body = (await http.get(f"{stack.accounting_url}/v1/quotas")).json()
+        native = [q for q in body["resource_quotas"] if q["namespace"] == namespace]
+        return body if native and native[0]["used"] == 8 else None
+
+    body = await h.poll(both, 30, what="/v1/quotas to show the namespace's ResourceQuota usage")
+    assert body["resource_quotas_unavailable"] is None and body["memory_unit"] == "GiB"
+    assert [q for q in body["resource_quotas"] if q["namespace"] == namespace] == [
+        {
+            "namespace": namespace,
+            "name": "gpu-mem",
+            "key": "requests.aliyun.com/gpu-mem",
+            "resource": "aliyun.com/gpu-mem",
+            "hard": 10,
+            "used": 8,
+        }
+    ]
+    (ledger,) = [q for q in body["items"] if q["namespace"] == namespace]
+    assert (ledger["memory_mib"], ledger["allocated_memory_mib"]) == (6 * 1024, 4 * 1024)
 
 
 def _hostile(name: str, *, init: bool = False, value: str = "all", var: str = "NVIDIA_VISIBLE_DEVICES") -> dict:

@@ -79,7 +79,7 @@ async def test_agent_process_registers_and_serves_metrics(
             assert ready, "the agent is ready once the ledger holds its inventory and its view is loaded"
             metrics = (await http.get("/metrics")).text
             devices = (await http.get("/v1/devices")).json()
-        assert 'gpushare_gpu_memory_total_mib{gpu="' in metrics and "24576.0" in metrics
+        assert "gpushare_node_agent_gpu_memory_bytes{" in metrics and "2.5769803776e+10" in metrics  # 24576 MiB
         assert devices["gpus"][0]["model"] == "NVIDIA-L4"
         async with engine.connect() as conn:
             row = (await conn.execute(select(gpus.c.memory_mib, gpus.c.model).where(gpus.c.node == "cli-node"))).one()

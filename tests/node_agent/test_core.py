@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -131,10 +132,34 @@ def test_overuse_tracker_reports_once_after_grace() -> None:
     assert t.update([ok], alloc, now=13) == [] and t.over() == set()
 
 
-def test_proto_compilation_is_idempotent_and_uses_kubelet_packages() -> None:
-    from shared.kubelet_api import compile_protos, load
+def test_missing_grpc_modules_are_named_never_compiled_at_run_time(tmp_path: Path) -> None:
+    """A checkout that was never built: `load()` says how to build the modules and writes nothing."""
+    import shutil
+    import subprocess
+    import sys
 
-    assert compile_protos() == []  # already compiled (by import): nothing to do
+    root = Path(__file__).resolve().parents[2]
+    shutil.copytree(root / "shared", tmp_path / "shared", ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
+    before = sorted(p.name for p in (tmp_path / "shared" / "kubelet_api").iterdir())
+    script = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '').startswith('__editable__')]\n"
+        "from shared.kubelet_api import load, StubsMissing\n"
+        "try:\n    load('deviceplugin')\nexcept StubsMissing as exc:\n    print(exc)\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "are not built" in out.stdout and "python -m shared.kubelet_api" in out.stdout, out.stdout
+    assert sorted(p.name for p in (tmp_path / "shared" / "kubelet_api").iterdir()) == before
+
+
+def test_proto_compilation_is_idempotent_and_uses_kubelet_packages() -> None:
+    from shared.kubelet_api import load
+    from shared.kubelet_api.build import compile_protos
+
+    compile_protos()
+    assert compile_protos() == []  # up to date: nothing to do
     dp, dp_grpc = load("deviceplugin")
     pr, _ = load("podresources")
     assert dp.DESCRIPTOR.package == "v1beta1" and pr.DESCRIPTOR.package == "v1"

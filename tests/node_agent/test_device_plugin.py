@@ -1,10 +1,13 @@
-"""The device plugins over real gRPC: registration, ListAndWatch with health, kubelet restart."""
+"""The device plugins over real gRPC: registration, ListAndWatch with health, kubelet restart, MPS clients."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable
+from pathlib import Path
 
 from services.node_agent.agent import RESOURCES
+from services.node_agent.mps import MpsRoot
 from services.node_agent.plugin import socket_name
 from shared.annotations import RESOURCE_CORE, RESOURCE_COUNT, RESOURCE_MEM
 from tests.node_agent.conftest import Harness
@@ -95,3 +98,27 @@ async def test_agent_restart_registers_again_with_same_identity(harness: Harness
         assert [g.uuid for g in second.gpus] == uuids
     finally:
         await second.close()
+
+
+async def test_containers_become_mps_clients_while_the_control_daemon_runs(harness: Harness, tmp_path: Path) -> None:
+    """`--mps-root`: MPS limits, the pipe directory and the daemon's /dev/shm only while its control pipe exists."""
+    root = MpsRoot(tmp_path / "mps")
+    root.pipe_dir.mkdir(parents=True)
+    harness.agent.assigner.mps_root = root
+    k = harness.kubelet
+
+    pod, _ = await harness.reserve("no-daemon", [("main", [(0, 2)])])
+    env = (await k.admit(pod))["main"]
+    assert not {v for v in env if v.startswith("CUDA_MPS_")}, env
+    assert k.mounts[("default", "no-daemon", "main")] == []
+
+    os.mkfifo(root.pipe_dir / "control")  # what nvidia-cuda-mps-control creates when it starts
+    pod, _ = await harness.reserve("client", [("main", [(0, 4)])])
+    env = (await k.admit(pod))["main"]
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root.pipe_dir)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={4 * 1024}M"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # 4 of the T4's 16 GiB, no compute asked
+    assert k.mounts[("default", "client", "main")] == [
+        (str(root.pipe_dir), str(root.pipe_dir)),
+        (str(root.shm_dir), "/dev/shm"),
+    ]

@@ -38,10 +38,13 @@ async def test_usage_sample_publication_and_overuse(harness: Harness) -> None:
     # 3000 MiB used > 2048 allocated; grace is 0 in the harness -> an over-use episode is reported
     reg = harness.agent.metrics.registry
     labels = {"node": harness.agent.config.node, "namespace": "default", "pod": "busy"}
-    assert reg.get_sample_value("gpushare_pod_memory_overuse_events_total", labels) == 1
-    assert reg.get_sample_value("gpushare_pod_memory_used_mib", labels) == 3000
-    assert reg.get_sample_value("gpushare_pod_memory_allocated_mib", labels) == 2048
-    gpu_labels = {"node": harness.agent.config.node, "gpu": g0, "gpu_index": "0", "model": "Tesla-T4"}
-    assert reg.get_sample_value("gpushare_gpu_memory_used_mib", gpu_labels) == 3100
-    assert reg.get_sample_value("gpushare_gpu_memory_allocated_mib", gpu_labels) == 2048
-    assert reg.get_sample_value("gpushare_gpu_memory_total_mib", gpu_labels) == 16384
+    mib = 1024 * 1024
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_overuse_episodes_total", labels) == 1
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_used_bytes", labels) == 3000 * mib
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_allocated_bytes", labels) == 2048 * mib
+    node = harness.agent.config.node  # dcgm-exporter's labels: gpu = index, UUID, modelName, Hostname
+    gpu_labels = {"node": node, "Hostname": node, "gpu": "0", "UUID": g0, "modelName": "Tesla-T4"}
+    assert reg.get_sample_value("gpushare_node_agent_gpu_memory_used_bytes", gpu_labels) == 3100 * mib
+    assert reg.get_sample_value("gpushare_node_agent_gpu_memory_allocated_bytes", gpu_labels) == 2048 * mib
+    assert reg.get_sample_value("gpushare_node_agent_gpu_memory_bytes", gpu_labels) == 16384 * mib
+    assert reg.get_sample_value("gpushare_node_agent_gpu_utilization_ratio", gpu_labels) == 0.42

@@ -1,4 +1,5 @@
-"""Namespace quotas (`/v1/quotas`): read by anyone, written through the ledger with the admin token."""
+"""Namespace quotas (`/v1/quotas`): read by anyone, written through the ledger with the admin token; the list
+also shows the cluster's ResourceQuotas on gpushare's resources."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.events.catalogue import MAX_COMPUTE, MAX_MIB, QuotaEvent
 
 from .. import queries
-from ..deps import Admin, Conn, Engine, MaybeLedger, found, writable
+from ..deps import Admin, AppSettings, Conn, Engine, MaybeLedger, MaybeResourceQuotas, found, writable
 from ..params import Namespace
 from ..schemas import Quota, QuotaDeleted, QuotaList, lookup, refusals
 
@@ -49,9 +50,18 @@ def _change(summary: str, answer: type[BaseModel], *refused: int) -> dict[str, A
     }
 
 
-@router.get("", summary="Every namespace quota", response_model=QuotaList)
-async def quotas(conn: Conn) -> dict[str, Any]:
-    return {"items": await queries.list_quotas(conn)}
+NO_KUBERNETES = "accounting runs without Kubernetes access (gpushare accounting --no-kubernetes)"
+
+
+@router.get("", summary="Every namespace quota, and the cluster's ResourceQuotas on GPUs", response_model=QuotaList)
+async def quotas(conn: Conn, settings: AppSettings, resource_quotas: MaybeResourceQuotas) -> dict[str, Any]:
+    native, unavailable = await resource_quotas.read() if resource_quotas is not None else ([], NO_KUBERNETES)
+    return {
+        "items": await queries.list_quotas(conn),
+        "resource_quotas": native,
+        "resource_quotas_unavailable": unavailable,
+        "memory_unit": settings.resource_memory_unit.value,
+    }
 
 
 @router.get("/{namespace}", **lookup("One namespace's quota", Quota))
