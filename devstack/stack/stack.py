@@ -85,6 +85,7 @@ class StackConfig:
     ready_timeout: float = 90.0
     fleet: bool = False  # every node's agent and kubelet stand-in in one process (hundreds of nodes)
     fleet_admit: bool = True  # the fleet admits pods (off: scheduling benchmarks)
+    usage: spec.AgentUsage = field(default_factory=spec.AgentUsage)  # simulated usage of the node agents
     progress: Progress = _print_progress
 
 
@@ -327,6 +328,7 @@ class Stack:
             metrics_port=free_port(),
             kubeconfig=self.services_kubeconfig,
             address=self.node_address(node),
+            usage=self.config.usage,
         )
         return self._spawn(command)
 
@@ -381,6 +383,10 @@ class Stack:
         out.append(("nats", self.nats_url))
         out.append(("logs", str(self.log_dir)))
         return out
+
+    def metrics_targets(self) -> dict[str, str]:
+        """Service name -> `host:port` of its Prometheus /metrics (extender, binder, accounting, node agents)."""
+        return {name: t for name, proc in self.processes.items() if (t := proc.command.metrics_target)}
 
     def check_alive(self) -> list[str]:
         """Names of service processes that have exited."""

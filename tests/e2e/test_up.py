@@ -98,3 +98,9 @@ async def test_up_runs_the_demo_on_the_local_control_plane(
     assert "export KUBECONFIG=" in out
     assert "16/32" in out, out[-3000:]
     assert "==> stopped" in out
+    # the demo's simulated usage went through the node agents, the stream and accounting into right-sizing
+    assert "Right-sizing from observed usage (simulated usage, rules in" in out, out[-5000:]
+    advice = dict(re.findall(r"^\s+((?:bert-training|resnet-inference)-\S+)\s+\d pod\(s\): (.*)$", out, re.M))
+    assert any("peaks at 922 MiB: 100 % more pods per GPU at 1 GiB" in a for a in advice.values()), out[-5000:]
+    assert any("peaks at 4.4 GiB: needs 5 GiB" in a for a in advice.values()), out[-5000:]
+    assert re.search(r"need 14 GiB instead of 16 GiB: frees 2 GiB", out), out[-5000:]
