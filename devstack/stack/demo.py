@@ -40,6 +40,8 @@ def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: l
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
+                    # nothing runs to stop: a scaled-down replica goes at once (no kubelet ends a grace period)
+                    "terminationGracePeriodSeconds": 0,
                     "containers": [
                         {
                             "name": name,

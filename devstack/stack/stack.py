@@ -86,6 +86,7 @@ class StackConfig:
     fleet: bool = False  # every node's agent and kubelet stand-in in one process (hundreds of nodes)
     fleet_admit: bool = True  # the fleet admits pods (off: scheduling benchmarks)
     usage: spec.AgentUsage = field(default_factory=spec.AgentUsage)  # simulated usage of the node agents
+    controller_manager_extra: list[str] = field(default_factory=list)  # e.g. a short HPA sync period for tests
     progress: Progress = _print_progress
 
 
@@ -240,6 +241,7 @@ class Stack:
         cp = ControlPlane(
             extender=ExtenderConfig(url_prefix=self.extender_url, http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s"),
             scheduler_extra=c.scheduler_extra,
+            controller_manager_extra=c.controller_manager_extra,
             work_dir=self.data_dir / "cluster",
             paths=c.control_plane_paths,
             progress=lambda m: self.progress(f"control plane: {m}"),
