@@ -28,7 +28,9 @@ from devstack.embedded import free_port
 from devstack.monitoring.adapter_build import ensure_adapter
 from devstack.monitoring.server import LocalServer, http_ok
 
-RULES_FILE = Path(__file__).resolve().parents[2] / "k8s" / "hpa" / "prometheus-adapter-config.yaml"
+HPA_DIR = Path(__file__).resolve().parents[2] / "k8s" / "hpa"
+RULES_FILE = HPA_DIR / "prometheus-adapter-config.yaml"
+EXAMPLE_HPA = HPA_DIR / "example-hpa.yaml"
 GROUP = "custom.metrics.k8s.io"
 VERSIONS = ("v1beta2", "v1beta1")
 NAMESPACE = "custom-metrics"
@@ -38,6 +40,12 @@ SERVICE = "prometheus-adapter"
 def rules_config(path: Path = RULES_FILE) -> str:
     """The adapter configuration gpushare ships (the ConfigMap's `config.yaml`)."""
     return str(yaml.safe_load(path.read_text())["data"]["config.yaml"])
+
+
+def hpa_metric(path: Path = EXAMPLE_HPA) -> str:
+    """The custom metric the shipped HPA example scales on (where the local stack and the tests take its name)."""
+    spec = yaml.safe_load(path.read_text())["spec"]
+    return str(spec["metrics"][0]["pods"]["metric"]["name"])
 
 
 def api_objects(port: int) -> list[dict[str, Any]]:

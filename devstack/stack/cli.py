@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument(
         "--usage-interval", type=float, default=5.0, help="seconds between the node agents' usage samples (default 5)"
     )
+    p.add_argument(
+        "--monitoring",
+        action="store_true",
+        help="also run Prometheus (Debian's package) scraping every service, and prometheus-adapter serving "
+        "custom.metrics.k8s.io for HorizontalPodAutoscalers (built from its Go module on first use, ~6 min)",
+    )
     p.set_defaults(func=run)
 
 
@@ -94,6 +100,24 @@ def agent_usage(args: argparse.Namespace, data_dir: Path) -> tuple[spec.AgentUsa
     return spec.AgentUsage(rules, args.usage_interval, OVERUSE_GRACE_S), f"simulated usage, {where}"
 
 
+def monitoring_lines(stack: Stack) -> list[str]:
+    """Where to look at the usage through Prometheus and the HPA metric (or why there is nothing to look at)."""
+    from devstack.monitoring.adapter import hpa_metric
+
+    metric, lines = hpa_metric(), []
+    if stack.prometheus is not None:
+        lines.append(f"Prometheus: {stack.prometheus.url}/graph?g0.expr={metric}")
+    if stack.adapter is not None:
+        lines += [
+            "HPA metric: kubectl get --raw "
+            f"'/apis/custom.metrics.k8s.io/v1beta2/namespaces/gpushare-demo/pods/*/{metric}'",
+            "            kubectl apply -f k8s/hpa/example-hpa.yaml; kubectl -n gpushare-demo get hpa -w",
+        ]
+    if stack.monitoring_error:
+        lines.append(f"Monitoring: {stack.monitoring_error}")
+    return lines
+
+
 def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
     """The stack configuration from flags, settings and the environment."""
     spec.parse_gpus(args.gpus)  # fail early on a bad spec
@@ -121,6 +145,7 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         kubeconfig=kubeconfig,
         simulate=args.simulate,
         usage=usage,
+        monitoring=args.monitoring,
     )
 
 
@@ -175,6 +200,8 @@ async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: boo
             print("            kubectl get pods -A -o wide")
         if stack.mode == MODE_SIMULATOR:
             print(f"Mode:       {stack.mode} ({stack.mode_reason})")
+        if config.monitoring:
+            print("\n".join(monitoring_lines(stack)))
         print("\nListening:")
         print("\n".join(spec.summary_lines(stack.listens())))
         if once:

@@ -36,7 +36,8 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster, STACK_K8S ("1.20")
 # to run on another Kubernetes release than the current one, STACK_USAGE_RULES to give the node agents
 # simulated usage (the rules go to `<data dir>/usage.rules`, which the test may rewrite; samples every second,
-# over-use reported after 2 s) and STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags.
+# over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags and
+# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it.
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,8 @@ async def stack(
         control_plane_paths=control_plane_binaries,
         usage=usage,
         controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),
+        monitoring=getattr(request.module, "STACK_MONITORING", False),
+        scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
     )
     st = Stack(config)

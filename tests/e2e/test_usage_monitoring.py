@@ -19,11 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from devstack.cluster.buildtools import ControlPlaneUnavailable
+from devstack.monitoring.adapter import hpa_metric
 from devstack.stack.demo import DEMO_NAMESPACE, DEMO_USAGE_RULES, deployment, submit_demo
 from tests import system_tools
 from tests.e2e import helpers as h
@@ -34,24 +33,18 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "k8s" / "base" / "gpushare-dashboard.json"
-EXAMPLE_HPA = ROOT / "k8s" / "hpa" / "example-hpa.yaml"
 
 STACK_NODES = 2
 STACK_GPUS = "2x16GiB:Tesla-T4"
 STACK_USAGE_RULES = DEMO_USAGE_RULES
 STACK_CONTROLLER_MANAGER = ["--horizontal-pod-autoscaler-sync-period=2s"]
+STACK_MONITORING = True
 
 # Panels whose query needs an event these tests do not cause, and why (each still has to be valid PromQL).
 NEEDS_EVENT = {
     "gpushare_extender_preempt_seconds_bucket": "kube-scheduler calls the extender's preempt verb only when "
     "lower-priority pods could make room: no pod here has a priority",
 }
-
-
-def hpa_metric() -> str:
-    """The custom metric the shipped HPA example scales on (the one place the tests take its name from)."""
-    spec = yaml.safe_load(EXAMPLE_HPA.read_text())["spec"]
-    return str(spec["metrics"][0]["pods"]["metric"]["name"])
 
 
 def panels() -> list[tuple[str, str]]:
@@ -75,37 +68,19 @@ def write_rules(stack: Any, first: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack, tmp_path_factory: pytest.TempPathFactory):
-    """Prometheus scraping every service of the stack each second, started before any workload."""
-    from devstack.monitoring.prometheus import Prometheus
-
-    prom = Prometheus(tmp_path_factory.mktemp("prometheus"), stack.metrics_targets(), scrape_interval_s=1.0)
-    try:
-        prom.start()
-    except ControlPlaneUnavailable as exc:
-        system_tools.unavailable(f"Prometheus unavailable: {exc.reason}")
-    try:
-        yield prom
-    finally:
-        prom.stop()
+def prometheus(stack):
+    """The stack's Prometheus, started before any workload (skip, or fail under CI, when it cannot run here)."""
+    if stack.prometheus is None:
+        system_tools.unavailable(f"Prometheus unavailable: {stack.monitoring_error}")
+    return stack.prometheus
 
 
 @pytest.fixture(scope="module")
-async def adapter(stack, prometheus, tmp_path_factory: pytest.TempPathFactory):
-    """prometheus-adapter with gpushare's rules, registered as custom.metrics.k8s.io."""
-    from devstack.monitoring.adapter import MetricsAdapter, rules_config
-
-    ad = MetricsAdapter(tmp_path_factory.mktemp("adapter"), stack.kubeconfig, prometheus.url, rules_config())
-    try:
-        ad.start()
-        await ad.register(await stack.api_client())
-    except ControlPlaneUnavailable as exc:
-        ad.stop()
-        system_tools.unavailable(f"prometheus-adapter unavailable: {exc.reason}")
-    try:
-        yield ad
-    finally:
-        ad.stop()
+def adapter(stack, prometheus):
+    """The stack's prometheus-adapter, registered as custom.metrics.k8s.io."""
+    if stack.adapter is None:
+        system_tools.unavailable(f"prometheus-adapter unavailable: {stack.monitoring_error}")
+    return stack.adapter
 
 
 async def custom_metric(stack: Any, namespace: str, metric: str) -> dict[str, float]:
