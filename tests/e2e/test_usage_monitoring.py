@@ -232,6 +232,10 @@ async def test_every_dashboard_panel_finds_data(stack, api, namespace, prometheu
     down = {name: health for name, health in prometheus.targets_up().items() if health != "up"}
     assert not down, down
 
+    # accounting's dashboard (/ui) reads used next to allocated from /v1/cluster and /v1/nodes
+    async with httpx.AsyncClient(base_url=stack.accounting_url, timeout=10) as http:
+        cluster = (await http.get("/v1/cluster")).json()
+    assert cluster["allocated_memory_mib"] >= 16 * 1024 and cluster["used_memory_mib"] > 0, cluster
     # the usage panels show the simulated usage: inference at 0.45 of its share
     ratio = _panel("used / allocated")
     by_pod = {s["metric"]["pod"]: float(s["value"][1]) for s in await asyncio.to_thread(prometheus.query, ratio)}
