@@ -89,7 +89,7 @@ def _build(root: Path, version: str, progress: Progress) -> Path:
     run([go, "mod", "tidy"], progress, cwd=work, env=env, log=log)
     out = work / "bin"
     out.mkdir(exist_ok=True)
-    progress(f"building prometheus-adapter {version} with Go {'.'.join(map(str, have))} (~6 min on 2 cores, once)")
+    progress(f"building prometheus-adapter {version} with Go {'.'.join(map(str, have))} (~9 min on 2 cores, once)")
 
     def heartbeat(elapsed: float) -> str:
         compiled = sum(1 for line in log.read_text(errors="replace").splitlines() if line and " " not in line)

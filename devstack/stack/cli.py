@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "--monitoring",
         action="store_true",
         help="also run Prometheus (Debian's package) scraping every service, and prometheus-adapter serving "
-        "custom.metrics.k8s.io for HorizontalPodAutoscalers (built from its Go module on first use, ~6 min)",
+        "custom.metrics.k8s.io for HorizontalPodAutoscalers (built from its Go module on first use, ~9 min)",
     )
     p.set_defaults(func=run)
 

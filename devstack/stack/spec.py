@@ -208,8 +208,10 @@ def fleet_command(
     port: int,
     addresses: dict[str, str],
     admit: bool = True,
+    usage: AgentUsage | None = None,
 ) -> ServiceCommand:
-    """Every simulated node's agent and kubelet stand-in in one process (`devstack.stack.fleet`)."""
+    """Every simulated node's agent and kubelet stand-in in one process (`devstack.stack.fleet`); with simulated
+    usage when `usage` has rules (the fleet otherwise keeps its own, longer, sampling interval)."""
     argv = [
         sys.executable,
         "-m",
@@ -241,6 +243,8 @@ def fleet_command(
     ]
     if not admit:
         argv.append("--no-admit")
+    if usage is not None and usage.simulate:
+        argv += usage.argv()
     return ServiceCommand("node-fleet", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
 
 

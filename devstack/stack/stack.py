@@ -234,7 +234,7 @@ class Stack:
                 self.monitoring_error = "prometheus-adapter needs the local control plane (its aggregation layer)"
                 self.progress(f"WARNING: {self.monitoring_error}")
                 return
-            self.progress("starting prometheus-adapter (built from its Go module on first use, ~6 min)")
+            self.progress("starting prometheus-adapter (built from its Go module on first use, ~9 min)")
             adapter = MetricsAdapter(work, str(self.kubeconfig), prom.url, rules_config(), progress=say)
             self.adapter = await asyncio.to_thread(adapter.start)
             await adapter.register(await self.api_client())
@@ -253,6 +253,7 @@ class Stack:
             port=free_port(),
             addresses={n: self.node_address(n) for n in self.node_names},
             admit=self.config.fleet_admit,
+            usage=self.config.usage,
         )
 
     async def _obtain_cluster(self) -> None:
