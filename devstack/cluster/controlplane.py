@@ -163,10 +163,12 @@ class ControlPlane:
         verbosity: int = 2,
         authorization_mode: str = "AlwaysAllow",
         users: dict[str, str] | None = None,
+        controller_manager_extra: Sequence[str] = (),
     ) -> None:
         self.extender = _as_extender(extender)
         self.authorization_mode = authorization_mode  # e.g. "RBAC": then `users` get only what is bound to them
         self.users = dict(users or {})  # user name -> bearer token, in no group (the admin is in system:masters)
+        self.controller_manager_extra = list(controller_manager_extra)
         self.scheduler_name = scheduler_name
         self.scheduler_extra = scheduler_extra
         self.keep = keep
@@ -369,6 +371,7 @@ class ControlPlane:
         self.kubeconfig_path.write_text(json.dumps(kubeconfig, indent=2))
         self.kubeconfig_path.chmod(0o600)
         self._client_certificate_kubeconfig(kubeconfig)
+        self._front_proxy_certificates()
         shm = Path("/dev/shm")
         if shm.is_dir() and os.access(shm, os.W_OK):
             self._etcd_data = Path(tempfile.mkdtemp(prefix="gpushare-etcd-", dir=shm))
@@ -398,6 +401,42 @@ class ControlPlane:
         self.cert_kubeconfig_path = self.work_dir / "kubeconfig-client-cert"
         self.cert_kubeconfig_path.write_text(json.dumps(config, indent=2))
         self.cert_kubeconfig_path.chmod(0o600)
+
+    def _front_proxy_certificates(self) -> None:
+        """The aggregation layer's front proxy: a CA extension API servers trust for forwarded requests
+        (`--requestheader-client-ca-file`, published in kube-system's `extension-apiserver-authentication`) and the
+        client certificate kube-apiserver proxies with (CN `front-proxy-client`)."""
+        certs = self.work_dir / "certs"
+        ca_key, ca_crt = certs / "front-proxy-ca.key", certs / "front-proxy-ca.crt"
+        key, csr, crt = (certs / f"front-proxy-client.{ext}" for ext in ("key", "csr", "crt"))
+        for cmd in (
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
+             "-days", "2", "-subj", "/CN=gpushare-dev-front-proxy-ca"],
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+             "-subj", "/CN=front-proxy-client"],
+            ["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
+             "-CAcreateserial", "-out", str(crt), "-days", "2"],
+        ):  # fmt: skip
+            res = subprocess.run(cmd, capture_output=True, check=False)
+            if res.returncode:
+                raise ControlPlaneUnavailable(f"{' '.join(cmd[:3])} failed: {res.stderr.decode()[-500:]}")
+
+    def _aggregation_flags(self) -> list[str]:
+        """kube-apiserver's aggregation layer (APIService objects, e.g. custom.metrics.k8s.io). An APIService's
+        Service is reached at its cluster IP (no kube-proxy here) unless it is an ExternalName, such as
+        `localhost`: loopback addresses are not allowed in Endpoints or EndpointSlices, so
+        `--enable-aggregator-routing` cannot reach a local process, and `devstack.monitoring.adapter` uses an
+        ExternalName Service."""
+        certs = self.work_dir / "certs"
+        return [
+            f"--requestheader-client-ca-file={certs / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={certs / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={certs / 'front-proxy-client.key'}",
+        ]
 
     def _spawn(self, proc: _Proc) -> None:
         self.logs[proc.name] = proc.log
@@ -498,6 +537,7 @@ class ControlPlane:
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",
+            *self._aggregation_flags(),
             f"--v={self.verbosity}",
         ]
         self._spawn(_Proc("kube-apiserver", args, self.work_dir / "kube-apiserver.log"))
@@ -525,6 +565,7 @@ class ControlPlane:
             "--leader-elect=false",
             "--secure-port=0",
             *(["--port=0"] if self.release.has_insecure_port_flags else []),
+            *self.controller_manager_extra,
             f"--v={self.verbosity}",
         ]
         self._spawn(_Proc("kube-controller-manager", args, self.work_dir / "kube-controller-manager.log"))

@@ -45,7 +45,77 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--bind-timeout", type=float, default=30.0, help="extender's wait for a Binding, seconds")
     p.add_argument("--demo-timeout", type=float, default=120.0, help="how long to wait for the demo's placement")
     p.add_argument("--exit-after-demo", action="store_true", help="stop once the demo is placed (for scripts)")
+    p.add_argument(
+        "--usage",
+        metavar="RULES",
+        default=None,
+        help="simulated GPU usage of the node agents (--simulate-usage rules or @FILE; default @DATA-DIR/usage.rules, "
+        "written with the demo's profile when missing; edit it while the stack runs)",
+    )
+    p.add_argument("--no-usage", dest="simulate_usage", action="store_false", help="no simulated GPU usage")
+    p.add_argument(
+        "--usage-interval", type=float, default=5.0, help="seconds between the node agents' usage samples (default 5)"
+    )
+    p.add_argument(
+        "--monitoring",
+        action="store_true",
+        help="also run Prometheus (Debian's package) scraping every service, and prometheus-adapter serving "
+        "custom.metrics.k8s.io for HorizontalPodAutoscalers (built from its Go module on first use, ~9 min)",
+    )
     p.set_defaults(func=run)
+
+
+OVERUSE_GRACE_S = 20.0
+"""The simulated nodes' over-use grace: short, so the demo's spikes show as over-use within a minute."""
+
+
+def agent_usage(args: argparse.Namespace, data_dir: Path) -> tuple[spec.AgentUsage, str]:
+    """The node agents' simulated usage, and a note when there is none (or where its rules live)."""
+    from devstack.stack.demo import DEMO_USAGE_RULES
+    from services.node_agent.discovery import nvidia_gpus_present
+
+    if args.usage_interval <= 0:
+        raise SystemExit("--usage-interval must be positive")
+    plain = spec.AgentUsage(interval_s=args.usage_interval, overuse_grace_s=OVERUSE_GRACE_S)
+    if not args.simulate_usage:
+        return plain, "no simulated usage (--no-usage)"
+    found = nvidia_gpus_present()
+    if found:
+        return plain, f"no simulated usage: this machine has NVIDIA GPUs ({found})"
+    rules = args.usage
+    if rules is None:
+        path = data_dir.resolve() / "usage.rules"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(DEMO_USAGE_RULES)
+        rules = f"@{path}"
+    from services.node_agent.simulation import ProfileError, parse_rules
+
+    if not rules.startswith("@"):
+        try:
+            parse_rules(rules)
+        except ProfileError as exc:
+            raise SystemExit(f"gpushare up: --usage: {exc}") from None
+    where = f"rules in {rules[1:]}" if rules.startswith("@") else f"rules {rules!r}"
+    return spec.AgentUsage(rules, args.usage_interval, OVERUSE_GRACE_S), f"simulated usage, {where}"
+
+
+def monitoring_lines(stack: Stack) -> list[str]:
+    """Where to look at the usage through Prometheus and the HPA metric (or why there is nothing to look at)."""
+    from devstack.monitoring.adapter import hpa_metric
+
+    metric, lines = hpa_metric(), []
+    if stack.prometheus is not None:
+        lines.append(f"Prometheus: {stack.prometheus.url}/graph?g0.expr={metric}")
+    if stack.adapter is not None:
+        lines += [
+            "HPA metric: kubectl get --raw "
+            f"'/apis/custom.metrics.k8s.io/v1beta2/namespaces/gpushare-demo/pods/*/{metric}'",
+            "            kubectl apply -f k8s/hpa/example-hpa.yaml; kubectl -n gpushare-demo get hpa -w",
+        ]
+    if stack.monitoring_error:
+        lines.append(f"Monitoring: {stack.monitoring_error}")
+    return lines
 
 
 def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
@@ -54,8 +124,10 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
     if args.nodes < 1 or args.nodes > 64:
         raise SystemExit("--nodes must be between 1 and 64")
     kubeconfig = None if args.ignore_kubeconfig or args.simulate else os.environ.get("KUBECONFIG") or None
+    data_dir = args.data_dir or settings.data_dir
+    usage, args.usage_note = agent_usage(args, data_dir)
     return StackConfig(
-        data_dir=args.data_dir or settings.data_dir,
+        data_dir=data_dir,
         nodes=args.nodes,
         gpus=args.gpus,
         extender_port=args.extender_port,
@@ -72,6 +144,8 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
         kubeconfig=kubeconfig,
         simulate=args.simulate,
+        usage=usage,
+        monitoring=args.monitoring,
     )
 
 
@@ -81,11 +155,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         config = config_from(args, settings)
     except ValueError as exc:
         raise SystemExit(f"gpushare up: {exc}") from None
-    return asyncio.run(_up(config, demo=args.demo, demo_timeout=args.demo_timeout, once=args.exit_after_demo))
+    return asyncio.run(
+        _up(config, demo=args.demo, demo_timeout=args.demo_timeout, once=args.exit_after_demo, note=args.usage_note)
+    )
 
 
-async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: bool) -> int:
-    from devstack.stack.demo_run import inspect_output, placement_lines, run_demo
+async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: bool, note: str = "") -> int:
+    from devstack.stack.demo_run import inspect_output, placement_lines, rightsizing_lines, run_demo, wait_for_usage
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise here
     stop = asyncio.Event()
@@ -111,6 +187,12 @@ async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: boo
             print("\n".join(placement_lines(pairs)))
             if any(not n for _, n in pairs):
                 code = 1 if once else 0
+            if config.usage.simulate and stack.mode != MODE_SIMULATOR:
+                items = await wait_for_usage(stack, sum(1 for _, n in pairs if n))
+                print(f"\nRight-sizing from observed usage ({note}):")
+                print("\n".join(rightsizing_lines(items)))
+        if note and not (demo and config.usage.simulate and stack.mode != MODE_SIMULATOR):
+            print(f"\nUsage:      {note}")
         print("\n" + (await inspect_output(stack)).rstrip())
         print(f"\nDashboard:  {stack.accounting_url}/ui")
         if stack.kubeconfig:
@@ -120,6 +202,8 @@ async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: boo
             print("            kubectl get pods -A -o wide; kubectl inspect gpushare -d")
         if stack.mode == MODE_SIMULATOR:
             print(f"Mode:       {stack.mode} ({stack.mode_reason})")
+        if config.monitoring:
+            print("\n".join(monitoring_lines(stack)))
         print("\nListening:")
         print("\n".join(spec.summary_lines(stack.listens())))
         if once:

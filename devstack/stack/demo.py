@@ -12,6 +12,20 @@ from shared.annotations import RESOURCE_MEM
 
 DEMO_NAMESPACE = "gpushare-demo"
 
+DEMO_USAGE_RULES = """\
+# Simulated GPU usage of `gpushare up` (node agents' --simulate-usage). Edit this file while the stack runs:
+# the node agents read it again within seconds. One rule per line, the first that matches a pod wins:
+#   NAMESPACE/POD-GLOB=SHAPE   with SHAPE one of (F: a fraction of the pod's share, above 1 is over-use)
+#   steady:F   ramp:F1:F2:SECONDS   spike:F1:F2:EVERY:FOR   idle
+# BERT training: 80 % of its 4 GiB, and 110 % (over its share) for 40 s every 2 minutes
+gpushare-demo/bert-training-*=spike:0.8:1.1:120:40
+# ResNet inference: 0.9 GiB of its 2 GiB, steadily (right-sizing will suggest 1 GiB)
+gpushare-demo/resnet-inference-*=steady:0.45
+# everything else (your own pods): half of the share
+*=steady:0.5
+"""
+"""The demo's usage profile: right-sizing, over-use and the HPA metric have something to show."""
+
 
 def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: list[str]) -> dict[str, Any]:
     """A Deployment whose pods each ask for `gpu_mem` units of `aliyun.com/gpu-mem`."""
@@ -26,6 +40,8 @@ def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: l
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
+                    # nothing runs to stop: a scaled-down replica goes at once (no kubelet ends a grace period)
+                    "terminationGracePeriodSeconds": 0,
                     "containers": [
                         {
                             "name": name,

@@ -71,6 +71,47 @@ async def _simulated_demo(stack: Stack) -> list[tuple[str, str]]:
     return sorted((p.name, p.node or "") for p in placements)
 
 
+async def rightsizing(accounting_url: str, namespace: str = DEMO_NAMESPACE) -> list[dict[str, Any]]:
+    """Accounting's right-sizing suggestions for a namespace ([] while accounting cannot answer)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(base_url=accounting_url, timeout=10) as http:
+            resp = await http.get("/v1/rightsizing", params={"namespace": namespace})
+    except httpx.HTTPError:
+        return []
+    return list(resp.json().get("items", [])) if resp.status_code == 200 else []
+
+
+async def wait_for_usage(stack: Stack, pods: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Right-sizing suggestions once `pods` demo pods have usage samples (or whatever there is at `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        items = await rightsizing(stack.accounting_url)
+        if sum(i["pods_sampled"] for i in items) >= pods or time.monotonic() > deadline:
+            return items
+        await asyncio.sleep(1.0)
+
+
+def rightsizing_lines(items: list[dict[str, Any]]) -> list[str]:
+    """The suggestions, and what repacking every workload at its recommended size would free (pure)."""
+    if not items:
+        return ["  (no usage samples yet: see the dashboard in a minute)"]
+    width = max(len(i["owner_name"]) for i in items)
+    lines = [f"  {i['owner_name'].ljust(width)}  {i['pods_sampled']} pod(s): {i['summary']}" for i in items]
+    allocated = sum(i["allocated_mib"] * i["pods_sampled"] for i in items)
+    recommended = sum(i["recommended_mib"] * i["pods_sampled"] for i in items)
+    if allocated and recommended:
+        freed = allocated - recommended
+        verb = "frees" if freed >= 0 else "needs"
+        lines.append(
+            f"  repacked at the recommended sizes these pods need {recommended / 1024:g} GiB instead of "
+            f"{allocated / 1024:g} GiB: {verb} {abs(freed) / 1024:g} GiB, "
+            f"{allocated / recommended - 1:+.0%} pods per GPU"
+        )
+    return lines
+
+
 async def run_inspect(accounting_url: str, *args: str) -> tuple[int, str, str]:
     """Run `gpushare inspect ARGS` against an accounting service: (exit status, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(

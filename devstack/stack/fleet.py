@@ -63,6 +63,8 @@ class Fleet:
         usage_interval_s: float = 60.0,
         admit: bool = True,
         addresses: dict[str, str] | None = None,
+        simulate_usage: str | None = None,
+        overuse_grace_s: float = 60.0,
     ) -> None:
         self.api = api
         self.bus = bus
@@ -73,6 +75,8 @@ class Fleet:
         self.usage_interval_s = usage_interval_s
         self.admit = admit
         self.addresses = addresses or {}
+        self.simulate_usage = simulate_usage
+        self.overuse_grace_s = overuse_grace_s
         self.nodes: dict[str, FleetNode] = {}
         self.admission: SharedAdmission | None = None
 
@@ -102,9 +106,13 @@ class Fleet:
             device_plugin_dir=dp_dir,
             pod_resources_socket=str(base / "pod-resources.sock"),
             usage_interval_s=self.usage_interval_s,
+            overuse_grace_s=self.overuse_grace_s,
             address=self.addresses.get(name, ""),
+            proc_root=base / "proc",  # the simulated processes' cgroup files (--simulate-usage)
         )
-        agent = NodeAgent(config, FakeBackend(name, self.gpus), bus=self.bus)
+        backend = FakeBackend(name, self.gpus, simulate=self.simulate_usage, proc_root=config.proc_root)
+        agent = NodeAgent(config, backend, bus=self.bus)
+        backend.attach(agent.view.containers)
         await agent.start()
         await kubelet.standin.wait_registered(RESOURCES, timeout_s=60)
         return FleetNode(name, agent, kubelet)
@@ -135,6 +143,7 @@ class Fleet:
         for n in self.nodes.values():
             with contextlib.suppress(Exception):
                 await n.agent.close()
+            n.agent.backend.close()
             with contextlib.suppress(Exception):
                 await n.kubelet.stop()
 
@@ -205,6 +214,8 @@ async def main_async(args: argparse.Namespace) -> int:
         usage_interval_s=args.usage_interval,
         admit=not args.no_admit,
         addresses=addresses,
+        simulate_usage=args.simulate_usage,
+        overuse_grace_s=args.overuse_grace,
     )
     server = asyncio.create_task(_serve(fleet, args.port, stop))
     try:
@@ -235,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--subject-prefix", default="gpushare", help="event subject prefix (default gpushare)")
     p.add_argument("--memory-unit", default="GiB", choices=["GiB", "MiB"], help="unit of aliyun.com/gpu-mem")
     p.add_argument("--usage-interval", type=float, default=60.0, help="seconds between usage samples (default 60)")
+    p.add_argument("--simulate-usage", metavar="RULES", help="simulated usage of every node (the node agent's flag)")
+    p.add_argument("--overuse-grace", type=float, default=60.0, help="seconds a pod may over-use (default 60)")
     p.add_argument("--addresses", default="", help="node=IP,... for inspect's IPADDRESS column")
     p.add_argument("--port", type=int, default=0, help="port of /healthz, /readyz, /metrics")
     p.add_argument("--no-admit", action="store_true", help="do not admit pods (scheduling benchmarks)")

@@ -5,17 +5,22 @@ PreStartContainer, the pod-resources API) but admits only the pods it is handed.
 pods the scheduler bound to its node in kubelet's admission order (creation time, which the API keeps to the
 second; pods created in the same second in the order they reached this node) and forgets deleted pods, so
 the whole path API -> kube-scheduler -> extender -> ledger -> binder -> Binding -> node agent -> container
-environment runs. Each container's environment is kept for `container_env`.
+environment runs. Each container's environment is kept for `container_env`. Like kubelet, it then reports the
+pod Running and Ready (nothing runs, but controllers that count running pods, such as the HPA controller and a
+Deployment's available replicas, see what they would see on a real node).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from devstack.cluster.waits import cancelled
 from shared.annotations import RESOURCES
@@ -24,6 +29,29 @@ from shared.kube.pods import list_pods
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 20
+
+
+def running_status(pod: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """The status kubelet reports once a pod's containers started: Running, Ready, each container running (pure)."""
+    spec = pod.get("spec") or {}
+    at = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    conditions = [
+        {"type": kind, "status": "True", "lastTransitionTime": at}
+        for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+    ]
+    containers = [
+        {
+            "name": c["name"],
+            "image": c.get("image") or "unknown",
+            "imageID": "",
+            "ready": True,
+            "started": True,
+            "restartCount": 0,
+            "state": {"running": {"startedAt": at}},
+        }
+        for c in spec.get("containers") or []
+    ]
+    return {"status": {"phase": "Running", "startTime": at, "conditions": conditions, "containerStatuses": containers}}
 
 
 def gpu_resources_of(pod: dict[str, Any]) -> set[str]:
@@ -147,6 +175,18 @@ class NodeKubelet:
         self.envs[key] = envs
         self.errors.pop(key, None)
         log.info("pod admitted", extra={"node": self.node, "namespace": key[0], "pod": key[1]})
+        await self._report_running(pod)
+
+    async def _report_running(self, pod: dict[str, Any]) -> None:
+        """Patch the pod's status to Running, as kubelet does once its containers started (a pod already gone
+        or a failed patch is only logged: admission itself succeeded)."""
+        meta = pod["metadata"]
+        try:
+            await client.CoreV1Api(self.api).patch_namespaced_pod_status(
+                meta["name"], meta["namespace"], running_status(pod, datetime.now(UTC))
+            )
+        except (ApiException, OSError, TimeoutError) as exc:
+            log.warning("could not report pod %s running: %s", meta["name"], exc, extra={"node": self.node})
 
 
 async def start_kubelet(api: ApiClient, node: str, device_plugin_dir: Path, pod_resources_socket: Path) -> NodeKubelet:

@@ -99,6 +99,28 @@ class ServiceCommand:
     listens: str = ""
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def metrics_target(self) -> str:
+        """`host:port` of its /metrics (every service serves it beside /readyz or /healthz), "" when unknown."""
+        if not self.ready_url or "://" not in self.ready_url:
+            return ""
+        return self.ready_url.split("://", 1)[1].split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class AgentUsage:
+    """How the simulated nodes' agents sample usage: `simulate` (`--simulate-usage` rules or @FILE; None: no
+    simulated usage), the sampling interval and the over-use grace period, in seconds."""
+
+    simulate: str | None = None
+    interval_s: float = 5.0
+    overuse_grace_s: float = 60.0
+
+    def argv(self) -> list[str]:
+        """The node agent's flags."""
+        args = ["--usage-interval", f"{self.interval_s:g}", "--overuse-grace", f"{self.overuse_grace_s:g}"]
+        return args + (["--simulate-usage", self.simulate] if self.simulate else [])
+
 
 def gpushare_argv(subcommand: str, *args: str, common: CommonFlags | None = None) -> list[str]:
     """`python -m services.cli SUBCOMMAND ARGS COMMON-FLAGS` with this interpreter."""
@@ -152,8 +174,10 @@ def node_agent_command(
     metrics_port: int,
     kubeconfig: str | None,
     address: str = "",
+    usage: AgentUsage | None = None,
 ) -> ServiceCommand:
-    """One node agent in fake-GPU mode (no database URL: agents reach the ledger over NATS only)."""
+    """One node agent in fake-GPU mode (no database URL: agents reach the ledger over NATS only), with simulated
+    usage when `usage` has rules."""
     args = [
         "--node",
         node,
@@ -170,6 +194,7 @@ def node_agent_command(
     ]
     if kubeconfig:
         args += ["--kubeconfig", kubeconfig]
+    args += (usage or AgentUsage()).argv()
     argv = gpushare_argv("node-agent", *args, common=dataclasses.replace(common, database_url=""))
     return ServiceCommand(
         f"node-agent-{node}", argv, f"http://127.0.0.1:{metrics_port}/healthz", f"http://127.0.0.1:{metrics_port}"
@@ -186,8 +211,10 @@ def fleet_command(
     port: int,
     addresses: dict[str, str],
     admit: bool = True,
+    usage: AgentUsage | None = None,
 ) -> ServiceCommand:
-    """Every simulated node's agent and kubelet stand-in in one process (`devstack.stack.fleet`)."""
+    """Every simulated node's agent and kubelet stand-in in one process (`devstack.stack.fleet`); with simulated
+    usage when `usage` has rules (the fleet otherwise keeps its own, longer, sampling interval)."""
     argv = [
         sys.executable,
         "-m",
@@ -219,6 +246,8 @@ def fleet_command(
     ]
     if not admit:
         argv.append("--no-admit")
+    if usage is not None and usage.simulate:
+        argv += usage.argv()
     return ServiceCommand("node-fleet", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
 
 

@@ -85,6 +85,10 @@ class StackConfig:
     ready_timeout: float = 90.0
     fleet: bool = False  # every node's agent and kubelet stand-in in one process (hundreds of nodes)
     fleet_admit: bool = True  # the fleet admits pods (off: scheduling benchmarks)
+    usage: spec.AgentUsage = field(default_factory=spec.AgentUsage)  # simulated usage of the node agents
+    controller_manager_extra: list[str] = field(default_factory=list)  # e.g. a short HPA sync period for tests
+    monitoring: bool = False  # Prometheus scraping the services, prometheus-adapter serving custom.metrics.k8s.io
+    scrape_interval: float = 5.0
     progress: Progress = _print_progress
 
 
@@ -118,6 +122,9 @@ class Stack:
         self._heartbeat: Any = None
         self._socket_dir: Path | None = None
         self._stopped = False
+        self.prometheus: Any = None
+        self.adapter: Any = None
+        self.monitoring_error = ""  # why monitoring was asked for and is not there
 
     def progress(self, msg: str) -> None:
         """One progress line, with the seconds since the stack began starting."""
@@ -130,6 +137,8 @@ class Stack:
         try:
             await self._start_stores()
             await self._start_services_and_cluster()
+            if self.config.monitoring:
+                await self._start_monitoring()
         except BaseException:
             await self.stop()
             raise
@@ -208,6 +217,31 @@ class Stack:
         self.progress(f"waiting for binder and {len(self.node_names)} node agent(s)")
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
 
+    async def _start_monitoring(self) -> None:
+        """Prometheus scraping every service and, on the local control plane, prometheus-adapter registered as
+        custom.metrics.k8s.io (with the rules in k8s/hpa/). What cannot be had is said, and the stack goes on."""
+        from devstack.cluster.buildtools import ControlPlaneUnavailable
+        from devstack.monitoring.adapter import MetricsAdapter, rules_config
+        from devstack.monitoring.prometheus import Prometheus
+
+        work = self.data_dir / "monitoring"
+        say = lambda m: self.progress(f"monitoring: {m}")  # noqa: E731
+        try:
+            self.progress("starting Prometheus (Debian's package; installed on first use)")
+            prom = Prometheus(work, self.metrics_targets(), scrape_interval_s=self.config.scrape_interval, progress=say)
+            self.prometheus = await asyncio.to_thread(prom.start)
+            if self.control_plane is None:
+                self.monitoring_error = "prometheus-adapter needs the local control plane (its aggregation layer)"
+                self.progress(f"WARNING: {self.monitoring_error}")
+                return
+            self.progress("starting prometheus-adapter (built from its Go module on first use, ~9 min)")
+            adapter = MetricsAdapter(work, str(self.kubeconfig), prom.url, rules_config(), progress=say)
+            self.adapter = await asyncio.to_thread(adapter.start)
+            await adapter.register(await self.api_client())
+        except ControlPlaneUnavailable as exc:
+            self.monitoring_error = exc.reason.splitlines()[0]
+            self.progress(f"WARNING: monitoring unavailable: {exc.reason}")
+
     def _fleet_command(self) -> spec.ServiceCommand:
         assert self._socket_dir is not None and self.services_kubeconfig is not None
         return spec.fleet_command(
@@ -219,6 +253,7 @@ class Stack:
             port=free_port(),
             addresses={n: self.node_address(n) for n in self.node_names},
             admit=self.config.fleet_admit,
+            usage=self.config.usage,
         )
 
     def _future_kubeconfig(self) -> str | None:
@@ -247,6 +282,7 @@ class Stack:
         cp = ControlPlane(
             extender=ExtenderConfig(url_prefix=self.extender_url, http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s"),
             scheduler_extra=c.scheduler_extra,
+            controller_manager_extra=c.controller_manager_extra,
             work_dir=self.data_dir / "cluster",
             paths=c.control_plane_paths,
             progress=lambda m: self.progress(f"control plane: {m}"),
@@ -335,6 +371,7 @@ class Stack:
             metrics_port=free_port(),
             kubeconfig=self.services_kubeconfig,
             address=self.node_address(node),
+            usage=self.config.usage,
         )
         return self._spawn(command)
 
@@ -385,10 +422,18 @@ class Stack:
         elif self.kubeconfig:
             out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
         out += [(name, proc.command.listens) for name, proc in self.processes.items()]
+        if self.prometheus is not None:
+            out.append(("prometheus", self.prometheus.url))
+        if self.adapter is not None:
+            out.append(("metrics-adapter", f"https://127.0.0.1:{self.adapter.port} (custom.metrics.k8s.io)"))
         out.append(("postgres", _redact(self.database_url)))
         out.append(("nats", self.nats_url))
         out.append(("logs", str(self.log_dir)))
         return out
+
+    def metrics_targets(self) -> dict[str, str]:
+        """Service name -> `host:port` of its Prometheus /metrics (extender, binder, accounting, node agents)."""
+        return {name: t for name, proc in self.processes.items() if (t := proc.command.metrics_target)}
 
     def check_alive(self) -> list[str]:
         """Names of service processes that have exited."""
@@ -405,6 +450,9 @@ class Stack:
                 await self._heartbeat.stop()
             except Exception as exc:  # e.g. the apiserver went away: the rest must still stop
                 self.progress(f"node heartbeat ended with an error: {exc!r}")
+        for server in (self.adapter, self.prometheus):
+            if server is not None:
+                await asyncio.to_thread(server.stop)
         procs = list(self.processes.values())
         # node agents first (kubelet outlives its device plugins), then the kubelet stand-ins, then the binder,
         # then extender and accounting

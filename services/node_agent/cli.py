@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +54,43 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--overuse-grace", type=float, default=60.0, help="seconds a pod may use more than allocated (default 60)"
     )
     p.add_argument("--evict-overusers", action="store_true", help="evict pods that over-use past the grace period")
-    p.add_argument("--proc-root", default="/proc", help="host /proc (needs hostPID) for PID -> pod mapping")
+    p.add_argument(
+        "--proc-root", default=None, help="host /proc (needs hostPID) for PID -> pod mapping (default /proc)"
+    )
+    p.add_argument(
+        "--simulate-usage",
+        metavar="RULES",
+        help="with --fake-gpus only, never on a node with GPUs: give the fake GPUs workloads, e.g. "
+        "'gpushare-demo/bert-*=steady:0.9;*=ramp:0.2:0.7:300' or @FILE (re-read when it changes); shapes "
+        "steady:F, ramp:F1:F2:SECONDS, spike:F1:F2:EVERY:FOR, idle (F: fraction of the share); see docs/metrics.md",
+    )
     p.set_defaults(func=run)
 
 
 def make_backend(args: argparse.Namespace) -> Any:
-    """The GPU backend: fake when --fake-gpus is given, else NVML (exits with a clear message without it)."""
-    from services.node_agent.discovery import FakeBackend, NoGpuBackend
+    """The GPU backend: fake when --fake-gpus is given, else NVML (exits with a clear message without it).
 
+    `--simulate-usage` needs `--fake-gpus` and a machine without NVIDIA GPUs; its simulated processes' cgroup
+    files go to `args.proc_root` (a folder of their own, never the host's /proc)."""
+    from services.node_agent.discovery import FakeBackend, NoGpuBackend, nvidia_gpus_present
+
+    if args.simulate_usage:
+        if not args.fake_gpus:
+            raise NoGpuBackend("--simulate-usage needs --fake-gpus: simulated usage only ever drives fake GPUs")
+        found = nvidia_gpus_present()
+        if found:
+            raise NoGpuBackend(
+                f"--simulate-usage refused: this machine has NVIDIA GPUs ({found}); simulated usage is for "
+                "machines without GPUs and would hide the real usage"
+            )
     if args.fake_gpus:
         try:
-            return FakeBackend(args.node, args.fake_gpus)
+            return FakeBackend(
+                args.node,
+                args.fake_gpus,
+                simulate=args.simulate_usage or None,
+                proc_root=Path(args.proc_root) if args.simulate_usage else None,
+            )
         except ValueError as exc:
             raise NoGpuBackend(str(exc)) from None
     from services.node_agent.nvml import NvmlBackend
@@ -70,15 +98,37 @@ def make_backend(args: argparse.Namespace) -> Any:
     return NvmlBackend()
 
 
+def simulated_proc_root(args: argparse.Namespace) -> Path | None:
+    """With `--simulate-usage`: the folder for the simulated processes' cgroup files (`--proc-root`, else a new
+    temporary one, which the caller removes). SystemExit when `--proc-root` is a real /proc."""
+    if not args.simulate_usage:
+        return None
+    if args.proc_root is None:
+        return Path(tempfile.mkdtemp(prefix=f"gpushare-simulated-proc-{args.node}-"))
+    root = Path(args.proc_root)
+    if (root / "self").exists() or root.resolve() == Path("/proc"):
+        raise SystemExit(
+            f"--proc-root {root} is a real /proc: --simulate-usage writes its processes' cgroup files into a "
+            "folder of its own (leave --proc-root out, or name an empty folder)"
+        )
+    return root
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run until SIGTERM / SIGINT."""
     if not args.node:
         raise SystemExit("no node name: pass --node or set NODE_NAME (the downward API's spec.nodeName)")
-    backend = make_backend(args)
+    made = args.simulate_usage and args.proc_root is None
+    args.proc_root = simulated_proc_root(args) or args.proc_root
     try:
-        return asyncio.run(_serve(args, settings, backend))
+        backend = make_backend(args)
+        try:
+            return asyncio.run(_serve(args, settings, backend))
+        finally:
+            backend.close()
     finally:
-        backend.close()
+        if made and args.proc_root:
+            shutil.rmtree(args.proc_root, ignore_errors=True)
 
 
 async def _kube(kubeconfig: str | None) -> dict[str, Any]:
@@ -115,6 +165,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
     from fastapi import FastAPI
 
     from services.node_agent.agent import AgentConfig, NodeAgent
+    from services.node_agent.discovery import FakeBackend
     from shared.http import install_common
     from shared.runtime import Listen, ServiceRuntime
 
@@ -129,7 +180,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         usage_interval_s=args.usage_interval,
         overuse_grace_s=args.overuse_grace,
         evict_overusers=args.evict_overusers,
-        proc_root=Path(args.proc_root),
+        proc_root=Path(args.proc_root or "/proc"),
         address=args.node_address,
     )
     listen = Listen(port=args.metrics_port)
@@ -138,6 +189,13 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         api = kube.pop("api", None)
         assert rt.bus is not None
         agent = NodeAgent(config, backend, bus=rt.bus, stop=rt.stop, **kube)
+        if isinstance(backend, FakeBackend) and backend.rules is not None:
+            backend.attach(agent.view.containers)
+            log.warning(
+                "simulated usage is on: this agent reports made-up GPU usage (%s)",
+                "; ".join(map(str, backend.rules.current())) or "no rule yet",
+                extra={"node": config.node, "rules": args.simulate_usage},
+            )
         await agent.start()
         app = FastAPI(title="gpushare node agent", docs_url=None, redoc_url=None)
         install_common(app, ready=lambda: agent.ready() and not rt.stop.is_set(), registry=agent.metrics.registry)
@@ -148,6 +206,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
                 "node": config.node,
                 "driver_version": agent.driver,
                 "cuda_version": agent.cuda,
+                "simulated_usage": bool(args.simulate_usage),
                 "gpus": [g.model_dump() for g in agent.gpu_infos()],
             }
 

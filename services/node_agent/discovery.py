@@ -7,13 +7,29 @@ Backend calls are blocking (NVML is a C library); the agent runs them in a worke
 
 from __future__ import annotations
 
+import logging
 import re
+import shutil
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Protocol
 
+from services.node_agent.assignment import PendingContainer
+from services.node_agent.simulation import (
+    ProfileError,
+    Rule,
+    SimulatedProcess,
+    UsageSimulation,
+    parse_rules,
+    utilization,
+)
 from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
 
 _UUID_NAMESPACE = uuid.UUID("7d4f1d52-6c1f-4f8e-9a53-2b1b3f0f6a11")
 
@@ -131,14 +147,78 @@ def parse_fake_gpus(spec: str, node: str) -> list[GpuDevice]:
     return devices
 
 
+def nvidia_gpus_present(dev: Path = Path("/dev"), proc: Path = Path("/proc")) -> str:
+    """What shows that this machine has NVIDIA GPUs (a device node or the driver's GPU list), "" when nothing.
+
+    Simulated usage refuses to run where this finds something: made-up usage must never be reported for a
+    node with real GPUs."""
+    nodes = sorted(p.name for p in dev.glob("nvidia[0-9]*")) if dev.is_dir() else []
+    if nodes:
+        return f"{dev / nodes[0]} exists"
+    gpus = proc / "driver" / "nvidia" / "gpus"
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return f"{gpus} lists GPUs"
+    return ""
+
+
+class UsageRules:
+    """The rules of `--simulate-usage`: inline (`PATTERN=SHAPE;...`) or `@FILE`, re-read when the file changes.
+
+    A file that cannot be read or parsed keeps the rules in force and logs why (once per change)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec.strip()
+        self.path = Path(self.spec[1:]).expanduser() if self.spec.startswith("@") else None
+        self._stamp: tuple[int, int] | None = None
+        self.rules: list[Rule] = []
+        if self.path is None:
+            self.rules = parse_rules(self.spec)
+        elif not self.path.is_file():
+            raise ProfileError(f"--simulate-usage file {self.path} does not exist")
+        else:
+            self.rules = parse_rules(self.path.read_text())
+            self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        assert self.path is not None
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def current(self) -> list[Rule]:
+        """The rules now (a changed file is parsed again)."""
+        if self.path is None:
+            return self.rules
+        stamp = self._stat()
+        if stamp is None or stamp == self._stamp:
+            return self.rules
+        self._stamp = stamp
+        try:
+            self.rules = parse_rules(self.path.read_text())
+        except (OSError, UnicodeDecodeError, ProfileError) as exc:
+            log.error("simulated usage: keeping the previous rules, %s cannot be used: %s", self.path, exc)
+            return self.rules
+        log.info("simulated usage rules changed: %s", "; ".join(map(str, self.rules)) or "(none)")
+        return self.rules
+
+
 @dataclass
 class FakeBackend:
-    """A backend from a `--fake-gpus` specification; tests drive health and processes through it."""
+    """A backend from a `--fake-gpus` specification; tests drive health and processes through it.
+
+    With `simulate` (the `--simulate-usage` rules) it also runs simulated workloads for the containers `attach`
+    says the node runs, writing each simulated process's `<proc_root>/<pid>/cgroup` so the agent maps it to
+    its pod like a real one."""
 
     node: str
     spec: str
     driver_version: str = "fake-550.00"
     cuda_version: str = "12.4"
+    simulate: str | None = None
+    proc_root: Path | None = None
+    clock: Callable[[], float] = time.monotonic
     _devices: list[GpuDevice] = field(init=False)
     _health: list[HealthChange] = field(default_factory=list, init=False)
     _processes: list[ProcessUsage] = field(default_factory=list, init=False)
@@ -147,6 +227,17 @@ class FakeBackend:
 
     def __post_init__(self) -> None:
         self._devices = parse_fake_gpus(self.spec, self.node)
+        self.rules = UsageRules(self.simulate) if self.simulate else None
+        if self.rules is not None and self.proc_root is None:
+            raise ValueError("simulated usage needs a folder for its processes' cgroup files (proc_root)")
+        self.simulation = UsageSimulation(self.rules.current()) if self.rules else None
+        self._containers: Callable[[], list[PendingContainer]] = list
+        self._simulated: list[SimulatedProcess] = []
+        self._written: set[int] = set()
+
+    def attach(self, containers: Callable[[], list[PendingContainer]]) -> None:
+        """Where the simulated workloads find the node's containers (the agent's view)."""
+        self._containers = containers
 
     def devices(self) -> list[GpuDevice]:
         """The configured GPUs."""
@@ -166,17 +257,44 @@ class FakeBackend:
             return out
 
     def processes(self) -> list[ProcessUsage]:
-        """Processes set by `set_processes`."""
+        """Processes set by `set_processes`, and the simulated workloads' processes of this moment."""
         with self._cond:
-            return list(self._processes)
+            out = list(self._processes)
+            if self.simulation is not None and self.rules is not None:
+                self.simulation.rules = self.rules.current()
+                self._simulated = self.simulation.step(self._containers(), self.clock())
+                self._write_cgroups()
+                out += [ProcessUsage(p.pid, p.gpu_uuid, p.used_memory_mib) for p in self._simulated]
+            return out
 
     def utilization(self) -> dict[str, float]:
-        """Utilisation set by `set_processes`."""
+        """Utilisation set by `set_processes`, plus the simulated workloads' (as of the last `processes`)."""
         with self._cond:
-            return dict(self._utilization)
+            memory = {d.uuid: d.memory_total_mib for d in self._devices}
+            out = dict(self._utilization)
+            for gpu, pct in utilization(self._simulated, memory).items():
+                out[gpu] = min(100.0, out.get(gpu, 0.0) + pct)
+            return out
+
+    def _write_cgroups(self) -> None:
+        """`<proc_root>/<pid>/cgroup` of each simulated process; the folders of ended ones are removed."""
+        assert self.proc_root is not None
+        now = {p.pid: p for p in self._simulated}
+        for pid in self._written - now.keys():
+            shutil.rmtree(self.proc_root / str(pid), ignore_errors=True)
+        for pid in now.keys() - self._written:
+            folder = self.proc_root / str(pid)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "cgroup").write_text(now[pid].cgroup)
+        self._written = set(now)
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Remove the simulated processes' cgroup files."""
+        with self._cond:
+            if self.proc_root is not None:
+                for pid in self._written:
+                    shutil.rmtree(self.proc_root / str(pid), ignore_errors=True)
+            self._written = set()
 
     # -- test / development controls ---------------------------------------------------------
     def set_health(self, gpu_uuid: str, healthy: bool, reason: str = "") -> None:

@@ -33,8 +33,11 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The whole gpushare stack (services as subprocesses, kubelet stand-ins, simulated nodes) on its own control
-# plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster, and STACK_K8S
-# ("1.20") to run on another Kubernetes release than the current one.
+# plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster, STACK_K8S ("1.20")
+# to run on another Kubernetes release than the current one, STACK_USAGE_RULES to give the node agents
+# simulated usage (the rules go to `<data dir>/usage.rules`, which the test may rewrite; samples every second,
+# over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags and
+# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it.
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,7 @@ async def stack(
     tmp_path_factory: pytest.TempPathFactory,
 ):
     """A started `devstack.stack.Stack` with its own database, stream and control plane (module scope)."""
+    from devstack.stack.spec import AgentUsage
     from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
     from tests.conftest import create_database, drop_database
 
@@ -55,8 +59,14 @@ async def stack(
     tag = uuid.uuid4().hex[:8]
     db_name = f"gpushare_e2e_{tag}"
     database_url = await asyncio.to_thread(create_database, pg_server_url, db_name)
+    data_dir = tmp_path_factory.mktemp(f"stack-{request.module.__name__.rsplit('.', 1)[-1]}")
+    usage = AgentUsage()
+    rules = getattr(request.module, "STACK_USAGE_RULES", None)
+    if rules is not None:
+        (data_dir / "usage.rules").write_text(rules)
+        usage = AgentUsage(f"@{data_dir / 'usage.rules'}", interval_s=1.0, overuse_grace_s=2.0)
     config = StackConfig(
-        data_dir=tmp_path_factory.mktemp(f"stack-{request.module.__name__.rsplit('.', 1)[-1]}"),
+        data_dir=data_dir,
         nodes=getattr(request.module, "STACK_NODES", 1),
         gpus=getattr(request.module, "STACK_GPUS", "1x16GiB:Tesla-T4"),
         node_prefix=f"e2e-{tag[:4]}",
@@ -73,6 +83,10 @@ async def stack(
         admin_token=ADMIN_TOKEN,
         scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
         control_plane_paths=control_plane_binaries,
+        usage=usage,
+        controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),
+        monitoring=getattr(request.module, "STACK_MONITORING", False),
+        scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
     )
     st = Stack(config)

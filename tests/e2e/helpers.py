@@ -289,3 +289,24 @@ def detail_sections(text: str) -> dict[str, dict[str, int]]:
 async def inspect_json(stack: Any, *args: str) -> Any:
     """`gpushare inspect -o json ARGS` parsed."""
     return json.loads(await inspect(stack, "-o", "json", *args))
+
+
+async def ledger_disagreements(database_url: str) -> list[str]:
+    """GPUs whose allocated counter is not the sum of the live shares on them (app containers only): [] when the
+    ledger is exact."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        counters = await conn.fetch("SELECT uuid, node, allocated_memory_mib FROM gpus WHERE retired_at IS NULL")
+        shares = await conn.fetch(
+            "SELECT p.gpu_uuid, sum(p.memory_mib) AS mib FROM allocation_parts p JOIN allocations a"
+            " ON a.id = p.allocation_id WHERE a.state = ANY($1::text[]) GROUP BY p.gpu_uuid",
+            list(LIVE),
+        )
+    finally:
+        await conn.close()
+    held = {r["gpu_uuid"]: int(r["mib"]) for r in shares}
+    return [
+        f"{r['node']}/{r['uuid']}: counter {r['allocated_memory_mib']} MiB, live shares {held.get(r['uuid'], 0)} MiB"
+        for r in counters
+        if r["allocated_memory_mib"] != held.get(r["uuid"], 0)
+    ]

@@ -67,3 +67,91 @@ def test_simulator_sends_what_kube_scheduler_sends() -> None:
         == "b"
     )
     assert pick_host(["a", "b"], []) == "a"
+
+
+def test_node_agents_get_the_simulated_usage_flags() -> None:
+    common = spec.CommonFlags(database_url="", nats_url="nats://n:1")
+    usage = spec.AgentUsage("@/data/usage.rules", interval_s=2, overuse_grace_s=20)
+    agent = spec.node_agent_command(
+        common, node="n1", gpus="1x16GiB:T4", device_plugin_dir="/d", pod_resources_socket="/s", metrics_port=9,
+        kubeconfig=None, usage=usage,
+    )  # fmt: skip
+    flags = dict(zip(agent.argv, agent.argv[1:], strict=False))
+    assert flags["--simulate-usage"] == "@/data/usage.rules"
+    assert flags["--usage-interval"] == "2" and flags["--overuse-grace"] == "20"
+    plain = spec.node_agent_command(
+        common, node="n1", gpus="1x16GiB:T4", device_plugin_dir="/d", pod_resources_socket="/s", metrics_port=9,
+        kubeconfig=None,
+    )  # fmt: skip
+    assert "--simulate-usage" not in plain.argv  # no rules: no simulated usage
+    assert agent.metrics_target == "127.0.0.1:9"
+    assert spec.extender_command(common, 1234, 7).metrics_target == "127.0.0.1:1234"
+
+
+def test_gpushare_up_usage_flags(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from devstack.stack.cli import OVERUSE_GRACE_S, agent_usage
+    from devstack.stack.demo import DEMO_USAGE_RULES
+
+    def args(**kw: object) -> argparse.Namespace:
+        return argparse.Namespace(**{"usage": None, "simulate_usage": True, "usage_interval": 5.0, **kw})
+
+    monkeypatch.setattr("services.node_agent.discovery.nvidia_gpus_present", lambda: "")
+    usage, note = agent_usage(args(), tmp_path)
+    assert usage.simulate == f"@{tmp_path / 'usage.rules'}" and usage.overuse_grace_s == OVERUSE_GRACE_S
+    assert (tmp_path / "usage.rules").read_text() == DEMO_USAGE_RULES and "rules in" in note
+    (tmp_path / "usage.rules").write_text("mine=idle\n")
+    agent_usage(args(), tmp_path)
+    assert (tmp_path / "usage.rules").read_text() == "mine=idle\n"  # an edited file is kept
+    assert agent_usage(args(usage="*=steady:0.3"), tmp_path)[0].simulate == "*=steady:0.3"
+    with pytest.raises(SystemExit, match="unknown usage shape"):
+        agent_usage(args(usage="*=lots"), tmp_path)
+    assert agent_usage(args(simulate_usage=False), tmp_path) == (
+        spec.AgentUsage(None, 5.0, OVERUSE_GRACE_S),
+        "no simulated usage (--no-usage)",
+    )
+    monkeypatch.setattr("services.node_agent.discovery.nvidia_gpus_present", lambda: "/dev/nvidia0 exists")
+    usage, note = agent_usage(args(), tmp_path)
+    assert usage.simulate is None and "this machine has NVIDIA GPUs (/dev/nvidia0 exists)" in note
+
+
+def test_rightsizing_lines_say_what_repacking_frees() -> None:
+    from devstack.stack.demo_run import rightsizing_lines
+
+    items = [
+        {"owner_name": "infer-1", "pods_sampled": 4, "summary": "s1", "allocated_mib": 2048, "recommended_mib": 1024},
+        {"owner_name": "train-2", "pods_sampled": 2, "summary": "s2", "allocated_mib": 4096, "recommended_mib": 5120},
+    ]
+    lines = rightsizing_lines(items)
+    assert lines[:2] == ["  infer-1  4 pod(s): s1", "  train-2  2 pod(s): s2"]
+    assert lines[2] == (
+        "  repacked at the recommended sizes these pods need 14 GiB instead of 16 GiB: frees 2 GiB, +14% pods per GPU"
+    )
+    assert "no usage samples yet" in rightsizing_lines([])[0]
+
+
+def test_kubelet_stand_in_reports_started_pods_running() -> None:
+    from datetime import UTC, datetime
+
+    from devstack.stack.kubelets import running_status
+
+    pod = {"spec": {"containers": [{"name": "a", "image": "img"}, {"name": "b"}]}}
+    status = running_status(pod, datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))["status"]
+    assert status["phase"] == "Running" and status["startTime"] == "2026-01-02T03:04:05Z"
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
+    assert [(c["name"], c["ready"], "running" in c["state"]) for c in status["containerStatuses"]] == [
+        ("a", True, True),
+        ("b", True, True),
+    ]
+
+
+def test_the_fleet_gets_simulated_usage_only_when_there_are_rules() -> None:
+    common = spec.CommonFlags(database_url="", nats_url="nats://n:1")
+    kw = {"nodes": ["a", "b"], "gpus": "1x16GiB:T4", "socket_dir": "/s", "kubeconfig": "/k", "port": 1, "addresses": {}}
+    plain = spec.fleet_command(common, **kw, usage=spec.AgentUsage())
+    assert "--simulate-usage" not in plain.argv and "--usage-interval" not in plain.argv  # keeps its own interval
+    simulated = spec.fleet_command(common, **kw, usage=spec.AgentUsage("*=steady:0.5", 2, 10))
+    flags = dict(zip(simulated.argv, simulated.argv[1:], strict=False))
+    assert flags["--simulate-usage"] == "*=steady:0.5" and flags["--usage-interval"] == "2"
+    assert flags["--overuse-grace"] == "10"

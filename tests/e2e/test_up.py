@@ -91,10 +91,22 @@ async def test_up_simulator_places_the_demo(tmp_path: Path, up_database: str, na
 async def test_up_runs_the_demo_on_the_local_control_plane(
     tmp_path: Path, up_database: str, nats_url: str, control_plane_binaries: Paths
 ) -> None:
-    code, out = await _up(tmp_path, up_database, nats_url, "--nodes", "2", "--bind-timeout", "20", limit_s=240)
+    code, out = await _up(
+        tmp_path, up_database, nats_url, "--nodes", "2", "--bind-timeout", "20", "--monitoring", limit_s=240
+    )
     assert code == 0, out[-5000:]
     placed = _placements(out)
     assert len(placed) == 6 and "Pending" not in placed.values(), out[-5000:]
     assert "export KUBECONFIG=" in out
     assert "16/32" in out, out[-3000:]
     assert "==> stopped" in out
+    # the demo's simulated usage went through the node agents, the stream and accounting into right-sizing
+    assert "Right-sizing from observed usage (simulated usage, rules in" in out, out[-5000:]
+    advice = dict(re.findall(r"^\s+((?:bert-training|resnet-inference)-\S+)\s+\d pod\(s\): (.*)$", out, re.M))
+    assert any("peaks at 922 MiB: 100 % more pods per GPU at 1 GiB" in a for a in advice.values()), out[-5000:]
+    assert any("peaks at 4.4 GiB: needs 5 GiB" in a for a in advice.values()), out[-5000:]
+    assert re.search(r"need 14 GiB instead of 16 GiB: frees 2 GiB", out), out[-5000:]
+    # --monitoring: Prometheus and prometheus-adapter (custom.metrics.k8s.io) beside it, and how to try the HPA
+    assert re.search(r"^Prometheus: http://127\.0\.0\.1:\d+/graph", out, re.M), out[-5000:]
+    assert "HPA metric: kubectl get --raw '/apis/custom.metrics.k8s.io/v1beta2/namespaces/gpushare-demo/pods/*/" in out
+    assert "Monitoring:" not in out, out[-5000:]

@@ -136,13 +136,20 @@ async def gateway(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Led
 
 
 @pytest.fixture
-async def harness(gateway: tuple[Ledger, OutboxRelay], bus: EventBus) -> AsyncIterator[Harness]:
-    """Agent with GPUs 2x16GiB T4 + 1x80GiB A100, registered with a running kubelet stand-in."""
+async def harness(
+    gateway: tuple[Ledger, OutboxRelay], bus: EventBus, request: pytest.FixtureRequest
+) -> AsyncIterator[Harness]:
+    """Agent with GPUs 2x16GiB T4 + 1x80GiB A100, registered with a running kubelet stand-in. Parametrized
+    indirectly with a dict, it passes it to the FakeBackend (`simulate`, `clock`: simulated usage, whose
+    processes' cgroup files go to the agent's proc root)."""
     root = Path(tempfile.mkdtemp(prefix="na-", dir="/tmp"))
     ledger, relay = gateway
     kubelet = KubeletStandIn(root / "dp", root / "pr.sock")
     await kubelet.start()
-    backend = FakeBackend(NODE, "2x16GiB:Tesla-T4,1x80GiB:A100")
+    options = dict(getattr(request, "param", None) or {})
+    if options.get("simulate"):
+        options["proc_root"] = root / "proc"
+    backend = FakeBackend(NODE, "2x16GiB:Tesla-T4,1x80GiB:A100", **options)
     config = AgentConfig(
         node=NODE,
         device_plugin_dir=root / "dp",
@@ -152,6 +159,7 @@ async def harness(gateway: tuple[Ledger, OutboxRelay], bus: EventBus) -> AsyncIt
         proc_root=root / "proc",
     )
     agent = NodeAgent(config, backend, bus=bus)
+    backend.attach(agent.view.containers)
     await agent.start()
     await kubelet.wait_registered(RESOURCES, timeout_s=30)
     await wait_ready(agent)
@@ -160,4 +168,5 @@ async def harness(gateway: tuple[Ledger, OutboxRelay], bus: EventBus) -> AsyncIt
     finally:
         await agent.close()
         await kubelet.stop()
+        backend.close()
         shutil.rmtree(root, ignore_errors=True)
