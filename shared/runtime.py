@@ -182,7 +182,12 @@ class ServiceRuntime:
             if database_url is not None:
                 size = self.settings.db_pool_size or self.pool_size
                 # a hard cap (no overflow): the product's connections stay a fixed number, whatever the load
-                self.engine = make_engine(database_url, pool_size=size, max_overflow=0)
+                self.engine = make_engine(
+                    database_url,
+                    pool_size=size,
+                    max_overflow=0,
+                    idle_transaction_timeout_s=self.settings.db_idle_transaction_timeout,
+                )
                 await self._until_connected("PostgreSQL", self._probe_database)
                 self.relay = OutboxRelay(self.engine, self.bus)
                 self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)

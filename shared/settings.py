@@ -52,6 +52,12 @@ class Settings(BaseSettings):
         description="PostgreSQL connections one service process keeps at most (default per service: extender 6, "
         "binder 5, accounting 3)",
     )
+    db_idle_transaction_timeout: float = Field(
+        default=10.0,
+        ge=0,
+        description="Seconds PostgreSQL lets a service's session sit inside a transaction before ending it, so a "
+        "stalled process cannot hold ledger locks for ever (0: no limit)",
+    )
     samples_max_age: float = Field(
         default=86_400.0, description="How long the samples stream keeps usage and refused events (24h; 0: no limit)"
     )

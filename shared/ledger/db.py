@@ -76,16 +76,33 @@ def async_url(url: str) -> str:
     return urlunsplit(("postgresql+asyncpg", parts.netloc, parts.path, urlencode(query), parts.fragment))
 
 
-def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 10) -> AsyncEngine:
+IDLE_TRANSACTION_TIMEOUT_S = 10.0
+
+
+def make_engine(
+    url: str,
+    *,
+    pool_size: int = 10,
+    max_overflow: int = 10,
+    idle_transaction_timeout_s: float = IDLE_TRANSACTION_TIMEOUT_S,
+) -> AsyncEngine:
     """An async engine with a pool sized for one service process.
 
     No pre-ping on checkout (it costs three round trips per transaction on the hot path): after a database
     restart the first statement on each stale connection fails, SQLAlchemy then invalidates the pool, and
     the caller's retry (consumer redelivery, kube-scheduler's retry) runs on fresh connections.
+
+    PostgreSQL ends a session that sits inside a transaction for `idle_transaction_timeout_s` (0: never): a
+    process that stalls mid-transaction (stopped, swapped out, cut off) would otherwise hold its row and
+    advisory locks for as long as its TCP connection lives, and every other service would queue behind it
+    (the outbox relays share one lock). Its transaction rolls back; what it published meanwhile carries
+    event ids that JetStream and the consumers deduplicate.
     """
+    settings = {"idle_in_transaction_session_timeout": str(int(idle_transaction_timeout_s * 1000))}
     return create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_recycle=1800,
+        connect_args={"server_settings": settings},
     )

@@ -221,9 +221,9 @@ async def test_simulated_usage_flows_through_samples_metrics_and_overuse(harness
     # over-use: 3 GiB on a 2 GiB share past the (zero) grace, then back under
     reg = harness.agent.metrics.registry
     labels = {"node": harness.agent.config.node, "namespace": "default", "pod": "busy"}
-    assert reg.get_sample_value("gpushare_pod_memory_overuse_events_total", labels) == 1
-    assert reg.get_sample_value("gpushare_pod_memory_overuse", labels) == 0
-    assert reg.get_sample_value("gpushare_pod_memory_used_mib", labels) == 1024
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_overuse_episodes_total", labels) == 1
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_overuse", labels) == 0
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_used_bytes", labels) == 1024 * 1024 * 1024
     # the processes' cgroup files are where the agent reads them, and name the pods
     pid_dirs = sorted((harness.root / "proc").iterdir())
     assert len(pid_dirs) == 2 and all(int(d.name) >= PID_BASE for d in pid_dirs)
