@@ -21,7 +21,6 @@ from typing import Any
 
 from bench.common import BenchResult, Context, Target, median, private_bus
 from shared.events.bus import EventBus
-from shared.events.streams import SAMPLE_KINDS
 from shared.events.catalogue import (
     AllocationPart,
     AssignedEvent,
@@ -37,6 +36,7 @@ from shared.events.catalogue import (
     encode_event,
     subject_for,
 )
+from shared.events.streams import SAMPLE_KINDS
 from shared.ledger.replay import replay_state
 
 NAME = "replay"

@@ -22,8 +22,6 @@ NAME = "scale"
 TITLE = "8. Node agents at scale: DB connections, CPU per GPU pod and GPU/plain ratio vs node count"
 
 
-
-
 async def one_size(ctx: Context, nodes: int, pods: int) -> dict[str, float]:
     """One stack of `nodes` simulated nodes: plain phase, then GPU phase; the figures of this size."""
     from bench.kube_stack import whole_stack

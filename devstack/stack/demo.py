@@ -49,7 +49,7 @@ def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: l
                             "command": command,
                             "resources": {"limits": {RESOURCE_MEM: str(gpu_mem)}},
                         }
-                    ]
+                    ],
                 },
             },
         },

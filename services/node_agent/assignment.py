@@ -63,6 +63,7 @@ class PendingContainer:
         order they were bound. So: bound pods first, then by creation time, then by binding time."""
         bound = self.bound_at is not None
         return (0 if bound else 1, self.pod_created_at or self.reserved_at, self.bound_at or self.reserved_at)
+
     sidecar: bool = False
 
     @property

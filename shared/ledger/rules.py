@@ -170,6 +170,8 @@ def moved_to(allocation_id: Any, part: MovablePart, moves: Iterable[Any]) -> tup
             if move.from_gpu_uuid == part.gpu_uuid:
                 return move.to_gpu_uuid, move.to_gpu_index
     return None
+
+
 class ExchangeablePart(ChargeablePart, Protocol):
     """A part `swap_shares` can move: which container holds it, and on which GPU."""
 

@@ -218,4 +218,3 @@ async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> Exchan
         for part, new_uuid, new_index, old_uuid, _ in plan
     ]
     return event.model_copy(update={"moves": moves, "versions": versions})
-

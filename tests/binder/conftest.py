@@ -217,7 +217,6 @@ async def start_binder(
             await task
 
 
-
 async def allocation(engine: AsyncEngine, allocation_id: uuid.UUID) -> Any:
     """The allocation row."""
     async with engine.connect() as conn:

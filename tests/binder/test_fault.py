@@ -164,4 +164,3 @@ async def test_api_server_outage_loses_nothing(cluster, ledger, engine, start_bi
     await cluster.delete_pod(pod.metadata.name, grace=0)
     row = await state_becomes(engine, res, "released", within=30)
     assert row.reason == "pod deleted"
-

@@ -28,8 +28,6 @@ CONNECTION_CAP = 6 + 5 + 3  # extender + binder + accounting pools (docs/archite
 DB_ERROR_MARKERS = ("dbapierror", "asyncpg", "too many clients", "sqlalchemy", "operationalerror")
 
 
-
-
 async def test_a_burst_over_many_agents(stack, api, namespace) -> None:
     pods = PROFILE.scale_pods
     names = [f"scale-{i:04d}" for i in range(pods)]

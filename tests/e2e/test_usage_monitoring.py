@@ -139,9 +139,7 @@ async def test_hpa_scales_gpu_pods_on_simulated_gpu_memory_usage(stack, api, nam
 
         write_rules(stack, f"{namespace}/*=steady:0.9")  # 0.9 > 0.5: up to the maximum
         await eventually(lambda: _replicas(apps, namespace, 4), what="the Deployment scaled to 4", within=60)
-        placed = await eventually(
-            lambda: _running(api, namespace, 4), what="4 replicas placed and running", within=60
-        )
+        placed = await eventually(lambda: _running(api, namespace, 4), what="4 replicas placed and running", within=60)
         allocs = await h.wait_ledger(stack.database_url, namespace, list(placed), timeout_s=30)
         assert {name: a["memory_mib"] for name, a in allocs.items()} == {name: 2048 for name in placed}
         assert {a["node"] for a in allocs.values()} <= set(stack.node_names)
