@@ -25,6 +25,7 @@ MODULES = {
     "footprint": "bench.footprint",
     "bind": "bench.bind_pipeline",
     "overhead": "bench.scheduler_overhead",
+    "request_size": "bench.request_size",
 }
 
 

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -122,31 +123,29 @@ class ServiceRuntime:
         port: int | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+        also: tuple[FastAPI, int] | None = None,
     ) -> None:
-        """Serve `app` (if given) until the stop event is set; HTTPS when a certificate and key are given."""
+        """Serve `app` (if given) until the stop event is set; HTTPS when a certificate and key are given, and then
+        only to clients presenting a certificate signed by `tls_client_ca` when one is given (mutual TLS).
+        `also` = (app, port): a second, plain-HTTP server (probes and metrics beside a mutual-TLS port)."""
         if app is None or port is None:
             await self.stop.wait()
             return
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            ssl_certfile=tls_cert,
-            ssl_keyfile=tls_key,
-            limit_concurrency=1000,
-            timeout_keep_alive=30,
+        servers = [_server(app, host, port, tls_cert, tls_key, tls_client_ca)]
+        if also is not None:
+            servers.append(_server(also[0], host, also[1], None, None, None))
+        serving = [asyncio.create_task(server.serve()) for server in servers]
+        log.info(
+            "%s listening",
+            self.name,
+            extra={"service": self.name, "host": host, "port": port, "mutual_tls": bool(tls_client_ca)},
         )
-        server = uvicorn.Server(config)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        serving = asyncio.create_task(server.serve())
-        log.info("%s listening", self.name, extra={"service": self.name, "host": host, "port": port})
         stopper = asyncio.create_task(self.stop.wait())
-        await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
-        await serving
+        await asyncio.wait({*serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for server in servers:
+            server.should_exit = True
+        await asyncio.gather(*serving)
         stopper.cancel()
         self.stop.set()
 
@@ -163,3 +162,25 @@ class ServiceRuntime:
         if self.engine is not None:
             await self.engine.dispose()
         log.info("%s stopped", self.name, extra={"service": self.name})
+
+
+def _server(
+    app: FastAPI, host: str, port: int, cert: str | None, key: str | None, client_ca: str | None
+) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        ssl_certfile=cert,
+        ssl_keyfile=key,
+        ssl_ca_certs=client_ca,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
+        limit_concurrency=1000,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    return server

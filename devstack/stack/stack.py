@@ -179,14 +179,21 @@ class Stack:
         self.extender_url = f"http://127.0.0.1:{ext_port}{spec.EXTENDER_PREFIX}"
         self.accounting_url = f"http://127.0.0.1:{acc_port}"
         self.progress("starting extender and accounting")
+        # bind reads pods from the API server: the local control plane writes its kubeconfig here when it starts
+        kubeconfig = None if c.simulate else c.kubeconfig or str(self.data_dir / "cluster" / "kubeconfig")
         first = [
-            self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout)),
+            self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout, kubeconfig)),
             self._spawn(spec.accounting_command(self._common(), acc_port, c.admin_token)),
         ]
         cluster = asyncio.create_task(self._obtain_cluster())
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
         await cluster
         if self.mode == MODE_SIMULATOR:
+            if kubeconfig is not None and "extender" in self.processes:  # no API server after all
+                await asyncio.to_thread(self.processes.pop("extender").stop)
+                restarted = self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout))
+                if restarted is not None:
+                    await restarted.wait_ready(c.ready_timeout)
             await self._record_simulated_inventory()
             return
         await self._create_nodes()

@@ -126,7 +126,7 @@ class PodDemand:
         return self.simple and self.containers[0].compute == 0
 
 
-_ASCII_WHOLE = re.compile(r"[ \t]*\+?[0-9]{1,19}[ \t]*")  # `\d` and int() would take "１２" and "²"
+_ASCII_WHOLE = re.compile(r"[ \t]*\+?[0-9]{1,19}[ \t]*")  # `\d` and int() would take full-width or superscript digits
 
 
 def parse_quantity(value: object, what: str) -> int:

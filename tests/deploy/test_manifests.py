@@ -317,3 +317,24 @@ def test_before_1_30_overlay_is_the_base_without_the_admission_policy(
     older = {key(o) for o in rendered["overlays/before-1.30"]}
     assert base - older == {("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)}
     assert older < base
+
+
+def test_extender_mtls_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Mutual TLS on the verbs' port; probes and Prometheus on the plain health port (which serves nothing else)."""
+    objects = rendered["overlays/extender-mtls"]
+    spec = pod_spec(find(objects, "Deployment", "gpushare-extender"))
+    (container,) = spec["containers"]
+    args = container["args"]
+    flags = {args[i]: args[i + 1] for i in range(1, len(args) - 1, 2)}
+    assert flags["--tls-client-ca"] == "/etc/gpushare/tls/ca.crt" and flags["--health-port"] == "12346"
+    assert all(flags[f].startswith("/etc/gpushare/tls/") for f in ("--tls-cert", "--tls-key"))
+    assert container["readinessProbe"]["httpGet"]["port"] == "health"
+    assert container["livenessProbe"]["httpGet"]["port"] == "health"
+    assert {"name": "health", "containerPort": 12346} in container["ports"]
+    assert {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} == {
+        "tls": "gpushare-extender-tls"
+    }
+    ports = {p["name"]: p["port"] for p in find(objects, "Service", "gpushare-extender")["spec"]["ports"]}
+    assert ports == {"https": 12345, "metrics": 12346}  # the ServiceMonitor scrapes `metrics`, not 12345
+    monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
+    assert "https" not in {e["port"] for e in monitor["spec"]["endpoints"]}

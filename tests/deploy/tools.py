@@ -25,6 +25,7 @@ KUSTOMIZATIONS = (
     "overlays/gpushare-compat",
     "overlays/second-scheduler",
     "overlays/before-1.30",
+    "overlays/extender-mtls",
 )
 NAMESPACE = "gpushare-system"
 

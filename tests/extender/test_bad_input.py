@@ -88,11 +88,12 @@ async def test_both_node_fields_null_means_no_node(client: httpx.AsyncClient) ->
     assert r.status_code == 200 and r.json()["NodeNames"] == []
 
 
-@pytest.mark.parametrize("mem", ["²", "１２", "٣", "1²"])
+@pytest.mark.parametrize("mem", ["\u00b2", "\uff11\uff12", "\u0663", "1\u00b2"])  # ², full-width 12, Arabic 3
 async def test_non_ascii_digits_are_refused_with_a_reason_never_a_500(
     client: httpx.AsyncClient, ledger: Ledger, service: ExtenderService, engine: AsyncEngine, mem: str
 ) -> None:
-    """Unicode digits ("²" made int() fail: a 500; "１２" was read as 12) are refused, naming ASCII digits."""
+    """Unicode digits (superscript two made int() fail: a 500; full-width "12" was read as 12) are refused,
+    naming ASCII digits."""
     await add_node(ledger, "n1", [16])
     await service.resync("test")
     pod = gpu_pod("p", mem)
