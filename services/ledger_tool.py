@@ -6,6 +6,7 @@ import logging
 import sys
 import time
 
+from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import make_engine
 from shared.ledger.replay import differences, load_state, replay_state, write_state
@@ -38,7 +39,10 @@ async def rebuild(settings: Settings, *, apply: bool, verify: bool) -> int:
     """Replay the stream; returns a process exit code (1 when verification finds differences)."""
     engine = make_engine(settings.require_database_url(), pool_size=2)
     bus = await EventBus.connect(
-        settings.require_nats_url(), BusNames(settings.stream_name, settings.subject_prefix), name="gpushare-rebuild"
+        settings.require_nats_url(),
+        BusNames(settings.stream_name, settings.subject_prefix),
+        name="gpushare-rebuild",
+        auth=NatsAuth.from_settings(settings),
     )
     try:
         replayed, stats = await replay_state(bus, progress=_progress("replaying ledger events"))

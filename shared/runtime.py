@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
@@ -83,6 +84,7 @@ class ServiceRuntime:
             self.names,
             name=f"gpushare-{self.name}",
             replicas=self.settings.stream_replicas,
+            auth=NatsAuth.from_settings(self.settings),
         )
         if self.database:
             size = self.settings.db_pool_size or self.pool_size

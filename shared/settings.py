@@ -34,6 +34,17 @@ class Settings(BaseSettings):
         default=None, description="PostgreSQL URL, e.g. postgresql://gpushare@db:5432/gpushare"
     )
     nats_url: str | None = Field(default=None, description="NATS URL, e.g. nats://nats:4222")
+    nats_user: str | None = Field(default=None, description="NATS user (its password: GPUSHARE_NATS_PASSWORD)")
+    nats_password: SecretStr | None = Field(default=None, description="NATS password of GPUSHARE_NATS_USER")
+    nats_token: SecretStr | None = Field(default=None, description="NATS authentication token")
+    nats_creds: Path | None = Field(default=None, description="NATS credentials file (user JWT and NKey seed)")
+    nats_nkey_seed: Path | None = Field(default=None, description="file holding a NATS user NKey seed")
+    nats_tls_cert: Path | None = Field(default=None, description="TLS client certificate for NATS")
+    nats_tls_key: Path | None = Field(default=None, description="private key of GPUSHARE_NATS_TLS_CERT")
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle that signs the NATS server's certificate")
+    nats_inbox_prefix: str | None = Field(
+        default=None, description="subject prefix of this client's replies (default _INBOX.<user> when a user is set)"
+    )
     accounting_url: str = Field(
         default=f"http://127.0.0.1:{ACCOUNTING_PORT}", description="Where clients reach accounting"
     )

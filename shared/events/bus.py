@@ -11,7 +11,9 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from shared.events.auth import NatsAuth
 from shared.events.catalogue import encode_event, subject_for
+from shared.logging import redact
 from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -52,16 +54,25 @@ class EventBus:
 
     @classmethod
     async def connect(
-        cls, url: str, names: BusNames | None = None, *, name: str = "gpushare", replicas: int = 1
+        cls,
+        url: str,
+        names: BusNames | None = None,
+        *,
+        name: str = "gpushare",
+        replicas: int = 1,
+        auth: NatsAuth | None = None,
     ) -> EventBus:
         """Connect (reconnecting forever on loss) and make sure the streams exist (with `replicas`
-        copies each when created here; a 3-server NATS cluster wants 3)."""
+        copies each when created here; a 3-server NATS cluster wants 3). `auth`: credentials, client
+        certificate, inbox prefix (`shared.events.auth`)."""
+        options = (auth or NatsAuth()).options(url)
+        url_for_logs = redact(url)
 
         async def _disconnected() -> None:
-            log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
+            log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url_for_logs})
 
         async def _reconnected() -> None:
-            log.info("reconnected to NATS", extra={"nats_url": url})
+            log.info("reconnected to NATS", extra={"nats_url": url_for_logs})
 
         async def _error(exc: Exception) -> None:
             log.warning("NATS client error: %s", exc)
@@ -75,6 +86,7 @@ class EventBus:
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
+            **options,
         )
         bus = cls(nc, names or BusNames(), replicas=replicas)
         await bus.ensure_streams()
