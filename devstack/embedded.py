@@ -37,6 +37,13 @@ def with_database(url: str, database: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"/{database}", parts.query, parts.fragment))
 
 
+def with_user(url: str, user: str) -> str:
+    """The same database as another user, without a password (for servers that trust local connections)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, f"{user}@{host}", parts.path, parts.query, parts.fragment))
+
+
 class EmbeddedPostgres:
     """A PostgreSQL server under `data_dir` (initialised on first use, kept afterwards).
 

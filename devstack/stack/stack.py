@@ -28,7 +28,7 @@ from typing import Any
 
 import asyncpg
 
-from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database
+from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database, with_user
 from devstack.stack import spec
 from devstack.stack.processes import ServiceProcess
 
@@ -84,6 +84,9 @@ class StackConfig:
     node_labels: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 90.0
     progress: Progress = _print_progress
+    # each service connects as its own PostgreSQL role (migration 0007: least privilege); None: when the stack
+    # runs its own PostgreSQL (which trusts local connections, so the roles need no passwords)
+    service_roles: bool | None = None
 
 
 class Stack:
@@ -148,10 +151,21 @@ class Stack:
         self.progress("migrating the ledger schema")
         await asyncio.to_thread(migrate.upgrade, self.database_url)
 
-    def _common(self) -> spec.CommonFlags:
+    @property
+    def service_roles(self) -> bool:
+        """Whether each service connects as its own role (`StackConfig.service_roles`)."""
+        return self.config.service_roles if self.config.service_roles is not None else self._pg is not None
+
+    def service_database_url(self, service: str) -> str:
+        """The URL a service connects with: as its role (gpushare_<service>), or the stack's own."""
+        if not self.service_roles:
+            return self.database_url
+        return with_user(self.database_url, f"gpushare_{service}")
+
+    def _common(self, service: str = "") -> spec.CommonFlags:
         c = self.config
         return spec.CommonFlags(
-            database_url=self.database_url,
+            database_url=self.service_database_url(service) if service else self.database_url,
             nats_url=self.nats_url,
             stream_name=c.stream_name,
             subject_prefix=c.subject_prefix,
@@ -182,8 +196,8 @@ class Stack:
         # bind reads pods from the API server: the local control plane writes its kubeconfig here when it starts
         kubeconfig = None if c.simulate else c.kubeconfig or str(self.data_dir / "cluster" / "kubeconfig")
         first = [
-            self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout, kubeconfig)),
-            self._spawn(spec.accounting_command(self._common(), acc_port, c.admin_token)),
+            self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout, kubeconfig)),
+            self._spawn(spec.accounting_command(self._common("accounting"), acc_port, c.admin_token)),
         ]
         cluster = asyncio.create_task(self._obtain_cluster())
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
@@ -191,7 +205,7 @@ class Stack:
         if self.mode == MODE_SIMULATOR:
             if kubeconfig is not None and "extender" in self.processes:  # no API server after all
                 await asyncio.to_thread(self.processes.pop("extender").stop)
-                restarted = self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout))
+                restarted = self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout))
                 if restarted is not None:
                     await restarted.wait_ready(c.ready_timeout)
             await self._record_simulated_inventory()
@@ -200,7 +214,7 @@ class Stack:
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
         self.progress("starting binder")
-        rest = [self._spawn(spec.binder_command(self._common(), bnd_port, str(self.kubeconfig)))]
+        rest = [self._spawn(spec.binder_command(self._common("binder"), bnd_port, str(self.kubeconfig)))]
         self._socket_dir = Path(tempfile.mkdtemp(prefix="gpushare-up-"))
         for node in self.node_names:
             rest.append(await self._start_node(node))

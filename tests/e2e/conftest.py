@@ -74,6 +74,7 @@ async def stack(
         scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
         control_plane_paths=control_plane_binaries,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
+        service_roles=True,  # each service as its own PostgreSQL role: least privilege, end to end
     )
     st = Stack(config)
     try:
