@@ -39,6 +39,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--pod-resources-socket", default=POD_RESOURCES_SOCKET, help="kubelet's pod-resources API socket")
     p.add_argument("--metrics-port", type=int, default=9119, help="port of /metrics, /healthz, /readyz (default 9119)")
     p.add_argument("--mps", action="store_true", help="the node runs the MPS control daemon: hand out MPS limits")
+    p.add_argument(
+        "--device-list-strategy",
+        choices=["envvar", "volume-mounts"],
+        default="envvar",
+        help="how containers learn their GPUs: NVIDIA_VISIBLE_DEVICES (envvar, default) or volume mounts the NVIDIA "
+        "container toolkit reads (with accept-nvidia-visible-devices-as-volume-mounts = true and "
+        "accept-nvidia-visible-devices-envvar-when-unprivileged = false a pod's own GPU list is ignored)",
+    )
     p.add_argument("--type-label-key", default="gpu-type", help="node label key for the short GPU type ('' = none)")
     p.add_argument("--kubeconfig", help="kubeconfig for node labels and evictions (default: in-cluster)")
     p.add_argument("--usage-interval", type=float, default=5.0, help="seconds between usage samples (default 5)")
@@ -118,6 +126,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         device_plugin_dir=Path(args.device_plugin_dir),
         pod_resources_socket=args.pod_resources_socket,
         mps=args.mps,
+        device_list_strategy=args.device_list_strategy,
         type_label_key=args.type_label_key,
         usage_interval_s=args.usage_interval,
         overuse_grace_s=args.overuse_grace,

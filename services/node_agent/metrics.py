@@ -30,6 +30,19 @@ class AgentMetrics:
         self.overuse_events = Counter(
             "gpushare_pod_memory_overuse_events", "Over-use episodes past the grace period", pod, registry=r
         )
+        unallocated = ["node", "namespace", "pod", "gpu"]
+        self.pod_unallocated = Gauge(
+            "gpushare_pod_unallocated_gpu_use",
+            "1 while a pod uses a GPU where it holds no share (past the grace): isolation was bypassed",
+            unallocated,
+            registry=r,
+        )
+        self.unallocated_events = Counter(
+            "gpushare_pod_unallocated_gpu_use_events",
+            "Episodes of a pod using a GPU where it holds no share",
+            unallocated,
+            registry=r,
+        )
         self.plugin_outcomes = Counter(
             "gpushare_device_plugin_outcomes", "Allocate / PreStart outcomes", ["node", "reason"], registry=r
         )

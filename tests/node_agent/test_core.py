@@ -131,6 +131,19 @@ def test_overuse_tracker_reports_once_after_grace() -> None:
     assert t.update([ok], alloc, now=13) == [] and t.over() == set()
 
 
+def test_use_of_a_gpu_where_the_pod_holds_nothing_is_reported_not_skipped() -> None:
+    t = OveruseTracker(grace_s=10)
+    alloc = {("p", "GPU-a"): 4096}
+    elsewhere = UsageSample(gpu_uuid="GPU-b", pod_uid="p", used_memory_mib=300)  # its share is on GPU-a
+    stranger = UsageSample(gpu_uuid="GPU-a", pod_uid="q", used_memory_mib=1)  # a pod with no share at all
+    host = UsageSample(gpu_uuid="GPU-a", pod_uid="", used_memory_mib=50)  # outside pods: not judged
+    assert t.update([elsewhere, stranger, host], alloc, now=0) == []
+    found = t.update([elsewhere, stranger, host], alloc, now=10)
+    assert sorted((s.pod_uid, s.gpu_uuid, limit) for s, limit in found) == [("p", "GPU-b", None), ("q", "GPU-a", None)]
+    assert t.over() == {("p", "GPU-b"), ("q", "GPU-a")}
+    assert t.update([], alloc, now=11) == [] and t.over() == set()  # the episode ends with the use
+
+
 def test_proto_compilation_is_idempotent_and_uses_kubelet_packages() -> None:
     from shared.kubelet_api import compile_protos, load
 

@@ -95,3 +95,24 @@ async def test_agent_restart_registers_again_with_same_identity(harness: Harness
         assert [g.uuid for g in second.gpus] == uuids
     finally:
         await second.close()
+
+
+async def test_volume_mount_device_lists(harness: Harness) -> None:
+    """--device-list-strategy volume-mounts: the GPU list travels as mounts the NVIDIA toolkit reads (so that with
+    accept-nvidia-visible-devices-envvar-when-unprivileged = false a pod's own NVIDIA_VISIBLE_DEVICES is ignored)."""
+    from services.node_agent.assignment import DEVICE_LIST_ROOT
+
+    for plugin in harness.agent.plugins:
+        plugin.servicer.device_list = "volume-mounts"
+    pod, _ = await harness.reserve("mounted", [("main", [(0, 2), (1, 2)])])
+    env = (await harness.kubelet.admit(pod))["main"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == DEVICE_LIST_ROOT
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1"  # the rest of the environment is unchanged
+    mounts = harness.kubelet.mounts[(pod["metadata"]["uid"], "main")]
+    assert mounts == [(f"{DEVICE_LIST_ROOT}/{harness.gpu(0)}", "/dev/null"), (f"{DEVICE_LIST_ROOT}/{harness.gpu(1)}",
+                                                                             "/dev/null")]
+    for plugin in harness.agent.plugins:
+        plugin.servicer.device_list = "envvar"
+    plain, _ = await harness.reserve("plain", [("main", [(0, 1)])])
+    assert (await harness.kubelet.admit(plain))["main"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
+    assert harness.kubelet.mounts[(plain["metadata"]["uid"], "main")] == []

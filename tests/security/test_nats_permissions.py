@@ -36,6 +36,7 @@ from shared.events.catalogue import (
     QuotaEvent,
     RefusedEvent,
     ReservedEvent,
+    UnallocatedUseEvent,
     UsageEvent,
     UsageSample,
     encode_event,
@@ -171,6 +172,9 @@ async def test_node_agent_talks_to_the_gateway_follows_its_node_and_publishes_us
         usage = UsageEvent(node="n1", samples=[UsageSample(gpu_uuid="GPU-n1-0", used_memory_mib=10)])
         await agent.publish(usage)
         assert await stored(binder, "gpushare.usage.n1") == 1
+        flagged = UnallocatedUseEvent(node="n1", gpu_uuid="GPU-n1-0", pod_uid="uid-9", used_memory_mib=5)
+        await agent.publish(flagged)
+        assert await stored(binder, "gpushare.unallocated.n1") == 1
         await link.unfollow()
 
         # refused: forging a ledger event, answering other agents' requests, reading other services' replies,
