@@ -333,3 +333,70 @@ def test_credentials_are_checked_before_connecting(tmp_path: Path) -> None:
     assert NatsAuth(user="gpushare-binder").options()["inbox_prefix"] == "_INBOX.gpushare-binder"
     assert NatsAuth().options("nats://gpushare-binder:pw@nats:4222")["inbox_prefix"] == "_INBOX.gpushare-binder"
     assert "inbox_prefix" not in NatsAuth().options("nats://token@nats:4222")
+
+
+def _jwt(issuer: object, claims: dict) -> str:
+    """A NATS JWT (header, claims, ed25519 signature of the issuer's NKey), as `nsc` writes them."""
+    import base64
+    import hashlib
+    import json
+    import time
+
+    def b64(raw: bytes) -> str:
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    header = b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    body = {**claims, "iat": int(time.time()), "jti": ""}
+    digest = hashlib.sha512(json.dumps(body, separators=(",", ":")).encode()).digest()[:32]
+    body["jti"] = base64.b32encode(digest).decode().rstrip("=")
+    payload = b64(json.dumps(body, separators=(",", ":")).encode())
+    signature = issuer.sign(f"{header}.{payload}".encode())  # type: ignore[attr-defined]
+    return f"{header}.{payload}.{b64(signature)}"
+
+
+async def test_event_bus_logs_in_with_a_credentials_file(tmp_path: Path) -> None:
+    """Operator mode (JWTs): the user's JWT and NKey seed in one `.creds` file, as `nsc` writes it."""
+    import os
+
+    import nkeys
+
+    def pair(prefix: int) -> tuple[bytes, object, str]:
+        seed = nkeys.encode_seed(os.urandom(32), prefix)
+        keys = nkeys.from_seed(bytearray(seed))
+        return seed, keys, keys.public_key.decode()
+
+    _, operator, operator_pub = pair(nkeys.PREFIX_BYTE_OPERATOR)
+    _, account, account_pub = pair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, _, system_pub = pair(nkeys.PREFIX_BYTE_ACCOUNT)
+    user_seed, _, user_pub = pair(nkeys.PREFIX_BYTE_USER)
+    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True, "conn": -1,
+                 "leaf": -1}  # fmt: skip
+    storage = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    (tmp_path / "op.jwt").write_text(
+        _jwt(operator, {"iss": operator_pub, "sub": operator_pub, "name": "op", "nats": {"type": "operator",
+                                                                                       "version": 2}})
+    )
+    gpushare = _jwt(operator, {"iss": operator_pub, "sub": account_pub, "name": "gpushare",
+                               "nats": {"limits": {**unlimited, **storage}, "type": "account", "version": 2}})
+    system = _jwt(operator, {"iss": operator_pub, "sub": system_pub, "name": "SYS",
+                             "nats": {"limits": unlimited, "type": "account", "version": 2}})
+    user = _jwt(account, {"iss": account_pub, "sub": user_pub, "name": "gpushare-binder",
+                          "nats": {"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user",
+                                   "version": 2}})  # fmt: skip
+    (tmp_path / "nats.conf").write_text(
+        f"operator: {tmp_path / 'op.jwt'}\nsystem_account: {system_pub}\nresolver: MEMORY\n"
+        f'resolver_preload: {{\n  {account_pub}: "{gpushare}"\n  {system_pub}: "{system}"\n}}\n'
+    )
+    creds = tmp_path / "gpushare-binder.creds"
+    creds.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{user}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{user_seed.decode()}\n------END USER NKEY SEED------\n"
+    )
+    server = EmbeddedNats(tmp_path / "data", config=tmp_path / "nats.conf")
+    url = server.start()
+    try:
+        assert await _answers(server, url, NatsAuth(creds_file=creds))
+        with pytest.raises(NatsError):  # without the credentials: refused
+            await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+    finally:
+        server.stop()
