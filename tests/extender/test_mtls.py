@@ -180,7 +180,7 @@ async def test_kube_scheduler_binds_through_mutual_tls(
             return row is not None and row.node == node
 
         await eventually(reserved, within=60, what=f"a reservation made by kube-scheduler's bind:\n{tail(extender)}")
-        assert [e.pod_uid for e in binder.seen] == [uid]
+        await eventually(lambda: [e.pod_uid for e in binder.seen] == [uid], what="the reserved event")
         await client.CoreV1Api(api).delete_namespaced_pod("through-mtls", "default", grace_period_seconds=0)
     finally:
         await api.close()
