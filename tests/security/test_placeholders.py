@@ -75,3 +75,24 @@ async def test_migrate_sets_the_service_roles_passwords_as_scram_verifiers(datab
     # ours agrees with PostgreSQL's own hashing of the same password and salt
     iterations, salt = reference.split("$")[1].split(":")
     assert scram_verifier("Acc'pw;2", salt=base64.b64decode(salt), iterations=int(iterations)) == reference
+
+
+def test_the_database_password_setting_joins_the_url_quoted() -> None:
+    """The manifests give each service its role in the URL and its password from a Secret."""
+    from urllib.parse import unquote, urlsplit
+
+    from pydantic import SecretStr
+
+    from shared.settings import Settings
+
+    url = "postgresql://gpushare_binder@postgres:5432/gpushare?sslmode=verify-full"
+    settings = Settings(database_url=SecretStr(url), database_password=SecretStr("p@ss/w:rd"))
+    joined = settings.require_database_url()
+    parts = urlsplit(joined)
+    assert (parts.username, parts.hostname) == ("gpushare_binder", "postgres")
+    assert unquote(parts.password or "") == "p@ss/w:rd"
+    assert parts.path == "/gpushare" and parts.query == "sslmode=verify-full"
+    kept = Settings(database_url=SecretStr("postgresql://u:own@h/d"), database_password=SecretStr("other"))
+    assert kept.require_database_url() == "postgresql://u:own@h/d"
+    with pytest.raises(SystemExit, match="needs a user"):
+        Settings(database_url=SecretStr("postgresql://h/d"), database_password=SecretStr("x")).require_database_url()
