@@ -26,6 +26,7 @@ MODULES = {
     "bind": "bench.bind_pipeline",
     "overhead": "bench.scheduler_overhead",
     "scale": "bench.scale",
+    "request_size": "bench.request_size",
 }
 
 

@@ -38,6 +38,13 @@ def with_database(url: str, database: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"/{database}", parts.query, parts.fragment))
 
 
+def with_user(url: str, user: str) -> str:
+    """The same database as another user, without a password (for servers that trust local connections)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, f"{user}@{host}", parts.path, parts.query, parts.fragment))
+
+
 class EmbeddedPostgres:
     """A PostgreSQL server under `data_dir` (initialised on first use, kept afterwards).
 
@@ -180,12 +187,25 @@ def nats_server_binary() -> str:
 
 
 class EmbeddedNats:
-    """A nats-server with JetStream on loopback, storing under `data_dir`."""
+    """A nats-server with JetStream on loopback, storing under `data_dir`.
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, log_file: Path | None = None) -> None:
+    `config`: a configuration file to start with (users and permissions, say; the flags set here still apply),
+    with `env` added to the server's environment (the variables the file names, such as passwords)."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        log_file: Path | None = None,
+        config: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.log_file = log_file or self.data_dir / "nats-server.log"
+        self.config = config
+        self.env = env or {}
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -198,6 +218,7 @@ class EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             nats_server_binary(),
+            *(["-c", str(self.config)] if self.config is not None else []),
             "-js",
             "-sd",
             str(self.data_dir / "jetstream"),
@@ -208,7 +229,13 @@ class EmbeddedNats:
             "-l",
             str(self.log_file),
         ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self.env},
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

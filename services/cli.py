@@ -16,6 +16,7 @@ from importlib import metadata
 
 from shared.logging import configure_logging
 from shared.optional import optional_module
+from shared.placeholders import refuse_placeholders
 from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, Settings
 
 log = logging.getLogger("gpushare")
@@ -77,15 +78,21 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from shared.ledger import migrate
+    from shared.ledger import migrate, roles
 
     url = settings.require_database_url()
+    passwords = roles.passwords_from_env()
+    by_setting = {roles.PASSWORD_ENV.format(r.removeprefix("gpushare_").upper()): pw for r, pw in passwords.items()}
+    refuse_placeholders(settings, by_setting)
     if args.downgrade:
         migrate.downgrade(url, args.downgrade)
         log.info("downgraded the ledger schema", extra={"revision": args.downgrade})
-    else:
-        migrate.upgrade(url, args.revision)
-        log.info("ledger schema is at %s", args.revision, extra={"revision": migrate.head_revision()})
+        return 0
+    migrate.upgrade(url, args.revision)
+    log.info("ledger schema is at %s", args.revision, extra={"revision": migrate.head_revision()})
+    if passwords:
+        asyncio.run(roles.set_passwords(url, passwords))
+        log.info("set the passwords of the service roles", extra={"roles": sorted(passwords)})
     return 0
 
 
@@ -120,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Apply the ledger's database migrations.",
     )
     p.add_argument("--revision", default="head", help="target revision (default head)")
+    p.epilog = (
+        "After upgrading, the services' roles (gpushare_extender, gpushare_binder, gpushare_accounting) get the "
+        "passwords in GPUSHARE_DB_PASSWORD_EXTENDER / _BINDER / _ACCOUNTING, for those that are set."
+    )
     p.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead (base = empty)")
     p.set_defaults(func=_cmd_migrate)
 
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     except Exception as exc:
         parser.error(f"invalid setting: {exc}")
     configure_logging(settings.log_level, settings.log_format)
+    if args.command != "migrate":  # migrate checks its role passwords too
+        refuse_placeholders(settings)
     func: Callable[[argparse.Namespace, Settings], int] = args.func
     try:
         return int(func(args, settings) or 0)

@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import make_engine
 from shared.ledger.replay import differences, load_state, write_state
@@ -46,6 +47,7 @@ async def _connect(settings: Settings, name: str) -> EventBus:
         BusNames(settings.stream_name, settings.subject_prefix),
         name=name,
         replicas=settings.stream_replicas,
+        auth=NatsAuth.from_settings(settings),
     )
 
 

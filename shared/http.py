@@ -33,20 +33,29 @@ class BodyLimitMiddleware:
             await _too_large(self.max_bytes, scope, send)
             return
         seen = 0
+        refused = False
 
         async def limited_receive():  # type: ignore[no-untyped-def]
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    if not refused:  # answered here: a framework that catches the error below cannot turn it
+                        refused = True  # into its own 400 (FastAPI does for the bodies it parses)
+                        await _too_large(self.max_bytes, scope, send)
                     raise _BodyTooLarge
             return message
 
+        async def guarded_send(message):  # type: ignore[no-untyped-def]
+            if not refused:
+                await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, guarded_send)
         except _BodyTooLarge:
-            await _too_large(self.max_bytes, scope, send)
+            if not refused:
+                await _too_large(self.max_bytes, scope, send)
 
 
 class _BodyTooLarge(Exception):

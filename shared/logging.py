@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
+# NATS takes a bare token as the user info (nats://TOKEN@host): no colon, but a secret all the same
+_NATS_TOKEN = re.compile(r"(?P<scheme>\b(?:nats|tls|ws|wss)://)(?P<token>[^:/@\s,]+)@")
 _BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
 _TOKEN_KV = re.compile(r"(?i)((?:token|password|secret)[\"']?\s*[=:]\s*[\"']?)[^\s\"',}]+")
 
@@ -17,8 +19,9 @@ _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"mess
 
 
 def redact(text: str) -> str:
-    """Mask passwords in URLs, bearer tokens and `token=`/`password=` values."""
+    """Mask passwords in URLs, NATS tokens in URLs, bearer tokens and `token=`/`password=` values."""
     text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    text = _NATS_TOKEN.sub(lambda m: f"{m['scheme']}***@", text)
     text = _BEARER.sub(r"\1***", text)
     return _TOKEN_KV.sub(r"\1***", text)
 

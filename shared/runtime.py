@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.events.streams import StreamLimits
 from shared.http import install_common
@@ -45,12 +47,14 @@ EVENT_LOOP_ENV = "GPUSHARE_EVENT_LOOP"
 
 @dataclass(frozen=True)
 class Listen:
-    """Where a service serves HTTP (HTTPS with a certificate and key)."""
+    """Where a service serves HTTP (HTTPS with a certificate and key; then, with `tls_client_ca`, only to
+    clients presenting a certificate that CA signed: mutual TLS)."""
 
     host: str = "0.0.0.0"
     port: int = 8080
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_client_ca: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,17 @@ class ServiceRuntime:
         database: bool = True,
         pool_size: int = 3,
         listen: Listen | None = None,
+        probes: Listen | None = None,
         backoff: Backoff = Backoff(),
     ) -> None:
         self.name = name
         self.settings = settings
         self.database = database
         self.pool_size = pool_size
+        if probes is not None and listen is None:
+            raise ValueError("a probes port is served beside the main port: give `listen` too")
         self.listen = listen
+        self.probes = probes
         self.backoff = backoff
         self.stop = asyncio.Event()
         self.engine: AsyncEngine | None = None
@@ -152,7 +160,7 @@ class ServiceRuntime:
         self.relay: OutboxRelay | None = None
         self.ledger: Ledger | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._http: tuple[uvicorn.Server, _Switchable, asyncio.Task[None]] | None = None
+        self._http: list[tuple[_Server, _Switchable, asyncio.Task[None]]] = []
 
     @property
     def names(self) -> BusNames:
@@ -166,9 +174,10 @@ class ServiceRuntime:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
-        if self.listen is not None:
-            await self._start_http(waiting_app(self.name), self.listen)
         try:
+            for where in (self.listen, self.probes):
+                if where is not None:
+                    await self._start_http(waiting_app(self.name), where)
             self.bus = await self._until_connected(
                 "NATS",
                 lambda: EventBus.connect(
@@ -177,6 +186,7 @@ class ServiceRuntime:
                     name=f"gpushare-{self.name}",
                     replicas=self.settings.stream_replicas,
                     limits=StreamLimits.from_settings(self.settings),
+                    auth=NatsAuth.from_settings(self.settings),
                 ),
             )
             if database_url is not None:
@@ -262,55 +272,56 @@ class ServiceRuntime:
             lifespan="off",
             ssl_certfile=listen.tls_cert,
             ssl_keyfile=listen.tls_key,
+            ssl_ca_certs=listen.tls_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if listen.tls_client_ca else ssl.CERT_NONE,
             limit_concurrency=1000,
             timeout_keep_alive=30,
         )
         server = _Server(config)
         task = asyncio.create_task(server.serve())
-        self._http = (server, switch, task)
         up = asyncio.create_task(server.up.wait())
         await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
         up.cancel()
         if not server.started:  # the port is taken, say: uvicorn logged why
-            self._http = None
             with contextlib.suppress(BaseException):
                 await task
             raise SystemExit(f"{self.name}: cannot listen on {listen.host}:{listen.port}")
-        log.info("%s listening", self.name, extra={"service": self.name, "host": listen.host, "port": listen.port})
+        self._http.append((server, switch, task))
+        log.info(
+            "%s listening",
+            self.name,
+            extra={
+                "service": self.name,
+                "host": listen.host,
+                "port": listen.port,
+                "mutual_tls": bool(listen.tls_client_ca),
+            },
+        )
 
-    async def serve(
-        self,
-        app: FastAPI | None,
-        *,
-        host: str = "0.0.0.0",
-        port: int | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-    ) -> None:
-        """Serve `app` (if given) until the stop event is set: on the port that has been answering since start
-        (`listen`), or on `host`/`port` (HTTPS when a certificate and key are given)."""
-        if app is not None and self._http is None and port is not None:
-            await self._start_http(app, Listen(host, port, tls_cert, tls_key))
-        elif app is not None and self._http is not None:
-            self._http[1].app = app
-        if self._http is None:
+    async def serve(self, app: FastAPI | None, *, probes_app: FastAPI | None = None) -> None:
+        """Hand the ports that have answered since start to the service: `app` on `listen`, `probes_app` (only
+        /healthz, /readyz and /metrics, for probes beside a mutual-TLS port) on `probes`; return when the stop
+        event is set (or a server ended)."""
+        apps = [app, probes_app]
+        for (_, switch, _), served in zip(self._http, apps, strict=False):
+            if served is not None:
+                switch.app = served
+        if not self._http:
             await self.stop.wait()
             return
-        task = self._http[2]
         stopper = asyncio.create_task(self.stop.wait())
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({*(task for _, _, task in self._http), stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         self.stop.set()
         await self._stop_http()
 
     async def _stop_http(self) -> None:
-        if self._http is None:
-            return
-        server, _, task = self._http
-        self._http = None
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await task
+        servers, self._http = self._http, []
+        for server, _, _ in servers:
+            server.should_exit = True
+        for _, _, task in servers:
+            with contextlib.suppress(Exception):
+                await task
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop.set()

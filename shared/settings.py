@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,9 +34,23 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUSHARE_", extra="ignore")
 
     database_url: SecretStr | None = Field(
-        default=None, description="PostgreSQL URL, e.g. postgresql://gpushare@db:5432/gpushare"
+        default=None, description="PostgreSQL URL, e.g. postgresql://gpushare_binder@db:5432/gpushare"
+    )
+    database_password: SecretStr | None = Field(
+        default=None, description="password for the URL's user, when the URL carries none (from a Secret)"
     )
     nats_url: str | None = Field(default=None, description="NATS URL, e.g. nats://nats:4222")
+    nats_user: str | None = Field(default=None, description="NATS user (its password: GPUSHARE_NATS_PASSWORD)")
+    nats_password: SecretStr | None = Field(default=None, description="NATS password of GPUSHARE_NATS_USER")
+    nats_token: SecretStr | None = Field(default=None, description="NATS authentication token")
+    nats_creds: Path | None = Field(default=None, description="NATS credentials file (user JWT and NKey seed)")
+    nats_nkey_seed: Path | None = Field(default=None, description="file holding a NATS user NKey seed")
+    nats_tls_cert: Path | None = Field(default=None, description="TLS client certificate for NATS")
+    nats_tls_key: Path | None = Field(default=None, description="private key of GPUSHARE_NATS_TLS_CERT")
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle that signs the NATS server's certificate")
+    nats_inbox_prefix: str | None = Field(
+        default=None, description="subject prefix of this client's replies (default _INBOX.<user> when a user is set)"
+    )
     accounting_url: str = Field(
         default=f"http://127.0.0.1:{ACCOUNTING_PORT}", description="Where clients reach accounting"
     )
@@ -86,6 +101,10 @@ class Settings(BaseSettings):
     usage_retention: float = Field(default=30 * 86_400.0, description="Usage samples older than this are deleted (30d)")
     data_dir: Path = Field(default=Path(".gpushare"), description="Where `gpushare up` keeps its data")
     admin_token: SecretStr | None = Field(default=None, description="Bearer token required by mutating REST endpoints")
+    allow_dev_secrets: bool = Field(
+        default=False,
+        description="start even with the shipped placeholder secrets (change-me...): local development only",
+    )
 
     @field_validator(
         "samples_max_age",
@@ -118,10 +137,25 @@ class Settings(BaseSettings):
         """The database URL, or a clear error naming the setting when it is missing."""
         if self.database_url is None:
             raise SystemExit("no database configured: set GPUSHARE_DATABASE_URL or pass --database-url")
-        return self.database_url.get_secret_value()
+        url = self.database_url.get_secret_value()
+        if self.database_password is None:
+            return url
+        return with_password(url, self.database_password.get_secret_value())
 
     def require_nats_url(self) -> str:
         """The NATS URL, or a clear error naming the setting when it is missing."""
         if not self.nats_url:
             raise SystemExit("no NATS server configured: set GPUSHARE_NATS_URL or pass --nats-url")
         return self.nats_url
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` for its user (quoted for the URL); a URL that has a password keeps it."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        return url
+    if not parts.username:
+        raise SystemExit("GPUSHARE_DATABASE_PASSWORD needs a user in GPUSHARE_DATABASE_URL (postgresql://USER@host/db)")
+    host = parts.netloc.rsplit("@", 1)[-1]
+    netloc = f"{parts.username}:{quote(password, safe='')}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

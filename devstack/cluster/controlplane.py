@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +55,7 @@ class ExtenderConfig:
     managed_resources: Sequence[str] = RESOURCES
     ignored_by_scheduler: bool = True
     ignorable: bool = False
+    tls_config: Mapping[str, Any] | None = None  # for https: kube-scheduler's tlsConfig (default: insecure)
 
     def to_dict(self) -> dict[str, Any]:
         """Render as a KubeSchedulerConfiguration extender entry."""
@@ -78,7 +79,7 @@ class ExtenderConfig:
             if verb:
                 out[key] = verb
         if out["enableHTTPS"]:
-            out["tlsConfig"] = {"insecure": True}
+            out["tlsConfig"] = dict(self.tls_config) if self.tls_config is not None else {"insecure": True}
         return out
 
 

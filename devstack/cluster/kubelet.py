@@ -103,7 +103,8 @@ class KubeletStandIn:
         self.pod_resources_socket = Path(pod_resources_socket or self.plugin_dir.parent / "pod-resources.sock")
         self.plugins: dict[str, RegisteredPlugin] = {}
         self.assignments: list[Assignment] = []
-        self.mounts: dict[tuple[str, str, str], list[tuple[str, str]]] = {}  # (ns, pod, container) -> Allocate's
+        # (pod UID, container) -> the mounts Allocate asked for: (container path, host path)
+        self.mounts: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self.registrations: dict[str, int] = {}
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
@@ -270,9 +271,9 @@ class KubeletStandIn:
                     except grpc.aio.AioRpcError as exc:
                         raise AdmissionError(c["name"], "Allocate", exc.details() or exc.code().name) from None
                     env.update(reply.container_responses[0].envs)
-                    self.mounts[(ns, name, c["name"])] = [
-                        (m.host_path, m.container_path) for m in reply.container_responses[0].mounts
-                    ]
+                    self.mounts.setdefault((uid, c["name"]), []).extend(
+                        (m.container_path, m.host_path) for m in reply.container_responses[0].mounts
+                    )
                     self.assignments.append(Assignment(ns, name, uid, c["name"], resource, ids))
                     if plugin.options.pre_start_required:
                         prestarts.append((c["name"], plugin, ids))

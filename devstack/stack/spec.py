@@ -127,8 +127,14 @@ def gpushare_argv(subcommand: str, *args: str, common: CommonFlags | None = None
     return [sys.executable, "-m", "services.cli", subcommand, *args, *(common.argv() if common else [])]
 
 
-def extender_command(common: CommonFlags, port: int, bind_timeout: float) -> ServiceCommand:
-    """The scheduler extender (kube-scheduler calls it at http://127.0.0.1:PORT/gpushare-scheduler)."""
+def extender_command(
+    common: CommonFlags, port: int, bind_timeout: float, kubeconfig: str | None = None
+) -> ServiceCommand:
+    """The scheduler extender (kube-scheduler calls it at http://127.0.0.1:PORT/gpushare-scheduler).
+
+    Bind verifies each pod in the API server of `kubeconfig`; without one (the scheduler simulator, no API
+    server) it trusts what filter saw (`--trust-filter-pods`, development only)."""
+    pods = ["--kubeconfig", kubeconfig] if kubeconfig else ["--trust-filter-pods"]
     argv = gpushare_argv(
         "extender",
         "--host",
@@ -139,6 +145,7 @@ def extender_command(common: CommonFlags, port: int, bind_timeout: float) -> Ser
         EXTENDER_PREFIX,
         "--bind-timeout",
         f"{bind_timeout:g}",
+        *pods,
         common=common,
     )
     return ServiceCommand(

@@ -28,7 +28,7 @@ from typing import Any
 
 import asyncpg
 
-from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database
+from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database, with_user
 from devstack.stack import spec
 from devstack.stack.processes import ServiceProcess
 
@@ -90,6 +90,9 @@ class StackConfig:
     monitoring: bool = False  # Prometheus scraping the services, prometheus-adapter serving custom.metrics.k8s.io
     scrape_interval: float = 5.0
     progress: Progress = _print_progress
+    # each service connects as its own PostgreSQL role (migration 0007: least privilege); None: when the stack
+    # runs its own PostgreSQL (which trusts local connections, so the roles need no passwords)
+    service_roles: bool | None = None
 
 
 class Stack:
@@ -162,10 +165,21 @@ class Stack:
         self.progress("migrating the ledger schema")
         await asyncio.to_thread(migrate.upgrade, self.database_url)
 
-    def _common(self) -> spec.CommonFlags:
+    @property
+    def service_roles(self) -> bool:
+        """Whether each service connects as its own role (`StackConfig.service_roles`)."""
+        return self.config.service_roles if self.config.service_roles is not None else self._pg is not None
+
+    def service_database_url(self, service: str) -> str:
+        """The URL a service connects with: as its role (gpushare_<service>), or the stack's own."""
+        if not self.service_roles:
+            return self.database_url
+        return with_user(self.database_url, f"gpushare_{service}")
+
+    def _common(self, service: str = "") -> spec.CommonFlags:
         c = self.config
         return spec.CommonFlags(
-            database_url=self.database_url,
+            database_url=self.service_database_url(service) if service else self.database_url,
             nats_url=self.nats_url,
             stream_name=c.stream_name,
             subject_prefix=c.subject_prefix,
@@ -193,21 +207,28 @@ class Stack:
         self.extender_url = f"http://127.0.0.1:{ext_port}{spec.EXTENDER_PREFIX}"
         self.accounting_url = f"http://127.0.0.1:{acc_port}"
         self.progress("starting extender and accounting")
+        # bind reads pods from the API server: the local control plane writes its kubeconfig here when it starts
+        kubeconfig = self._future_kubeconfig()
         first = [
-            self._spawn(spec.extender_command(self._common(), ext_port, c.bind_timeout)),
-            self._spawn(spec.accounting_command(self._common(), acc_port, c.admin_token, self._future_kubeconfig())),
+            self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout, kubeconfig)),
+            self._spawn(spec.accounting_command(self._common("accounting"), acc_port, c.admin_token, kubeconfig)),
         ]
         cluster = asyncio.create_task(self._obtain_cluster())
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
         await cluster
         if self.mode == MODE_SIMULATOR:
+            if kubeconfig is not None and "extender" in self.processes:  # no API server after all
+                await asyncio.to_thread(self.processes.pop("extender").stop)
+                restarted = self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout))
+                if restarted is not None:
+                    await restarted.wait_ready(c.ready_timeout)
             await self._record_simulated_inventory()
             return
         await self._create_nodes()
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
         self.progress("starting binder")
-        rest = [self._spawn(spec.binder_command(self._common(), bnd_port, str(self.services_kubeconfig)))]
+        rest = [self._spawn(spec.binder_command(self._common("binder"), bnd_port, str(self.services_kubeconfig)))]
         self._socket_dir = Path(tempfile.mkdtemp(prefix="gpushare-up-"))
         if c.fleet:
             rest.append(self._spawn(self._fleet_command()))

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.http import install_common
+from shared.http import BodyLimitMiddleware, install_common
 from shared.ledger.ledger import Ledger
 from shared.settings import Settings
 
@@ -21,6 +21,8 @@ from .resource_quotas import ResourceQuotas
 from .routes import ROUTERS
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024  # the largest body accounting takes is a quota ({"memory_mib": ..., "compute": ...})
 
 
 def create_app(
@@ -40,6 +42,7 @@ def create_app(
         version="1",
         description="Who holds which GPU memory, who uses it, why pods wait, what to resize.",
     )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     install_common(app, ready=ready, registry=metrics.registry)
     app.state.engine = engine
     app.state.settings = settings

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from services.binder import reads
 from services.binder.metrics import BinderMetrics
 from shared.events.agent_rpc import (
+    COMMAND_EVENTS,
     COMMAND_KINDS,
     GATEWAY_QUEUE,
     CommandReply,
@@ -109,7 +110,7 @@ class LedgerGateway:
             event = decode_event(data)
         except EventDecodeError as exc:
             return CommandReply(ok=False, error=f"unreadable command: {exc}")
-        if event.kind not in COMMAND_KINDS:
+        if event.kind not in COMMAND_KINDS or not isinstance(event, COMMAND_EVENTS):
             return CommandReply(ok=False, error=f"{event.kind} is not a node agent command")
         speaks_for = node_token(event.node)  # type: ignore[union-attr]
         if speaks_for != node:

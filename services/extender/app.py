@@ -15,6 +15,7 @@ from services.extender.service import ExtenderService
 from services.extender.wire import (
     BINDING_ARGS_SCHEMA,
     BINDING_RESULT_SCHEMA,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PREFIX,
     ERROR_SCHEMA,
     EXTENDER_ARGS_SCHEMA,
@@ -34,8 +35,6 @@ from services.extender.wire import (
 from shared.http import BodyLimitMiddleware, install_common
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a full NodeList of thousands of nodes (nodeCacheCapable: false)
 
 
 def _version() -> str:
@@ -172,4 +171,12 @@ def create_app(
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
+    return app
+
+
+def create_health_app(service: ExtenderService) -> FastAPI:
+    """Only `/healthz`, `/readyz` and `/metrics` (for a plain-HTTP port beside a mutual-TLS one)."""
+    app = FastAPI(title="gpushare scheduler extender (health)", openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=64 * 1024)
+    install_common(app, ready=lambda: service.ready)
     return app

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
-from services.extender.wire import DEFAULT_PREFIX
+from services.extender.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX
 from shared.placement import Policy
 from shared.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -28,21 +31,52 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "--policy", choices=[x.value for x in Policy], default="binpack", help="default placement policy (binpack)"
     )
     p.add_argument("--resync", type=float, default=30.0, help="seconds between full reloads from the ledger (30)")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig for reading pods bind has not seen (optional)")
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig for reading the pod bind reserves for (default: $KUBECONFIG, else in-cluster)",
+    )
+    p.add_argument(
+        "--trust-filter-pods",
+        action="store_true",
+        help="DEVELOPMENT ONLY: bind reserves for the pod a filter call described, unverified, and never asks the "
+        "Kubernetes API (for runs without an API server); anyone who can call filter can then steer reservations",
+    )
     p.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (for enableHTTPS)")
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="mutual TLS: serve only clients presenting a certificate signed by this CA (kube-scheduler's "
+        "tlsConfig certFile/keyFile); needs --tls-cert",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve /healthz, /readyz and /metrics (nothing else) over plain HTTP on this port, for probes and "
+        "Prometheus when --tls-client-ca is set",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES}: above kube-scheduler's largest body at 5,000 "
+        "nodes with nodeCacheCapable: true; Node lists of nodeCacheCapable: false need far more)",
+    )
     p.set_defaults(func=run)
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> None:
-    from services.extender.app import create_app
+    from services.extender.app import create_app, create_health_app
     from services.extender.service import ExtenderService
     from shared.runtime import Listen, ServiceRuntime
 
-    listen = Listen(args.host, args.port, args.tls_cert, args.tls_key)
+    listen = Listen(args.host, args.port, args.tls_cert, args.tls_key, args.tls_client_ca)
+    probes = Listen(args.host, args.health_port) if args.health_port else None
     # kube-scheduler binds many pods at once and each bind holds a connection for its reservation; connections
     # beyond the pool are closed after use, and opening one costs more than the reservation itself
-    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen) as rt:
+    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen, probes=probes) as rt:
         assert rt.engine is not None and rt.ledger is not None
         service = ExtenderService(
             engine=rt.engine,
@@ -53,10 +87,14 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
             bind_timeout_s=args.bind_timeout,
             resync_s=args.resync,
             kubeconfig=args.kubeconfig,
+            kube_enabled=not args.trust_filter_pods,
         )
         await service.start()
         try:
-            await rt.serve(create_app(service, prefix=args.prefix))
+            await rt.serve(
+                create_app(service, prefix=args.prefix, max_body_bytes=args.max_body_bytes),
+                probes_app=create_health_app(service) if args.health_port else None,
+            )
         finally:
             await service.close()
 
@@ -67,6 +105,17 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise SystemExit("--bind-timeout and --resync must be positive")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    if args.max_body_bytes < 64 * 1024:
+        raise SystemExit("--max-body-bytes must be at least 65536")
+    if args.health_port is not None and args.health_port == args.port:
+        raise SystemExit("--health-port must differ from --port")
+    if args.trust_filter_pods:
+        log.warning(
+            "--trust-filter-pods: bind reserves for pods as filter calls describe them, without asking the Kubernetes "
+            "API; anyone who can reach the extender can steer reservations (development only)"
+        )
     from shared.runtime import run_main
 
     run_main(_serve(args, settings))

@@ -1,48 +1,110 @@
-"""The pod specs bind needs: the ones filter saw (a bounded LRU by UID), else read from the Kubernetes API."""
+"""The pod spec bind reserves for: read from the Kubernetes API, never taken from whoever called filter.
+
+Filter calls are unauthenticated in the usual set-up (plain HTTP, as kube-scheduler's extender protocol is
+often run), so a pod described by a filter call is a claim, not a fact: a forged filter call with a real pod's
+UID and other resources would otherwise steer that pod's reservation. With the API configured (the default:
+`--kubeconfig`, `$KUBECONFIG` or in-cluster), bind reads the pod by namespace and name and refuses when its
+UID is not the one kube-scheduler asked to bind; the resources, annotations and owner it reserves for are the
+API server's.
+
+Only `--trust-filter-pods` (local development and benchmarks without an API server) makes bind use what
+filter saw: an LRU bounded by entries and by bytes.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from typing import Any
 
-from services.extender.wire import BindingArgs
+from services.extender.wire import BindingArgs, dump_json
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ENTRIES = 10_000
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # a pod object may be ~1.5 MiB (etcd's request limit): entries alone are no bound
 
 
 class PodUnavailable(Exception):
-    """The pod spec could not be found (not seen by filter, and the Kubernetes API cannot tell)."""
+    """The pod could not be verified (not in the API, another UID, or no trusted source configured)."""
 
 
-class PodCache:
-    """Pods by UID as filter saw them; `spec` falls back to the API (`kubeconfig`, `$KUBECONFIG`, in-cluster)."""
+class FilterPods:
+    """Pods by UID as filter calls described them (untrusted): an LRU bounded by entries and by bytes."""
 
-    def __init__(self, *, size: int = 10_000, kubeconfig: str | None = None, kube_enabled: bool = True) -> None:
-        self.size = size
-        self.kubeconfig = kubeconfig
-        self.kube_enabled = kube_enabled
-        self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._kube: Any = None
+    def __init__(self, *, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._pods: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pods)
 
     def remember(self, pod: dict[str, Any]) -> None:
-        """Keep a pod spec by UID for bind (bounded LRU)."""
+        """Keep a pod spec by UID; the oldest go first when either bound is passed (a pod larger than the byte
+        bound is not kept at all)."""
         uid = (pod.get("metadata") or {}).get("uid")
         if not isinstance(uid, str) or not uid:
             return
-        self._pods[uid] = pod
+        size = len(dump_json(pod))
+        self.forget(uid)
+        if size > self.max_bytes:
+            return
+        self._pods[uid] = (pod, size)
+        self.bytes += size
+        while len(self._pods) > self.max_entries or self.bytes > self.max_bytes:
+            _, (_, dropped) = self._pods.popitem(last=False)
+            self.bytes -= dropped
+
+    def forget(self, uid: str) -> None:
+        """Drop one pod."""
+        found = self._pods.pop(uid, None)
+        if found is not None:
+            self.bytes -= found[1]
+
+    def get(self, uid: str) -> dict[str, Any] | None:
+        """The pod filter saw under this UID, if still kept."""
+        found = self._pods.get(uid)
+        if found is None:
+            return None
         self._pods.move_to_end(uid)
-        while len(self._pods) > self.size:
-            self._pods.popitem(last=False)
+        return found[0]
+
+
+class PodCache:
+    """Where bind gets its pod: the Kubernetes API (verified by UID), or, only with `trust_filter`, filter's LRU."""
+
+    def __init__(
+        self,
+        *,
+        size: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        kubeconfig: str | None = None,
+        kube_enabled: bool = True,
+    ) -> None:
+        self.kubeconfig = kubeconfig
+        self.kube_enabled = kube_enabled
+        self.trust_filter = not kube_enabled
+        self.filtered = FilterPods(max_entries=size, max_bytes=max_bytes)
+        self._kube: Any = None
+
+    def remember(self, pod: dict[str, Any]) -> None:
+        """Called for every filter call: kept only when bind trusts filter (nothing is kept otherwise)."""
+        if self.trust_filter:
+            self.filtered.remember(pod)
 
     async def spec(self, args: BindingArgs) -> dict[str, Any]:
-        """The pod filter saw, or the pod read from the Kubernetes API (raises PodUnavailable)."""
-        pod = self._pods.get(args.pod_uid)
-        if pod is not None:
+        """The pod to reserve for (raises PodUnavailable with the reason)."""
+        if self.trust_filter:
+            pod = self.filtered.get(args.pod_uid)
+            if pod is None:
+                raise PodUnavailable(
+                    f"pod {args.pod_namespace}/{args.pod_name} ({args.pod_uid}) was not seen by this replica's "
+                    "filter (--trust-filter-pods: the Kubernetes API is not used)"
+                )
             return pod
-        if not self.kube_enabled:
-            raise PodUnavailable(
-                f"pod {args.pod_namespace}/{args.pod_name} ({args.pod_uid}) was not seen by this replica's filter "
-                "and the Kubernetes API is not configured"
-            )
         try:
             from kubernetes_asyncio import client
 
@@ -54,12 +116,21 @@ class PodCache:
             pod = self._kube.sanitize_for_serialization(found)
         except Exception as exc:
             raise PodUnavailable(
-                f"pod {args.pod_namespace}/{args.pod_name} was not seen by this replica's filter and could not be "
-                f"read from the Kubernetes API: {exc}"
+                f"pod {args.pod_namespace}/{args.pod_name} could not be read from the Kubernetes API: {_short(exc)}"
             ) from None
-        if (pod.get("metadata") or {}).get("uid") != args.pod_uid:
-            raise PodUnavailable(f"pod {args.pod_namespace}/{args.pod_name} now has another UID (it was recreated)")
-        self.remember(pod)
+        uid = (pod.get("metadata") or {}).get("uid")
+        if uid != args.pod_uid:
+            log.warning(
+                "bind named a pod UID the API server does not have",
+                extra={"pod": f"{args.pod_namespace}/{args.pod_name}", "asked_uid": args.pod_uid, "uid": uid},
+            )
+            raise PodUnavailable(
+                f"pod {args.pod_namespace}/{args.pod_name} has UID {uid}, not {args.pod_uid} (recreated, or the "
+                "bind call names a pod that does not exist)"
+            )
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node and node != args.node:
+            raise PodUnavailable(f"pod {args.pod_namespace}/{args.pod_name} is already bound to node {node}")
         return pod
 
     async def close(self) -> None:
@@ -67,3 +138,11 @@ class PodCache:
         if self._kube is not None:
             with contextlib.suppress(Exception):
                 await self._kube.close()
+
+
+def _short(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    if status == 404:
+        return "not found"
+    reason = getattr(exc, "reason", None)
+    return f"{status} {reason}" if status else (str(exc)[:300] or type(exc).__name__)

@@ -7,7 +7,7 @@
 | bind | `services.extender.bind` |
 | preempt | `services.extender.preempt` |
 | inspect | `services.extender.inspection` |
-| pod specs for bind | `services.extender.pods` |
+| pod specs for bind (verified in the Kubernetes API) | `services.extender.pods` |
 | bus events, reloads | `services.extender.resync` |
 | refused events | `services.extender.refusals` |
 """
@@ -24,7 +24,7 @@ from services.extender.bind import Bind
 from services.extender.filter import Filter
 from services.extender.inspection import inspect
 from services.extender.outcomes import OutcomeWaiter
-from services.extender.pods import PodCache
+from services.extender.pods import DEFAULT_MAX_BYTES, PodCache
 from services.extender.preempt import preempt
 from services.extender.prioritize import prioritize
 from services.extender.refusals import RefusalPublisher
@@ -54,6 +54,7 @@ class ExtenderService:
         kubeconfig: str | None = None,
         kube_enabled: bool = True,
         pod_cache_size: int = 10_000,
+        pod_cache_bytes: int = DEFAULT_MAX_BYTES,
         poll_s: float = 1.0,
     ) -> None:
         self.engine = engine
@@ -64,7 +65,10 @@ class ExtenderService:
         self.view = ClusterView()
         self.scores = ScoreCache()
         self.waiter = OutcomeWaiter(engine, poll_s=poll_s)
-        self.pods = PodCache(size=pod_cache_size, kubeconfig=kubeconfig, kube_enabled=kube_enabled)
+        # kube_enabled=False (`--trust-filter-pods`): bind takes the pod filter saw, unverified (development only)
+        self.pods = PodCache(
+            size=pod_cache_size, max_bytes=pod_cache_bytes, kubeconfig=kubeconfig, kube_enabled=kube_enabled
+        )
         self.sync = ViewSync(self.view, engine, self.waiter, period_s=resync_s)
         refusals = RefusalPublisher(bus, size=pod_cache_size)
         self._filter = Filter(self.view, self.scores, self.pods, refusals, unit, policy)

@@ -13,6 +13,10 @@ from typing import Any
 from pydantic_core import PydanticSerializationError, to_json
 
 DEFAULT_PREFIX = "/gpushare-scheduler"  # where the verbs are served (the scheduler configuration's urlPrefix)
+# The largest body a real kube-scheduler sends at 5,000 nodes with nodeCacheCapable: true (the pod and every
+# feasible node's name) is measured by `python -m bench --only request_size` (docs/benchmarks.md); this stays
+# above it also with 253-character node names and a pod at etcd's 1.5 MiB object limit.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class WireError(ValueError):

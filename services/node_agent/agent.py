@@ -34,7 +34,7 @@ from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, buil
 from services.node_agent.view import NodeView, allocated_by_gpu
 from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
 from shared.events.bus import EventBus
-from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UsageEvent
+from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UnallocatedUseEvent, UsageEvent
 from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
 from shared.metrics import gpu_labels, mib_to_bytes, percent_to_ratio
 from shared.settings import MemoryUnit
@@ -52,6 +52,7 @@ class AgentConfig:
     pod_resources_socket: str = POD_RESOURCES_SOCKET
     mps: bool = False
     mps_root: Path | None = None  # hand out MPS limits while the control daemon runs there (services/node_agent/mps.py)
+    device_list_strategy: str = "envvar"  # or volume-mounts (assignment.device_list)
     type_label_key: str = "gpu-type"
     usage_interval_s: float = 5.0
     inventory_interval_s: float = 30.0
@@ -89,6 +90,7 @@ class NodeAgent:
         self._inventory_sent = False  # the ledger holds the inventory last discovered
         self._inventory_due = asyncio.Event()
         self.overuse = OveruseTracker(self.config.overuse_grace_s)
+        self._unallocated_labels: dict[tuple[str, str], tuple[str, ...]] = {}
         self.last_usage: UsageEvent | None = None
         self.assigner = Assigner(
             link=self.link,
@@ -104,7 +106,14 @@ class NodeAgent:
             on_outcome=lambda reason: self.metrics.plugin_outcomes.labels(self.config.node, reason).inc(),
         )
         self.plugins = [
-            PluginServer(self.config.device_plugin_dir, r, self, pre_start=(r == RESOURCE_MEM)) for r in RESOURCES
+            PluginServer(
+                self.config.device_plugin_dir,
+                r,
+                self,
+                pre_start=(r == RESOURCE_MEM),
+                device_list=self.config.device_list_strategy,
+            )
+            for r in RESOURCES
         ]
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -390,12 +399,54 @@ class NodeAgent:
         for (ns, pod), mib in used_pod.items():
             m.pod_used.labels(node, ns, pod).set(mib_to_bytes(mib))
         self._update_gpu_metrics()
-        for sample, limit in self.overuse.update(samples, allocated_by_pod_gpu(view), time.monotonic()):
-            await self._overuse(sample, limit)
-        over_pods = {p for p, _ in self.overuse.over()}
+        allocated = allocated_by_pod_gpu(view)
+        for sample, limit in self.overuse.update(samples, allocated, time.monotonic()):
+            if limit is None:
+                await self._unallocated(sample)
+            else:
+                await self._overuse(sample, limit)
+        over = self.overuse.over()
+        over_pods = {p for p, g in over if (p, g) in allocated}
         for c in view:
             m.pod_overuse.labels(node, c.namespace, c.pod_name).set(1 if c.pod_uid in over_pods else 0)
+        unallocated = {(p, g) for p, g in over if (p, g) not in allocated}
+        for key, labels in list(self._unallocated_labels.items()):
+            m.pod_unallocated.labels(*labels).set(1 if key in unallocated else 0)
         return event
+
+    async def _unallocated(self, sample: Any) -> None:
+        """A pod uses a GPU where it holds no share: log, count, flag, and tell the bus (never skipped)."""
+        pod = f"{sample.namespace}/{sample.pod_name}" if sample.pod_name else f"pod UID {sample.pod_uid}"
+        log.warning(
+            "%s uses %d MiB on GPU %s where it holds no GPU share: the GPU was reached around the device plugin "
+            "(its own NVIDIA_VISIBLE_DEVICES, an exemption, a privileged container)",
+            pod,
+            sample.used_memory_mib,
+            sample.gpu_uuid,
+            extra={"reason": "unallocated_use", "pod_uid": sample.pod_uid, "gpu": sample.gpu_uuid},
+        )
+        gpu = next((g for g in self.gpus if g.uuid == sample.gpu_uuid), None)
+        labels = (
+            *gpu_labels(self.config.node, gpu.index if gpu else -1, sample.gpu_uuid, gpu.model if gpu else ""),
+            sample.namespace,
+            sample.pod_name or sample.pod_uid,
+        )
+        self._unallocated_labels[(sample.pod_uid, sample.gpu_uuid)] = labels
+        self.metrics.unallocated_events.labels(*labels).inc()
+        try:
+            await self.bus.publish(
+                UnallocatedUseEvent(
+                    node=self.config.node,
+                    gpu_uuid=sample.gpu_uuid,
+                    pod_uid=sample.pod_uid,
+                    namespace=sample.namespace,
+                    pod_name=sample.pod_name,
+                    used_memory_mib=sample.used_memory_mib,
+                    source="node-agent",
+                )
+            )
+        except Exception as exc:  # the metric and the log line stand; the bus may be away
+            log.warning("could not publish the unallocated GPU use of %s: %s", pod, exc)
 
     async def _overuse(self, sample: Any, limit: int) -> None:
         log.warning(

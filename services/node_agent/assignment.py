@@ -236,3 +236,22 @@ def container_env(
             compute = max(1, min(100, round(fraction * 100)))
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(compute)
     return env
+
+
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts")
+DEVICE_LIST_ROOT = "/var/run/nvidia-container-devices"
+
+
+def device_list(env: dict[str, str], strategy: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """How a container is told its GPUs: `envvar` (NVIDIA_VISIBLE_DEVICES=<uuids>), or `volume-mounts` (one mount
+    `/var/run/nvidia-container-devices/<uuid>` of /dev/null per GPU, and NVIDIA_VISIBLE_DEVICES naming that
+    directory), which the NVIDIA container toolkit reads with `accept-nvidia-visible-devices-as-volume-mounts =
+    true`. With `accept-nvidia-visible-devices-envvar-when-unprivileged = false` as well, the runtime then ignores
+    a GPU list a pod writes into its own environment. Returns (env, [(container path, host path)])."""
+    if strategy not in DEVICE_LIST_STRATEGIES:
+        raise ValueError(f"device list strategy must be one of {DEVICE_LIST_STRATEGIES}, not {strategy!r}")
+    devices = env.get("NVIDIA_VISIBLE_DEVICES")
+    if strategy == "envvar" or not devices:
+        return env, []
+    mounts = [(f"{DEVICE_LIST_ROOT}/{uuid}", "/dev/null") for uuid in devices.split(",")]
+    return {**env, "NVIDIA_VISIBLE_DEVICES": DEVICE_LIST_ROOT}, mounts

@@ -47,6 +47,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="the MPS control daemon's directory (k8s/components/mps: /run/nvidia-mps): hand out MPS limits, and "
         "make containers its clients, while the daemon runs (its DIR/pipe/control exists)",
     )
+    p.add_argument(
+        "--device-list-strategy",
+        choices=["envvar", "volume-mounts"],
+        default="envvar",
+        help="how containers learn their GPUs: NVIDIA_VISIBLE_DEVICES (envvar, default) or volume mounts the NVIDIA "
+        "container toolkit reads (with accept-nvidia-visible-devices-as-volume-mounts = true and "
+        "accept-nvidia-visible-devices-envvar-when-unprivileged = false a pod's own GPU list is ignored)",
+    )
     p.add_argument("--type-label-key", default="gpu-type", help="node label key for the short GPU type ('' = none)")
     p.add_argument("--kubeconfig", help="kubeconfig for node labels and evictions (default: in-cluster)")
     p.add_argument("--usage-interval", type=float, default=5.0, help="seconds between usage samples (default 5)")
@@ -176,6 +184,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         pod_resources_socket=args.pod_resources_socket,
         mps=args.mps,
         mps_root=Path(args.mps_root) if args.mps_root else None,
+        device_list_strategy=args.device_list_strategy,
         type_label_key=args.type_label_key,
         usage_interval_s=args.usage_interval,
         overuse_grace_s=args.overuse_grace,

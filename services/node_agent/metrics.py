@@ -48,6 +48,19 @@ class AgentMetrics:
             pod,
             registry=r,
         )
+        unallocated = [*gpu, "namespace", "pod"]  # a GPU's labels (dcgm-exporter's) and the pod that reached it
+        self.pod_unallocated = Gauge(
+            "gpushare_node_agent_pod_unallocated_gpu_use",
+            "1 while a pod uses a GPU where it holds no share (past the grace): isolation was bypassed",
+            unallocated,
+            registry=r,
+        )
+        self.unallocated_events = Counter(
+            "gpushare_node_agent_pod_unallocated_gpu_use_episodes_total",
+            "Episodes of a pod using a GPU where it holds no share",
+            unallocated,
+            registry=r,
+        )
         self.plugin_outcomes = Counter(
             "gpushare_node_agent_device_plugin_outcomes_total",
             "Allocate / PreStartContainer outcomes",

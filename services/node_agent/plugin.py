@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from services.node_agent.assignment import AssignmentError
+from services.node_agent.assignment import AssignmentError, device_list
 from services.node_agent.mps import client_mounts
 from shared.kubelet_api import KUBELET_SOCKET, load
 
@@ -54,10 +54,11 @@ class DeviceHandler(Protocol):
 class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     """The gRPC face of one resource."""
 
-    def __init__(self, resource: str, handler: DeviceHandler, options: Any) -> None:
+    def __init__(self, resource: str, handler: DeviceHandler, options: Any, *, device_list: str = "envvar") -> None:
         self.resource = resource
         self.handler = handler
         self.options = options
+        self.device_list = device_list
 
     async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return self.options
@@ -91,6 +92,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                 log.error("Allocate refused: %s", exc, extra={"resource": self.resource})
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gpushare: {exc}")
             mounts = [dp_pb2.Mount(host_path=h, container_path=c) for h, c in client_mounts(envs)]
+            envs, devices = device_list(envs, self.device_list)
+            mounts += [dp_pb2.Mount(container_path=c, host_path=h, read_only=True) for c, h in devices]
             responses.append(dp_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts))
         return dp_pb2.AllocateResponse(container_responses=responses)
 
@@ -118,11 +121,13 @@ def _inode(path: Path) -> int | None:
 class PluginServer:
     """Serves one resource on `<dir>/<socket_name>` and keeps it registered with kubelet."""
 
-    def __init__(self, plugin_dir: Path, resource: str, handler: DeviceHandler, *, pre_start: bool) -> None:
+    def __init__(
+        self, plugin_dir: Path, resource: str, handler: DeviceHandler, *, pre_start: bool, device_list: str = "envvar"
+    ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.resource = resource
         self.options = dp_pb2.DevicePluginOptions(pre_start_required=pre_start, get_preferred_allocation_available=True)
-        self.servicer = DevicePluginServicer(resource, handler, self.options)
+        self.servicer = DevicePluginServicer(resource, handler, self.options, device_list=device_list)
         self.socket = self.plugin_dir / socket_name(resource)
         self._server: grpc.aio.Server | None = None
         self._kubelet_inode: int | None = None

@@ -83,7 +83,11 @@ def allocated_by_pod_gpu(containers: Iterable[PendingContainer]) -> dict[tuple[s
 
 @dataclass
 class OveruseTracker:
-    """Remembers since when each (pod, GPU) uses more than allocated; reports episodes past the grace."""
+    """Remembers since when each (pod, GPU) uses more than allocated; reports episodes past the grace.
+
+    A pod process on a GPU where the pod holds no share at all counts as using more than nothing: it is reported
+    with allocated None (the GPU was reached around the device plugin), never skipped. Processes outside pods
+    (empty pod UID: the host's own, such as monitoring agents) are not judged."""
 
     grace_s: float
     since: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -91,16 +95,17 @@ class OveruseTracker:
 
     def update(
         self, samples: Iterable[UsageSample], allocated: dict[tuple[str, str], int], now: float
-    ) -> list[tuple[UsageSample, int]]:
-        """Feed one round of samples; returns (sample, allocated MiB) for newly reportable over-users."""
+    ) -> list[tuple[UsageSample, int | None]]:
+        """Feed one round of samples; returns (sample, allocated MiB, None where the pod holds nothing on that
+        GPU) for newly reportable episodes."""
         over_now = set()
-        fresh = []
+        fresh: list[tuple[UsageSample, int | None]] = []
         for s in samples:
             if not s.pod_uid:
                 continue
             key = (s.pod_uid, s.gpu_uuid)
             limit = allocated.get(key)
-            if limit is None or s.used_memory_mib <= limit:
+            if s.used_memory_mib <= (limit or 0):
                 continue
             over_now.add(key)
             start = self.since.setdefault(key, now)

@@ -17,10 +17,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.events.catalogue import Name, node_token
+from shared.events.catalogue import AssignedEvent, ExchangedEvent, HealthEvent, InventoryEvent, Name, node_token
 
 GATEWAY_QUEUE = "gpushare-ledger-gateway"
-COMMAND_KINDS = frozenset({"inventory", "health", "assigned", "exchanged"})
+# what a node agent may ask the gateway to record (the classes, so that its grants can be read from the code)
+COMMAND_EVENTS = (InventoryEvent, HealthEvent, AssignedEvent, ExchangedEvent)
+COMMAND_KINDS = frozenset(cls.model_fields["kind"].default for cls in COMMAND_EVENTS)
 
 
 def rpc_prefix(prefix: str) -> str:

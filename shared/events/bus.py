@@ -12,8 +12,10 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from shared.events.auth import NatsAuth
 from shared.events.catalogue import encode_event, subject_for
 from shared.events.streams import LEDGER_KINDS, SAMPLE_KINDS, StreamLimits
+from shared.logging import redact
 from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -79,21 +81,23 @@ class EventBus:
         name: str = "gpushare",
         replicas: int = 1,
         limits: StreamLimits | None = None,
+        auth: NatsAuth | None = None,
     ) -> EventBus:
         """Connect (one attempt: a server that is away raises at once; once connected, reconnecting forever on
-        loss) and make sure the streams exist (with `replicas`
-        copies each when created here; a 3-server NATS cluster wants 3). `limits` are applied to the streams
-        when given (a process without its own settings creates missing streams with the defaults and leaves
-        existing limits alone)."""
-
+        loss) and make sure the streams exist (with `replicas` copies each when created here; a 3-server NATS
+        cluster wants 3). `limits` are applied to the streams when given (a process without its own settings
+        creates missing streams with the defaults and leaves existing limits alone). `auth`: credentials,
+        client certificate, inbox prefix (`shared.events.auth`)."""
+        options = (auth or NatsAuth()).options(url)
+        url_for_logs = redact(url)
         connected = False
 
         async def _disconnected() -> None:
             if connected:
-                log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url})
+                log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url_for_logs})
 
         async def _reconnected() -> None:
-            log.info("reconnected to NATS", extra={"nats_url": url})
+            log.info("reconnected to NATS", extra={"nats_url": url_for_logs})
 
         async def _error(exc: Exception) -> None:
             if connected:  # a failed first attempt is the caller's to report (once)
@@ -110,6 +114,7 @@ class EventBus:
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
+            **options,
         )
         nc.options["max_reconnect_attempts"] = -1
         connected = True

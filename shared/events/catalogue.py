@@ -296,6 +296,20 @@ class RefusedEvent(_EventBase):
     reasons: Annotated[dict[str, ShortText], Field(max_length=256)] = Field(default_factory=dict)
 
 
+class UnallocatedUseEvent(_EventBase):
+    """A pod's processes use GPU memory on a GPU where the pod holds no share (past the grace period): the GPU
+    was reached around the device plugin (its environment, an exemption, a privileged container). Published by
+    the node agent once per episode; nothing in the ledger changes."""
+
+    kind: Literal["unallocated"] = "unallocated"
+    node: Name
+    gpu_uuid: Name
+    pod_uid: Name
+    namespace: Annotated[str, Field(max_length=253)] = ""  # empty when the pod holds nothing on the node
+    pod_name: Annotated[str, Field(max_length=253)] = ""
+    used_memory_mib: MiB
+
+
 class QuotaEvent(_EventBase):
     """A namespace quota was set (limits given) or removed (both None)."""
 
@@ -318,7 +332,8 @@ Event = Annotated[
     | UsageEvent
     | HealthEvent
     | RefusedEvent
-    | QuotaEvent,
+    | QuotaEvent
+    | UnallocatedUseEvent,
     Field(discriminator="kind"),
 ]
 

@@ -6,9 +6,10 @@ Every event is published on `<prefix>.<kind>.<node>`; two streams split that sub
   health, quota, reserved, bound, failed, assigned, exchanged, terminating, released). Replaying it, from
   the newest ledger snapshot on, reproduces the ledger, so it has no age limit by default: the snapshot
   job removes what a stored snapshot covers (`shared.ledger.snapshots`).
-* the **samples stream** (`GPUSHARE_SAMPLES`): `usage` and `refused`. They change no ledger row, only
-  accounting's read models, and arrive every few seconds per node, so the stream keeps them for an age
-  (24 h by default) and accounting keeps what it projected from them.
+* the **samples stream** (`GPUSHARE_SAMPLES`): `usage`, `refused` and `unallocated` (a pod using a GPU it
+  holds no share on). They change no ledger row, only accounting's read models and alerts, and arrive every
+  few seconds per node, so the stream keeps them for an age (24 h by default) and accounting keeps what it
+  projected from them.
 
 Health stays in the ledger stream although it is sampled: a health event sets `gpus.healthy`, so a rebuild
 needs it. A kind added to the catalogue lands in the ledger stream unless it is listed here as a sample.
@@ -19,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.events.catalogue import EVENT_KINDS, RefusedEvent, UsageEvent, kind_of
+from shared.events.catalogue import EVENT_KINDS, RefusedEvent, UnallocatedUseEvent, UsageEvent, kind_of
 
 if TYPE_CHECKING:
     from shared.settings import Settings
 
-SAMPLE_KINDS: frozenset[str] = frozenset({kind_of(UsageEvent), kind_of(RefusedEvent)})
+SAMPLE_KINDS: frozenset[str] = frozenset({kind_of(UsageEvent), kind_of(RefusedEvent), kind_of(UnallocatedUseEvent)})
 LEDGER_KINDS: tuple[str, ...] = tuple(k for k in EVENT_KINDS if k not in SAMPLE_KINDS)
 
 DAY_S = 86_400.0

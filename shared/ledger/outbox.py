@@ -63,13 +63,9 @@ class OutboxRelay:
         """
         total = 0
         while True:
-            taken = (
-                select(outbox.c.seq)
-                .order_by(outbox.c.seq)
-                .limit(self.batch)
-                .with_for_update(skip_locked=True)
-                .scalar_subquery()
-            )
+            # no row lock: the advisory lock below already lets one relay at a time take rows (and a row lock
+            # would need UPDATE on the outbox, which no service is granted)
+            taken = select(outbox.c.seq).order_by(outbox.c.seq).limit(self.batch).scalar_subquery()
             async with self.engine.begin() as conn:
                 await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": RELAY_LOCK_KEY})
                 rows = (

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import AllocationPart, ReservedEvent
 from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, part_from_row, part_row, quotas
+from shared.ledger.quotas import lock_quota
 from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState, gpu_charges
 
 
@@ -171,7 +172,12 @@ async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
 
 
 async def _check_quota(conn: AsyncConnection, namespace: str, memory: int, compute: int) -> None:
-    quota = (await conn.execute(select(quotas).where(quotas.c.namespace == namespace).with_for_update())).first()
+    read = select(quotas).where(quotas.c.namespace == namespace)
+    quota = (await conn.execute(read)).first()
+    if quota is None or (quota.memory_mib is None and quota.compute is None):
+        return
+    await lock_quota(conn, namespace)  # concurrent reservations in the namespace (and quota changes) wait here
+    quota = (await conn.execute(read)).first()  # as it is now that nobody else can change it
     if quota is None or (quota.memory_mib is None and quota.compute is None):
         return
     used = (

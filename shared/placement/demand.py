@@ -9,6 +9,7 @@ every extended resource (Kubernetes requires both to be equal when both are set)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -125,18 +126,23 @@ class PodDemand:
         return self.simple and self.containers[0].compute == 0
 
 
+_ASCII_WHOLE = re.compile(r"[ \t]*\+?[0-9]{1,19}[ \t]*")  # `\d` and int() would take full-width or superscript digits
+
+
 def parse_quantity(value: object, what: str) -> int:
-    """An extended-resource quantity: a non-negative integer (int or decimal string)."""
+    """An extended-resource quantity: a non-negative integer (int, or a string of ASCII digits)."""
     if isinstance(value, bool):
         raise DemandError(f"{what} must be a whole number, not {value!r}")
     if isinstance(value, int):
         number = value
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
-    elif isinstance(value, str) and value.strip().lstrip("+").isdigit() and len(value) <= 20:
-        number = int(value.strip())
+    elif isinstance(value, str) and _ASCII_WHOLE.fullmatch(value):
+        number = int(value)
     elif isinstance(value, str) and value.strip().startswith("-"):
         raise DemandError(f"{what} must not be negative: {value!r}")
+    elif isinstance(value, str) and any(c.isdigit() and not c.isascii() for c in value):
+        raise DemandError(f"{what} must be written with ASCII digits 0-9, not {value!r}")
     else:
         raise DemandError(f"{what} must be a whole number, not {value!r}")
     if number < 0:

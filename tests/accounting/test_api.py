@@ -282,3 +282,24 @@ async def test_quotas_say_why_resource_quotas_are_missing(stack: Stack, tmp_path
         body = (await client.get("/v1/quotas")).json()
     assert body["resource_quotas"] == [] and body["items"] == []
     assert body["resource_quotas_unavailable"].startswith("accounting has no Kubernetes access (")
+
+
+async def test_oversized_bodies_are_refused_before_parsing(plain_client: httpx.AsyncClient) -> None:
+    """Accounting had no body limit: a multi-megabyte body was read and parsed whole."""
+    from services.accounting.api import MAX_BODY_BYTES
+
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    padding = "x" * (MAX_BODY_BYTES + 1)
+    for headers in ({}, auth):
+        r = await plain_client.put("/v1/quotas/team-a", json={"memory_mib": 1, "pad": padding}, headers=headers)
+        assert r.status_code == 413, r.text
+        assert f"larger than {MAX_BODY_BYTES} bytes" in r.json()["error"]
+
+    async def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(MAX_BODY_BYTES // 1024 + 2):
+            yield b" " * 1024
+
+    r = await plain_client.put("/v1/quotas/team-a", content=chunks(), headers=auth)
+    assert r.status_code == 413
+    ok = await plain_client.put("/v1/quotas/team-a", json={"memory_mib": -1}, headers=auth)
+    assert ok.status_code == 422  # an ordinary body still reaches validation

@@ -67,3 +67,30 @@ def test_k3s_scheduler_is_wired_to_the_extender(compose: dict[str, Any]) -> None
         "preempt",
     }
     assert "--node-label=gpushare=true" in k3s["command"]
+
+
+def test_least_privilege_as_in_kubernetes(compose: dict[str, Any]) -> None:
+    """Each service is its own PostgreSQL role and NATS user; the NATS server runs the shipped users' file; the
+    development passwords are placeholders accepted only with the explicit development flag."""
+    services = compose["services"]
+    for name in ("extender", "binder", "accounting"):
+        env = services[name]["environment"]
+        assert env["GPUSHARE_DATABASE_URL"].startswith(f"postgresql://gpushare_{name}@"), name
+        assert env["GPUSHARE_NATS_USER"] == f"gpushare-{name}"
+        assert env["GPUSHARE_ALLOW_DEV_SECRETS"] == "true" and env["GPUSHARE_DATABASE_PASSWORD"].startswith("change-me")
+    agent = services["node-agent"]["environment"]
+    assert not any("DATABASE" in k for k in agent) and agent["GPUSHARE_NATS_USER"] == "gpushare-node-agent"
+    nats = services["nats"]
+    assert "./k8s/base/nats-auth.conf:/etc/nats/nats-auth.conf:ro" in nats["volumes"]
+    assert nats["command"][:2] == ["-c", "/etc/nats/nats-auth.conf"]
+    for name in ("extender", "binder", "accounting"):
+        key = f"GPUSHARE_NATS_{name.upper()}_PASSWORD"
+        assert nats["environment"][key] == services[name]["environment"]["GPUSHARE_NATS_PASSWORD"]
+    assert nats["environment"]["GPUSHARE_NATS_NODE_AGENT_PASSWORD"] == agent["GPUSHARE_NATS_PASSWORD"]
+    migrate = services["migrate"]["environment"]
+    assert migrate["GPUSHARE_DATABASE_URL"].startswith("postgresql://gpushare_migrate@")
+    for name in ("extender", "binder", "accounting"):
+        role_password = services[name]["environment"]["GPUSHARE_DATABASE_PASSWORD"]
+        assert migrate[f"GPUSHARE_DB_PASSWORD_{name.upper()}"] == role_password
+    init = "./k8s/base/postgres-init.sh:/docker-entrypoint-initdb.d/init-gpushare.sh:ro"
+    assert init in services["postgres"]["volumes"]

@@ -26,6 +26,7 @@ POLICY = "gpushare-device-env"
 EXEMPT = "gpushare.io/allow-device-env"
 # Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
 SCHEMA_VERSIONS = ("1.25.0", "latest")
+SECRETS = {"gpushare-database", "gpushare-nats", "gpushare-node-agent", "gpushare-admin"}
 GPUSHARE_WORKLOADS = {
     ("Deployment", "gpushare-extender"),
     ("Deployment", "gpushare-binder"),
@@ -238,15 +239,15 @@ def test_managed_postgres_overlay_has_no_database(rendered: dict[str, list[dict[
     assert removed <= base
     assert base - managed == removed
     assert managed <= base
-    secret = find(objects, "Secret", "gpushare-database")
-    assert set(secret["stringData"]) == {"url"} and "@postgres:" not in secret["stringData"]["url"]
-    # Every workload still finds the Secret (an old kustomize blanks references to deleted objects).
+    config = find(objects, "ConfigMap", "gpushare-config")["data"]
+    assert config["GPUSHARE_DATABASE_SERVER"].startswith("db.example.internal:5432/gpushare?sslmode=verify-full")
+    # Every workload still finds its Secrets (an old kustomize blanks references to deleted objects).
     for obj in objects:
         for container in (pod_spec(obj) or {}).get("containers", []):
             for env in container.get("env", []):
                 ref = env.get("valueFrom", {}).get("secretKeyRef")
                 if ref is not None:
-                    assert ref["name"] in {"gpushare-database", "gpushare-admin"}, key(obj)
+                    assert ref["name"] in SECRETS, key(obj)
 
 
 def test_gpushare_compat_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -279,9 +280,14 @@ def test_second_scheduler_overlay(rendered: dict[str, list[dict[str, Any]]]) -> 
 
 
 def test_nats_config_is_accepted_by_nats_server(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    data = find(rendered["base"], "ConfigMap", "nats-config")["data"]
+    assert set(data) == {"nats.conf", "nats-auth.conf"} and "include ./nats-auth.conf" in data["nats.conf"]
+    (tmp_path / "nats-auth.conf").write_text(data["nats-auth.conf"])
     conf = tmp_path / "nats.conf"
-    conf.write_text(find(rendered["base"], "ConfigMap", "nats-config")["data"]["nats.conf"])
-    env = {**os.environ, "POD_NAME": "nats-0"}
+    conf.write_text(data["nats.conf"])
+    sts = find(rendered["base"], "StatefulSet", "nats")
+    passwords = {e["name"]: "x" for e in sts["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
+    env = {**os.environ, **passwords, "POD_NAME": "nats-0"}
     cmd = [nats_server_binary(), "-t", "-c", str(conf)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -460,3 +466,110 @@ def test_components_label_the_service_monitor_and_run_mps_where_labelled(
     assert {v["name"]: v.get("hostPath", {}).get("path") for v in agent["volumes"]}[agent_mount["name"]] == str(
         root.root
     )
+
+
+def test_extender_mtls_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Mutual TLS on the verbs' port; probes and Prometheus on the plain health port (which serves nothing else)."""
+    objects = rendered["overlays/extender-mtls"]
+    spec = pod_spec(find(objects, "Deployment", "gpushare-extender"))
+    (container,) = spec["containers"]
+    args = container["args"]
+    flags = {args[i]: args[i + 1] for i in range(1, len(args) - 1, 2)}
+    assert flags["--tls-client-ca"] == "/etc/gpushare/tls/ca.crt" and flags["--health-port"] == "12346"
+    assert all(flags[f].startswith("/etc/gpushare/tls/") for f in ("--tls-cert", "--tls-key"))
+    assert container["readinessProbe"]["httpGet"]["port"] == "health"
+    assert container["livenessProbe"]["httpGet"]["port"] == "health"
+    assert {"name": "health", "containerPort": 12346} in container["ports"]
+    assert {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} == {
+        "tls": "gpushare-extender-tls"
+    }
+    ports = {p["name"]: p["port"] for p in find(objects, "Service", "gpushare-extender")["spec"]["ports"]}
+    assert ports == {"https": 12345, "metrics": 12346}  # the ServiceMonitor scrapes `metrics`, not 12345
+    monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
+    assert "https" not in {e["port"] for e in monitor["spec"]["endpoints"]}
+
+
+def _secret_refs(obj: dict[str, Any]) -> set[tuple[str, str]]:
+    """(Secret, key) of every secretKeyRef, envFrom secretRef and secret volume of a workload."""
+    spec = pod_spec(obj) or {}
+    out = set()
+    for container in spec.get("containers", []) + spec.get("initContainers", []):
+        for env in container.get("env", []):
+            if ref := env.get("valueFrom", {}).get("secretKeyRef"):
+                out.add((ref["name"], ref["key"]))
+        for source in container.get("envFrom", []):
+            if ref := source.get("secretRef"):
+                out.add((ref["name"], "*"))
+    for volume in spec.get("volumes", []):
+        if "secret" in volume:
+            out.add((volume["secret"]["secretName"], "*"))
+    return out
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_node_agents_see_no_database_credential(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """A GPU node's kubelet fetches only the Secrets its pods name: the node agent's names its NATS password."""
+    agent = find(rendered[name], "DaemonSet", "gpushare-node-agent")
+    assert _secret_refs(agent) == {("gpushare-node-agent", "nats-password")}
+    env = {e["name"] for e in pod_spec(agent)["containers"][0].get("env", [])}
+    assert not any("DATABASE" in e for e in env), env
+    (secret,) = [o for o in rendered[name] if key(o) == ("Secret", "gpushare-node-agent")]
+    assert set(secret.get("data") or secret.get("stringData")) == {"nats-password"}
+
+
+def test_each_service_uses_its_own_role_and_nats_user(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["base"]
+    for service in ("extender", "binder", "accounting"):
+        obj = find(objects, "Deployment", f"gpushare-{service}")
+        env = {e["name"]: e for e in pod_spec(obj)["containers"][0]["env"]}
+        assert env["GPUSHARE_DATABASE_URL"]["value"] == f"postgresql://gpushare_{service}@$(GPUSHARE_DATABASE_SERVER)"
+        assert env["GPUSHARE_NATS_USER"]["value"] == f"gpushare-{service}"
+        assert {r for r in _secret_refs(obj) if r[0] != "gpushare-admin"} == {
+            ("gpushare-database", f"{service}-password"),
+            ("gpushare-nats", f"{service}-password"),
+        }
+    job = pod_spec(find(objects, "Job", "gpushare-migrate"))["containers"][0]
+    env = {e["name"]: e for e in job["env"]}
+    assert env["GPUSHARE_DATABASE_URL"]["value"].startswith("postgresql://gpushare_migrate@")
+    assert {f"GPUSHARE_DB_PASSWORD_{s}" for s in ("EXTENDER", "BINDER", "ACCOUNTING")} <= set(env)
+    auth_conf = find(objects, "ConfigMap", "nats-config")["data"]["nats-auth.conf"]
+    nats_users = re.findall(r"user: (gpushare-[a-z-]+)", auth_conf)
+    assert set(nats_users) == {
+        "gpushare-extender",
+        "gpushare-binder",
+        "gpushare-accounting",
+        "gpushare-node-agent",
+        "gpushare-admin",
+    }
+
+
+def test_shipped_secrets_are_placeholders_the_services_refuse(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Every shipped secret is a placeholder (so `generate-secrets.sh` must run, docs/install.md step 2)."""
+    import base64
+
+    from shared.placeholders import PLACEHOLDER
+
+    for name in SECRETS:
+        secret = find(rendered["base"], "Secret", name)
+        for k, v in secret["data"].items():
+            assert base64.b64decode(v).decode().startswith(PLACEHOLDER), (name, k)
+
+
+def test_generate_secrets_replaces_every_placeholder_once(tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    script = copy / "generate-secrets.sh"
+    first = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=60, check=True)
+    files = sorted((copy / "base" / "secrets").iterdir())
+    values = {f.name: f.read_text() for f in files}
+    assert len(first.stdout.splitlines()) == len(files) >= 11
+    assert all(re.fullmatch(r"[A-Za-z0-9]{32}", v) for v in values.values()), values
+    assert len(set(values.values())) == len(values)
+    assert all(oct(f.stat().st_mode)[-3:] == "600" for f in files)
+    again = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=60, check=True)
+    assert again.stdout == "" and {f.name: f.read_text() for f in files} == values  # kept
+    forced = subprocess.run(["sh", str(script), "--force"], capture_output=True, text=True, timeout=60, check=True)
+    assert len(forced.stdout.splitlines()) == len(files)
+    assert all(values[f.name] != f.read_text() for f in files)

@@ -177,3 +177,34 @@ def test_kube_scheduler_1_20_runs_with_the_legacy_policy(
     broken.write_text((SCHEDULER / "scheduler-policy-config.json").read_text().replace("30000000000", '"30s"'))
     code, log = _run_with_policy(apiserver_1_20, k8s_1_20_binaries, broken, tmp_path / "broken.log")
     assert code not in (None, 0), f"a broken policy should stop kube-scheduler:\n{log[-2000:]}"
+
+
+MTLS = "kube-scheduler-config.mtls.yaml"
+
+
+def test_the_mutual_tls_config_is_the_v1_config_plus_client_certificates() -> None:
+    plain = yaml.safe_load((SCHEDULER / "kube-scheduler-config.v1.yaml").read_text())
+    mtls = yaml.safe_load((SCHEDULER / MTLS).read_text())
+    ext = _extender(mtls)
+    assert ext["enableHTTPS"] is True and ext["urlPrefix"].startswith("https://")
+    assert set(ext["tlsConfig"]) == {"certFile", "keyFile", "caFile", "serverName"}
+    assert "insecure" not in ext["tlsConfig"]
+    same = {k: v for k, v in ext.items() if k not in {"enableHTTPS", "tlsConfig", "urlPrefix"}}
+    assert same == {k: v for k, v in _extender(plain).items() if k not in {"enableHTTPS", "urlPrefix"}}
+    assert {k: v for k, v in mtls.items() if k != "extenders"} == {k: v for k, v in plain.items() if k != "extenders"}
+
+
+def test_current_kube_scheduler_loads_the_mutual_tls_config(k8s_binaries: Paths, tmp_path: Path) -> None:
+    """kube-scheduler reads the certificate files when it builds the extender's client: real ones, in place of
+    /etc/kubernetes/gpushare/."""
+    from tests.extender.test_mtls import make_ca, make_cert
+
+    ca = make_ca(tmp_path, "extender-ca")
+    cert, key = make_cert(tmp_path, "scheduler-client", ca, server=False)
+    assert (cert.name, key.name) == ("scheduler-client.crt", "scheduler-client.key")
+    text = (SCHEDULER / MTLS).read_text().replace("/etc/kubernetes/gpushare/", f"{tmp_path}/")
+    proc = _load(k8s_binaries, tmp_path, text)
+    loaded = _assert_loaded(proc, tmp_path)
+    tls = _extender(loaded)["tlsConfig"]
+    assert tls["certFile"].endswith("scheduler-client.crt") and tls["caFile"].endswith("extender-ca.crt")
+    assert _extender(loaded)["enableHTTPS"] is True

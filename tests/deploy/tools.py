@@ -26,6 +26,7 @@ KUSTOMIZATIONS = (
     "overlays/second-scheduler",
     "overlays/before-1.30",
     "overlays/with-components",
+    "overlays/extender-mtls",
 )
 NAMESPACE = "gpushare-system"
 

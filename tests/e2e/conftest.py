@@ -88,6 +88,7 @@ async def stack(
         monitoring=getattr(request.module, "STACK_MONITORING", False),
         scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
+        service_roles=True,  # each service as its own PostgreSQL role: least privilege, end to end
     )
     st = Stack(config)
     try:

@@ -86,3 +86,23 @@ async def test_oversized_bodies_get_413(client: httpx.AsyncClient) -> None:
 async def test_both_node_fields_null_means_no_node(client: httpx.AsyncClient) -> None:
     r = await client.post(f"{PREFIX}/filter", json={"Pod": gpu_pod("p", 1), "Nodes": None, "NodeNames": None})
     assert r.status_code == 200 and r.json()["NodeNames"] == []
+
+
+@pytest.mark.parametrize("mem", ["\u00b2", "\uff11\uff12", "\u0663", "1\u00b2"])  # ², full-width 12, Arabic 3
+async def test_non_ascii_digits_are_refused_with_a_reason_never_a_500(
+    client: httpx.AsyncClient, ledger: Ledger, service: ExtenderService, engine: AsyncEngine, mem: str
+) -> None:
+    """Unicode digits (superscript two made int() fail: a 500; full-width "12" was read as 12) are refused,
+    naming ASCII digits."""
+    await add_node(ledger, "n1", [16])
+    await service.resync("test")
+    pod = gpu_pod("p", mem)
+    r = await client.post(f"{PREFIX}/filter", json=names_args(pod, ["n1"]))
+    assert r.status_code == 200, r.text
+    assert r.json()["NodeNames"] == [] and "ASCII digits" in r.json()["Error"], r.json()
+    r = await client.post(f"{PREFIX}/prioritize", json=names_args(pod, ["n1"]))
+    assert r.status_code == 200, r.text
+    assert all(entry["Score"] == 0 for entry in r.json())
+    r = await client.post(f"{PREFIX}/bind", json=bind_args(pod, "n1"))
+    assert r.status_code == 200 and "ASCII digits" in r.json()["Error"]
+    await assert_nothing_reserved(engine)

@@ -68,7 +68,7 @@ async def test_three_replicas_never_overcommit_and_answer_truthfully(
                 python, "-m", "services.cli", "extender", "--host", "127.0.0.1", "--port", str(port),
                 "--database-url", database_url, "--nats-url", nats_url,
                 "--stream-name", bus.names.stream, "--subject-prefix", bus.names.prefix,
-                "--bind-timeout", "15", "--log-format", "text", "--log-level", "WARNING",
+                "--bind-timeout", "15", "--log-format", "text", "--log-level", "WARNING", "--trust-filter-pods",
             ]  # fmt: skip
             env = {**os.environ, "KUBECONFIG": str(tmp_path / "no-kubeconfig")}
             procs.append(start_extender(cmd, log, env))

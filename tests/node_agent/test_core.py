@@ -132,6 +132,19 @@ def test_overuse_tracker_reports_once_after_grace() -> None:
     assert t.update([ok], alloc, now=13) == [] and t.over() == set()
 
 
+def test_use_of_a_gpu_where_the_pod_holds_nothing_is_reported_not_skipped() -> None:
+    t = OveruseTracker(grace_s=10)
+    alloc = {("p", "GPU-a"): 4096}
+    elsewhere = UsageSample(gpu_uuid="GPU-b", pod_uid="p", used_memory_mib=300)  # its share is on GPU-a
+    stranger = UsageSample(gpu_uuid="GPU-a", pod_uid="q", used_memory_mib=1)  # a pod with no share at all
+    host = UsageSample(gpu_uuid="GPU-a", pod_uid="", used_memory_mib=50)  # outside pods: not judged
+    assert t.update([elsewhere, stranger, host], alloc, now=0) == []
+    found = t.update([elsewhere, stranger, host], alloc, now=10)
+    assert sorted((s.pod_uid, s.gpu_uuid, limit) for s, limit in found) == [("p", "GPU-b", None), ("q", "GPU-a", None)]
+    assert t.over() == {("p", "GPU-b"), ("q", "GPU-a")}
+    assert t.update([], alloc, now=11) == [] and t.over() == set()  # the episode ends with the use
+
+
 def test_missing_grpc_modules_are_named_never_compiled_at_run_time(tmp_path: Path) -> None:
     """A checkout that was never built: `load()` says how to build the modules and writes nothing."""
     import shutil

@@ -110,7 +110,7 @@ async def test_containers_become_mps_clients_while_the_control_daemon_runs(harne
     pod, _ = await harness.reserve("no-daemon", [("main", [(0, 2)])])
     env = (await k.admit(pod))["main"]
     assert not {v for v in env if v.startswith("CUDA_MPS_")}, env
-    assert k.mounts[("default", "no-daemon", "main")] == []
+    assert k.mounts[(pod["metadata"]["uid"], "main")] == []
 
     os.mkfifo(root.pipe_dir / "control")  # what nvidia-cuda-mps-control creates when it starts
     pod, _ = await harness.reserve("client", [("main", [(0, 4)])])
@@ -118,7 +118,30 @@ async def test_containers_become_mps_clients_while_the_control_daemon_runs(harne
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root.pipe_dir)
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={4 * 1024}M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # 4 of the T4's 16 GiB, no compute asked
-    assert k.mounts[("default", "client", "main")] == [
+    assert k.mounts[(pod["metadata"]["uid"], "main")] == [  # (container path, host path)
         (str(root.pipe_dir), str(root.pipe_dir)),
-        (str(root.shm_dir), "/dev/shm"),
+        ("/dev/shm", str(root.shm_dir)),
     ]
+
+
+async def test_volume_mount_device_lists(harness: Harness) -> None:
+    """--device-list-strategy volume-mounts: the GPU list travels as mounts the NVIDIA toolkit reads (so that with
+    accept-nvidia-visible-devices-envvar-when-unprivileged = false a pod's own NVIDIA_VISIBLE_DEVICES is ignored)."""
+    from services.node_agent.assignment import DEVICE_LIST_ROOT
+
+    for plugin in harness.agent.plugins:
+        plugin.servicer.device_list = "volume-mounts"
+    pod, _ = await harness.reserve("mounted", [("main", [(0, 2), (1, 2)])])
+    env = (await harness.kubelet.admit(pod))["main"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == DEVICE_LIST_ROOT
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1"  # the rest of the environment is unchanged
+    mounts = harness.kubelet.mounts[(pod["metadata"]["uid"], "main")]
+    assert mounts == [
+        (f"{DEVICE_LIST_ROOT}/{harness.gpu(0)}", "/dev/null"),
+        (f"{DEVICE_LIST_ROOT}/{harness.gpu(1)}", "/dev/null"),
+    ]
+    for plugin in harness.agent.plugins:
+        plugin.servicer.device_list = "envvar"
+    plain, _ = await harness.reserve("plain", [("main", [(0, 1)])])
+    assert (await harness.kubelet.admit(plain))["main"]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
+    assert harness.kubelet.mounts[(plain["metadata"]["uid"], "main")] == []

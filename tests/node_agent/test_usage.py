@@ -48,3 +48,44 @@ async def test_usage_sample_publication_and_overuse(harness: Harness) -> None:
     assert reg.get_sample_value("gpushare_node_agent_gpu_memory_allocated_bytes", gpu_labels) == 2048 * mib
     assert reg.get_sample_value("gpushare_node_agent_gpu_memory_bytes", gpu_labels) == 16384 * mib
     assert reg.get_sample_value("gpushare_node_agent_gpu_utilization_ratio", gpu_labels) == 0.42
+
+
+async def test_a_pod_using_a_gpu_it_holds_no_share_on_is_flagged(harness: Harness) -> None:
+    """Before, such use was skipped: no metric, no event. Now it is flagged (grace 0 in the harness)."""
+    pod, _alloc = await harness.reserve("sneaky", [("main", [(0, 2)])])
+    uid = pod["metadata"]["uid"]
+    outsider = "0b5c4a1e-1111-2222-3333-444455556666"  # a pod holding no share on this node at all
+    proc = harness.root / "proc"
+    for pid, pod_uid in ((5151, uid), (6161, outsider)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(f"0::/kubepods/besteffort/pod{pod_uid}/cri-x\n")
+    g0, g1 = harness.gpu(0), harness.gpu(1)
+    harness.backend.set_processes([ProcessUsage(5151, g1, 700), ProcessUsage(6161, g0, 90)])
+    received: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
+        await received.put(decode_event(msg.data))
+
+    sub = await harness.bus.nc.subscribe(f"{harness.bus.names.prefix}.unallocated.>", cb=on_msg)
+    try:
+        await harness.agent.sample_usage()
+        events = [await asyncio.wait_for(received.get(), 5) for _ in range(2)]
+    finally:
+        await sub.unsubscribe()
+    by_pod = {e.pod_uid: e for e in events}
+    assert by_pod[uid].gpu_uuid == g1 and by_pod[uid].pod_name == "sneaky" and by_pod[uid].used_memory_mib == 700
+    assert by_pod[outsider].gpu_uuid == g0 and by_pod[outsider].pod_name == ""
+    reg = harness.agent.metrics.registry
+    node = harness.agent.config.node
+    gpu = {"node": node, "Hostname": node, "modelName": "Tesla-T4"}  # dcgm-exporter's GPU labels, and the pod
+    mine = {**gpu, "gpu": "1", "UUID": g1, "namespace": "default", "pod": "sneaky"}
+    theirs = {**gpu, "gpu": "0", "UUID": g0, "namespace": "", "pod": outsider}
+    for labels in (mine, theirs):
+        assert reg.get_sample_value("gpushare_node_agent_pod_unallocated_gpu_use", labels) == 1
+        assert reg.get_sample_value("gpushare_node_agent_pod_unallocated_gpu_use_episodes_total", labels) == 1
+    pod_labels = {"node": node, "namespace": "default", "pod": "sneaky"}
+    overuse = "gpushare_node_agent_pod_gpu_memory_overuse"
+    assert reg.get_sample_value(overuse, pod_labels) == 0  # not an over-use of its share
+    harness.backend.set_processes([])
+    await harness.agent.sample_usage()
+    assert reg.get_sample_value("gpushare_node_agent_pod_unallocated_gpu_use", mine) == 0  # the episode ended

@@ -153,3 +153,39 @@ def test_token_checks_are_constant_time() -> None:
         assert "hmac.compare_digest" in path.read_text(), f"{path} reads the admin token without hmac.compare_digest"
     plain = [line for p in sources for line in _token_comparisons(p)]
     assert not plain, "token compared with ==/!= (not constant-time):\n" + "\n".join(plain)
+
+
+async def test_nats_tokens_and_passwords_in_urls_are_masked_in_every_log_line(tmp_path: Path) -> None:
+    """A NATS token is the URL's whole user info (nats://TOKEN@host): no colon, but a secret all the same."""
+    import io
+    import logging
+
+    from devstack.embedded import EmbeddedNats
+    from shared.events.bus import BusNames, EventBus
+    from shared.logging import JsonFormatter, TextFormatter
+    from tests.waiting import eventually
+
+    token = "tok" + uuid.uuid4().hex
+    (tmp_path / "nats.conf").write_text(f"authorization {{ token: {token} }}\n")
+    server = EmbeddedNats(tmp_path / "data", config=tmp_path / "nats.conf")
+    url = server.start().replace("nats://", f"nats://{token}@")
+    lines = io.StringIO()
+    handlers = []
+    for formatter in (JsonFormatter(), TextFormatter()):
+        handler = logging.StreamHandler(lines)
+        handler.setFormatter(formatter)
+        handlers.append(handler)
+        logging.getLogger().addHandler(handler)
+    try:
+        bus = await EventBus.connect(url, BusNames(stream="GPUSHARE_TOK", prefix="gstok"), name="test-token")
+        logging.getLogger("test").warning("connecting to %s and nats://user:%s@host:4222", url, DB_PASSWORD)
+        server.stop()  # the bus logs the lost connection with its URL
+        await eventually(lambda: "lost the NATS connection" in lines.getvalue(), what="the disconnection logged")
+        await bus.close()
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+        server.stop()
+    text = lines.getvalue()
+    assert token not in text and DB_PASSWORD not in text, text
+    assert "nats://***@127.0.0.1" in text and "nats://user:***@host" in text
