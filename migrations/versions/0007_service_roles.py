@@ -5,7 +5,7 @@
 - `gpushare_binder`: what the ledger's life cycle and the node agents' gateway write (no quota changes, no
   deletes but the outbox's).
 - `gpushare_accounting`: its read models, quotas (through the ledger), its idempotency claims, the outbox;
-  read the ledger.
+  read the ledger; prune samples, refusals and old claims (housekeeping).
 
 The node agents have no role: they never connect to PostgreSQL (the binder's gateway writes for them). The
 schema's owner (who runs this migration: `gpushare_migrate` in the shipped manifests) keeps every right; the
@@ -56,9 +56,9 @@ GRANTS: dict[str, dict[str, str]] = {
         "allocations": "SELECT",
         "allocation_parts": "SELECT",
         "quotas": "SELECT, INSERT, DELETE, UPDATE (memory_mib, compute, updated_at)",
-        "applied_events": "SELECT, INSERT",
+        "applied_events": "SELECT, INSERT, DELETE",  # claims past the dedupe horizon are pruned
         "outbox": "SELECT, INSERT, DELETE",
-        "usage_samples": "SELECT, INSERT",
+        "usage_samples": "SELECT, INSERT, DELETE",  # thinned and expired samples are pruned
         "acc_timeline": "SELECT, INSERT",
         "acc_pending": "SELECT, INSERT, DELETE, UPDATE (event_id, namespace, pod_name, summary, reasons, refused_at)",
     },

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import ColumnElement, Table, delete, func, select, text, tuple_
+from sqlalchemy import Delete, Table, delete, extract, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.bus import EventBus
@@ -68,30 +68,39 @@ class PruneResult:
     outbox_rows: int = 0
 
 
-async def _delete_in_batches(engine: AsyncEngine, table: Table, condition: ColumnElement[bool]) -> int:
-    """DELETE matching rows `DELETE_BATCH` at a time (by primary key); returns how many went."""
+async def _delete_in_batches(engine: AsyncEngine, statement: Delete) -> int:
+    """Run a `DELETE ... WHERE condition` `DELETE_BATCH` rows at a time (by primary key); returns how many went."""
+    table = statement.table
+    assert isinstance(table, Table) and statement.whereclause is not None
     key = tuple_(*table.primary_key.columns)
     total = 0
     while True:
-        doomed = select(*table.primary_key.columns).where(condition).limit(DELETE_BATCH)
+        doomed = select(*table.primary_key.columns).where(statement.whereclause).limit(DELETE_BATCH)
         async with engine.begin() as conn:
-            gone = (await conn.execute(delete(table).where(key.in_(doomed)))).rowcount
+            gone = (await conn.execute(statement.where(key.in_(doomed)))).rowcount
         total += gone
         if gone < DELETE_BATCH:
             return total
 
 
-_THIN = text(
-    """
-    WITH firsts AS (
-        SELECT node, floor(extract(epoch FROM ts) / :step) AS bucket, min(ts) AS kept
-        FROM usage_samples WHERE ts >= :since AND ts < :until GROUP BY 1, 2
+def thin_statement(step_s: float, since: datetime, until: datetime) -> Delete:
+    """DELETE every usage sample in [since, until) but those of the first sample time of its node in each
+    `step_s` bucket (every sample of that moment stays, so per-pod sums stay whole)."""
+    ts, node = usage_samples.c.ts, usage_samples.c.node
+    bucket = func.floor(extract("epoch", ts) / step_s)
+    firsts = (
+        select(node.label("node"), bucket.label("bucket"), func.min(ts).label("kept"))
+        .where(ts >= since, ts < until)
+        .group_by(node, bucket)
+        .cte("firsts")
     )
-    DELETE FROM usage_samples u USING firsts f
-    WHERE u.ts >= :since AND u.ts < :until AND u.node = f.node
-      AND floor(extract(epoch FROM u.ts) / :step) = f.bucket AND u.ts > f.kept
-    """
-)
+    return delete(usage_samples).where(
+        ts >= since,
+        ts < until,
+        node == firsts.c.node,
+        bucket == firsts.c.bucket,
+        ts > firsts.c.kept,
+    )
 
 
 class Housekeeper:
@@ -126,16 +135,17 @@ class Housekeeper:
         now, r, out = self.clock(), self.retention, PruneResult()
         expire_before = now - timedelta(seconds=r.usage_s)
         out.deleted["usage_samples"] = await _delete_in_batches(
-            self.engine, usage_samples, usage_samples.c.ts < expire_before
+            self.engine, delete(usage_samples).where(usage_samples.c.ts < expire_before)
         )
         if r.downsample_s > 0:
             since = max(expire_before, self.thinned_until or expire_before)
             out.deleted["usage_samples"] += await self._thin(since, now - timedelta(seconds=r.full_resolution_s))
+        horizon = now - timedelta(seconds=r.dedupe_horizon_s)
         out.deleted["applied_events"] = await _delete_in_batches(
-            self.engine, applied_events, applied_events.c.applied_at < now - timedelta(seconds=r.dedupe_horizon_s)
+            self.engine, delete(applied_events).where(applied_events.c.applied_at < horizon)
         )
         out.deleted["acc_pending"] = await _delete_in_batches(
-            self.engine, pending, pending.c.refused_at < expire_before
+            self.engine, delete(pending).where(pending.c.refused_at < expire_before)
         )
         async with self.engine.connect() as conn:
             out.outbox_rows = int((await conn.execute(select(func.count()).select_from(outbox))).scalar_one())
@@ -158,7 +168,7 @@ class Housekeeper:
             if end <= start:
                 break
             async with self.engine.begin() as conn:
-                total += (await conn.execute(_THIN, {"step": step, "since": start, "until": end})).rowcount
+                total += (await conn.execute(thin_statement(step, start, end))).rowcount
             start = end
         # a bucket cut by `until` is thinned again next time, with its later samples
         self.thinned_until = datetime.fromtimestamp((until.timestamp() // step) * step, UTC)

@@ -18,10 +18,8 @@ DEFAULT_TIMEOUT_S = 15.0
 
 async def read_json(resp: Any) -> dict[str, Any]:
     """Read an aiohttp response from a `_preload_content=False` call; raise `ApiException` unless 2xx."""
-    try:
+    async with resp:  # hands the connection back to the pool, also when reading fails
         body = await resp.read()
-    finally:
-        resp.release()
     if not 200 <= resp.status <= 299:
         exc = ApiException(status=resp.status, reason=resp.reason)
         exc.body = body.decode(errors="replace")

@@ -130,7 +130,7 @@ REFUSED = {
         "VALUES (gen_random_uuid(), 'u', 'n', 'p', 'x', 'reserved', 1, now())",
         "DELETE FROM allocations",
         "UPDATE allocations SET state = 'released'",
-        "DELETE FROM usage_samples",
+        "DELETE FROM acc_timeline",  # history: pruning touches samples, refusals and old claims only
         "TRUNCATE acc_timeline",
     ],
 }
