@@ -2,15 +2,15 @@
 `aliyun.com/gpu-mem`, against the agent's view of the ledger and kubelet's pod-resources API.
 
 GetPreferredAllocation and Allocate answer from the local view (`view.NodeView`, fed by the node's events);
-when Allocate finds no match, the view may lag a reservation that was just made, so it is reloaded from the
-ledger's gateway once before refusing. Allocate picks the pending container (see `assignment`) and remembers
+when either finds no match, the view may lag a reservation that was just made, so it is reloaded from the
+ledger's gateway once before answering. Allocate picks the pending container (see `assignment`) and remembers
 the decision under the device set. PreStartContainer asks kubelet which container really holds the devices:
 the chosen one -> `assigned`; another pending container of identical share shape -> the ledger exchanges the
-two shares (so it records what each container really received), then `assigned`; anything else -> refused,
-and the container does not start. The confirmation must reach the ledger before the container starts: it is
-a command to the gateway with a bounded deadline, and when the ledger cannot be reached in time PreStart
-fails with a short reason (kubelet retries). No node-wide lock: decisions are in-memory steps without awaits
-between choosing and claiming.
+two shares (so it records what each container really received), then `assigned`; anything else -> refused
+(after one reload of the view, which may lag the holder's reservation), and the container does not start.
+The confirmation must reach the ledger before the container starts: it is a command to the gateway with a
+bounded deadline, and when the ledger cannot be reached in time PreStart fails with a short reason (kubelet
+retries). No node-wide lock: decisions are in-memory steps without awaits between choosing and claiming.
 """
 
 from __future__ import annotations
@@ -110,9 +110,16 @@ class Assigner:
         Containers handed a device set that was never started come last: kubelet drops a device set when
         the pod's admission fails and asks again, and such a container must not be left without devices.
         """
-        view = await self.containers()
-        found = preferred_devices(view, self.claimed(), available, must, size, self.unit)
-        return found or preferred_devices(view, self.claimed(started_only=True), available, must, size, self.unit)
+        for attempt in range(2):
+            view = await self.containers()
+            found = preferred_devices(view, self.claimed(), available, must, size, self.unit) or preferred_devices(
+                view, self.claimed(started_only=True), available, must, size, self.unit
+            )
+            # no pending container of this size: the view may lag a reservation made a moment ago, and without a
+            # preference kubelet picks devices that match no reservation (Allocate then refuses): reload once
+            if found or attempt or not await self.reload():
+                return found
+        return []
 
     async def allocate(self, device_ids: list[str]) -> dict[str, str]:
         """The env for the container this device set is for; AssignmentError when none matches.
@@ -156,8 +163,12 @@ class Assigner:
             except AssignmentError:
                 raise first from None
 
-    async def prestart(self, device_ids: list[str]) -> None:
-        """Confirm (or correct through an exchange) who received `device_ids`; AssignmentError otherwise."""
+    async def prestart(self, device_ids: list[str], *, reload_on_miss: bool = True) -> None:
+        """Confirm (or correct through an exchange) who received `device_ids`; AssignmentError otherwise.
+
+        A refusal that rests on the view (the holder's reservation unknown to it) first reloads the view from
+        the ledger once: the holder's reservation may have been made a moment ago, as in `allocate`.
+        """
         view = await self.containers()
         by_key = {c.key: c for c in view}
         try:
@@ -196,6 +207,8 @@ class Assigner:
                     await self._exchange(owner, h)
                     self.decisions.setdefault(frozenset(device_ids), []).append(Decision(h.key, confirmed=True))
                     return
+            if reload_on_miss and await self.reload():
+                return await self.prestart(device_ids, reload_on_miss=False)
             self.on_outcome("refused")
             raise AssignmentError(
                 f"kubelet gave these devices to {_names(holders)}, which holds no reservation on exactly these GPUs"
@@ -210,6 +223,8 @@ class Assigner:
             return
         actual = _exchangeable(chosen, (c for c in view if (c.namespace, c.pod_name, c.container) in holders))
         if actual is None:
+            if reload_on_miss and await self.reload():
+                return await self.prestart(device_ids, reload_on_miss=False)
             self.on_outcome("refused")
             raise AssignmentError(
                 f"kubelet gave the devices meant for {chosen.namespace}/{chosen.pod_name}/{chosen.container} to "

@@ -332,7 +332,16 @@ def test_every_shared_setting_is_one_gpushare_reads_and_parses(
     from shared.events.streams import StreamLimits
     from shared.settings import Settings
 
-    data = find(rendered["base"], "ConfigMap", "gpushare-config")["data"]
+    data = dict(find(rendered["base"], "ConfigMap", "gpushare-config")["data"])
+    # not a setting: Kubernetes expands $(GPUSHARE_DATABASE_SERVER) into each service's own database URL
+    server = data.pop("GPUSHARE_DATABASE_SERVER")
+    for service in ("extender", "binder", "accounting"):
+        env = {
+            e["name"]: e
+            for e in pod_spec(find(rendered["base"], "Deployment", f"gpushare-{service}"))["containers"][0]["env"]
+        }
+        assert env["GPUSHARE_DATABASE_URL"]["value"].endswith("@$(GPUSHARE_DATABASE_SERVER)"), service
+    assert "/" in server and ":" in server, server
     known = {f"GPUSHARE_{name.upper()}" for name in Settings.model_fields}
     assert set(data) <= known, f"unknown settings: {set(data) - known}"
     for name, value in data.items():

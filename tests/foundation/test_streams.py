@@ -39,7 +39,7 @@ def test_every_kind_has_exactly_one_stream_and_the_ledger_stream_has_every_ledge
     assert not set(LEDGER_KINDS) & SAMPLE_KINDS
     ledger_kinds = {kind_of(t) for t in typing.get_args(LedgerEvent)}
     assert ledger_kinds == set(LEDGER_KINDS), "every kind the ledger applies must be replayable from its stream"
-    assert "health" in LEDGER_KINDS and {"usage", "refused"} == SAMPLE_KINDS
+    assert "health" in LEDGER_KINDS and {"usage", "refused", "unallocated"} == SAMPLE_KINDS
 
 
 def test_limits_come_from_settings_written_as_people_write_them() -> None:
@@ -94,7 +94,9 @@ async def test_an_old_stream_is_migrated_in_place_and_usage_moves_to_the_samples
         samples_info = await bus.js.stream_info(names.samples_stream)
         assert sorted(ledger_info.config.subjects) == names.stream_subjects(samples=False)
         assert f"{names.prefix}.usage.>" not in ledger_info.config.subjects
-        assert sorted(samples_info.config.subjects) == [f"{names.prefix}.refused.>", f"{names.prefix}.usage.>"]
+        assert sorted(samples_info.config.subjects) == [
+            f"{names.prefix}.{kind}.>" for kind in ("refused", "unallocated", "usage")
+        ]
         assert samples_info.config.max_age == 3600
         assert ledger_info.state.messages == 2, "what the old stream held stays (replay skips the usage)"
 

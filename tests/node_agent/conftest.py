@@ -27,6 +27,7 @@ from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocation_parts, allocations
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.reservations import ReservationRequest
+from tests.waiting import eventually
 
 NODE = "gpu-node-1"
 
@@ -53,9 +54,11 @@ class Harness:
         *,
         init: list[str] | None = None,
         sidecars: list[str] | None = None,
+        wait_for_view: bool = True,
     ) -> tuple[dict[str, Any], uuid.UUID]:
         """Reserve and bind a pod: containers = [(name, [(gpu index, GiB), ...])] (`init` and `sidecars` name
-        init containers, in their order among `containers`); returns (pod dict, id)."""
+        init containers, in their order among `containers`); returns (pod dict, id) once the agent's view knows
+        the bound reservation (as it would long before kubelet sees the pod), unless `wait_for_view` is False."""
         uid = str(uuid.uuid4())
         parts = []
         spec: dict[str, list[dict[str, Any]]] = {"containers": [], "initContainers": []}
@@ -84,6 +87,12 @@ class Harness:
         )
         await self.ledger.mark_bound(res.allocation_id, uid, NODE)
         pod = {"metadata": {"name": name, "namespace": "default", "uid": uid}, "spec": spec}
+        if wait_for_view:
+            view = self.agent.view
+            await eventually(
+                lambda: any(c.allocation_id == res.allocation_id and c.bound_at is not None for c in view.containers()),
+                what=f"the agent's view of {name}'s reservation",
+            )
         return pod, res.allocation_id
 
     async def ledger_gpus(self, allocation_id: uuid.UUID, container: str) -> tuple[str, list[str], bool]:

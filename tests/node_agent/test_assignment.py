@@ -258,3 +258,53 @@ async def test_a_container_whose_first_device_set_was_dropped_gets_another(harne
     with pytest.raises(AdmissionError) as err:
         await k.admit({**pod, "metadata": {**pod["metadata"], "name": "dropped-copy", "uid": "u-copy"}})
     assert err.value.call == "Allocate" and "no container reserved on this node" in err.value.message
+
+
+async def test_prestart_reloads_a_view_that_lags_the_holders_reservation(harness: Harness, database_url: str) -> None:
+    """kubelet hands the first pod's devices to a second pod whose `reserved` event has not reached the agent
+    yet (held in the outbox here: a session holds the relays' lock). PreStart reloads the view from the ledger
+    and exchanges, instead of refusing the container (before: refused, CI saw it as a flaky admission test)."""
+    import asyncpg
+
+    from shared.ledger.outbox import RELAY_LOCK_KEY
+
+    first, first_id = await harness.reserve("lag-first", [("main", [(0, 5)])])  # the agent's view has it
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", RELAY_LOCK_KEY)  # no relay publishes from here on
+        second, second_id = await harness.reserve("lag-second", [("main", [(1, 5)])], wait_for_view=False)
+        assert not any(c.pod_name == "lag-second" for c in harness.agent.view.containers())
+        k = harness.kubelet
+        env_second = (await k.admit(second))["main"]  # Allocate picks lag-first's GPU 0: the view knows no other
+        _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+        assert assigned2 and env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(0)
+        _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+        assert not assigned1 and gpus1 == [harness.gpu(1)]  # exchanged: lag-first now holds GPU 1
+    finally:
+        await holder.execute("SELECT pg_advisory_unlock($1)", RELAY_LOCK_KEY)
+        await holder.close()
+    env_first = (await k.admit(first))["main"]
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(1)
+
+
+async def test_admission_right_after_the_reservation_reloads_a_lagging_view(
+    harness: Harness, database_url: str
+) -> None:
+    """The pod's `reserved` event has not reached the agent when kubelet admits it (held in the outbox: a session
+    holds the relays' lock). GetPreferredAllocation reloads the view, so kubelet picks the reserved GPUs and
+    Allocate matches (before: no preference, kubelet picked other devices, and Allocate refused the pod)."""
+    import asyncpg
+
+    from shared.ledger.outbox import RELAY_LOCK_KEY
+
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", RELAY_LOCK_KEY)  # no relay publishes from here on
+        pod, alloc_id = await harness.reserve("early", [("main", [(1, 3)])], wait_for_view=False)
+        assert not any(c.pod_name == "early" for c in harness.agent.view.containers())
+        env = (await harness.kubelet.admit(pod))["main"]
+    finally:
+        await holder.execute("SELECT pg_advisory_unlock($1)", RELAY_LOCK_KEY)
+        await holder.close()
+    _, gpus, assigned = await harness.ledger_gpus(alloc_id, "main")
+    assert assigned and gpus == [harness.gpu(1)] and env["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(1)
