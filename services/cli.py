@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     except Exception as exc:
         parser.error(f"invalid setting: {exc}")
     configure_logging(settings.log_level, settings.log_format)
-    if args.command != "migrate":  # migrate checks its role passwords too
+    if getattr(args, "command", None) != "migrate":  # migrate checks its role passwords too (plugin: no command)
         refuse_placeholders(settings)
     func: Callable[[argparse.Namespace, Settings], int] = args.func
     try:

@@ -237,6 +237,28 @@ class Stack:
                 rest.append(await self._start_node(node))
         self.progress(f"waiting for binder and {len(self.node_names)} node agent(s)")
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
+        if "node-agent" not in self.missing:
+            await self._wait_for_inventories(c.ready_timeout)
+
+    async def _wait_for_inventories(self, timeout_s: float) -> None:
+        """Until every node's GPUs are in the ledger (the agents record them through the binder's gateway): only
+        then can pods be placed, so only then is the stack up."""
+        deadline = time.monotonic() + timeout_s
+        conn = await asyncpg.connect(self.database_url)
+        try:
+            while True:
+                rows = await conn.fetch("SELECT DISTINCT node FROM gpus WHERE retired_at IS NULL")
+                missing = sorted(set(self.node_names) - {r["node"] for r in rows})
+                if not missing:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no GPU inventory in the ledger after {timeout_s:.0f}s for {', '.join(missing)} "
+                        f"(see the node agents' and the binder's logs in {self.log_dir})"
+                    )
+                await asyncio.sleep(0.2)
+        finally:
+            await conn.close()
 
     async def _start_monitoring(self) -> None:
         """Prometheus scraping every service and, on the local control plane, prometheus-adapter registered as

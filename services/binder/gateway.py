@@ -37,6 +37,7 @@ from shared.events.bus import EventBus
 from shared.events.catalogue import AssignedEvent, EventDecodeError, ExchangedEvent, decode_event, node_token
 from shared.ledger.db import UNAVAILABLE, is_transient
 from shared.ledger.ledger import Ledger
+from shared.ledger.outbox import is_repeat_of_staged_event
 from shared.ledger.rules import ExchangeRefused, is_live
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class LedgerGateway:
         except ExchangeRefused as exc:
             return CommandReply(ok=False, error=f"the ledger refused the exchange: {exc}")
         except Exception as exc:
+            if is_repeat_of_staged_event(exc):  # an agent sent it again while the first copy waited for us
+                log.info("command %s from node %s: applied already", event.kind, node, extra={"node": node})
+                return CommandReply(ok=True, event=event.model_dump(mode="json"))
             if not is_transient(exc):
                 log.exception("command %s from node %s failed", event.kind, node, extra={"node": node})
                 return CommandReply(ok=False, error=f"the ledger could not apply the {event.kind} command")

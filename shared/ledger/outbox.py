@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 from sqlalchemy import delete, insert, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.events.bus import EventBus
@@ -34,6 +35,12 @@ async def stage(conn: AsyncConnection, prefix: str, *events: object) -> None:
             for e in events
         ],
     )
+
+
+def is_repeat_of_staged_event(exc: BaseException) -> bool:
+    """Whether a failed transaction staged an event id the outbox already holds: the same event was applied and
+    staged by an earlier transaction that the relay has not published yet (a command sent again, say)."""
+    return isinstance(exc, IntegrityError) and "uq_outbox_event_id" in str(exc.orig)
 
 
 class OutboxRelay:
