@@ -1,12 +1,13 @@
 """Accounting's projections: fold every event into read models, exactly once per event.
 
 The durable consumers "accounting" (the ledger stream) and "accounting-samples" (usage and refusals, from the
-samples stream) feed `Projector.handle_many`, a batch per transaction. An event is applied once, whatever the gap between its copies: each
-event's effect and its idempotency claim (`applied_events`, consumer "accounting") commit in one transaction,
-and every effect is idempotent by itself too (timeline rows are unique per event and allocation, a refusal
-only replaces an older one, a usage event whose samples are stored is skipped), so a copy that arrives after
-its claim was pruned (`dedupe_horizon`) changes nothing either. Usage events are not claimed: their samples
-carry the event id, and a claim row per sample interval per node would outgrow the samples.
+samples stream) feed `Projector.handle_many`, a batch per transaction. An event is applied once, whatever the
+gap between its copies: each event's effect and its idempotency claim (`applied_events`, consumer "accounting")
+commit in one transaction, and every effect is idempotent by itself too (timeline rows are unique per event
+and allocation, a refusal only replaces an older one, a usage event whose samples are stored is skipped), so
+a copy that arrives after its claim was pruned (`dedupe_horizon`) changes nothing either. Usage events are not
+claimed: their samples carry the event id, and a claim row per sample interval per node would outgrow the
+samples.
 `rebuild_projections` refills the read models from what the streams still hold through the same `apply_many`.
 
 A batch is applied in bulk (`apply_many`): its event ids are claimed in one statement, what its events ask of
@@ -23,11 +24,25 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Table, Text, any_, bindparam, column, delete, func, insert, select, text, values
+from sqlalchemy import (
+    DateTime,
+    Select,
+    Table,
+    Text,
+    any_,
+    bindparam,
+    column,
+    delete,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID, distinct_on
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -47,35 +62,52 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 REBUILD_BATCH = 500
-MAX_PARAMETERS = 30_000  # bind parameters per statement (PostgreSQL's protocol allows 32,767)
 TIMELINE_COLUMNS = ("event_id", "allocation_id", "pod_uid", "node", "step", "ts", "detail")
+SAMPLE_COLUMNS = (
+    "event_id",
+    "ts",
+    "node",
+    "gpu_uuid",
+    "pod_uid",
+    "namespace",
+    "pod_name",
+    "container",
+    "used_memory_mib",
+    "utilization_pct",
+)
 
 
-def _chunks(rows: list[Row], columns: int) -> Iterator[list[Row]]:
-    """`rows` in slices that fit one statement's bind parameters (one slice for any batch the consumers take)."""
-    size = max(1, MAX_PARAMETERS // columns)
-    for start in range(0, len(rows), size):
-        yield rows[start : start + size]
+def _array(values: Sequence[object], item: TypeEngine[Any]) -> Any:
+    """One array parameter: the statement's text stays the same whatever the batch's size (compiled once)."""
+    return bindparam(None, list(values), type_=ARRAY(item))
 
 
 def _any(values: Sequence[object], item: TypeEngine[Any]) -> Any:
-    """`= ANY(:array)`: one array parameter, whatever the batch's size (the statement stays the same)."""
-    return any_(bindparam(None, list(values), type_=ARRAY(item)))
+    """`= ANY(:array)`."""
+    return any_(_array(values, item))
+
+
+def _rows(table: Table, columns: Sequence[str], rows: list[Row]) -> Select[Any]:
+    """`SELECT unnest(:c1), unnest(:c2), ...`: `rows` as one array per column, for `INSERT ... SELECT`."""
+    return select(*(func.unnest(_array([r[c] for r in rows], table.c[c].type)).label(c) for c in columns))
 
 
 async def _claim(conn: AsyncConnection, event_ids: list[uuid.UUID], at: datetime | None) -> set[uuid.UUID]:
     """Record in one statement that the projections apply these events (`at`: when, the database's clock by
     default); returns the ids not claimed before, whose effects the caller then applies in the same
     transaction (claims commit or roll back with the effects: a crash in between leaves neither)."""
-    claimed: set[uuid.UUID] = set()
-    stamp = {"applied_at": at} if at is not None else {}
-    rows = [{"consumer": CONSUMER, "event_id": event_id} | stamp for event_id in event_ids]
-    for chunk in _chunks(rows, 3):
-        result = await conn.execute(
-            pg_insert(applied_events).values(chunk).on_conflict_do_nothing().returning(applied_events.c.event_id)
-        )
-        claimed.update(result.scalars())
-    return claimed
+    ids = select(literal(CONSUMER).label("consumer"), func.unnest(_array(event_ids, UUID(as_uuid=True))))
+    columns = ["consumer", "event_id"]
+    if at is not None:
+        ids = ids.add_columns(literal(at, DateTime(timezone=True)))
+        columns.append("applied_at")
+    result = await conn.execute(
+        pg_insert(applied_events)
+        .from_select(columns, ids)
+        .on_conflict_do_nothing()
+        .returning(applied_events.c.event_id)
+    )
+    return set(result.scalars())
 
 
 async def _known(conn: AsyncConnection, wanted: Reads) -> Known:
@@ -120,33 +152,41 @@ async def _known(conn: AsyncConnection, wanted: Reads) -> Known:
 
 
 async def _write(conn: AsyncConnection, planned: Plan) -> None:
-    """A batch's rows: one multi-row statement per table (and kind of change)."""
-    for chunk in _chunks(planned.timeline_rows, len(TIMELINE_COLUMNS)):
-        await conn.execute(pg_insert(timeline).values(chunk).on_conflict_do_nothing())
-    for chunk in _chunks(planned.sample_rows, 10):
-        await conn.execute(insert(usage_samples).values(chunk))
+    """A batch's rows: one statement per table (and kind of change), whatever the batch's size."""
+    if planned.timeline_rows:
+        rows = _rows(timeline, TIMELINE_COLUMNS, planned.timeline_rows)
+        await conn.execute(pg_insert(timeline).from_select(TIMELINE_COLUMNS, rows).on_conflict_do_nothing())
+    if planned.sample_rows:
+        rows = _rows(usage_samples, SAMPLE_COLUMNS, planned.sample_rows)
+        await conn.execute(insert(usage_samples).from_select(SAMPLE_COLUMNS, rows))
     deletes = planned.pending_deletes
     if deletes:
-        gone = values(column("pod_uid", Text()), column("upto", DateTime(timezone=True)), name="gone").data(deletes)
+        gone = (
+            func.unnest(
+                _array([pod for pod, _ in deletes], Text()),
+                _array([upto for _, upto in deletes], DateTime(timezone=True)),
+            )
+            .table_valued(column("pod_uid", Text()), column("upto", DateTime(timezone=True)))
+            .render_derived(name="gone")
+        )
         await conn.execute(
             delete(pending).where(pending.c.pod_uid == gone.c.pod_uid, pending.c.refused_at <= gone.c.upto)
         )
-    for chunk in _chunks(planned.pending_rows, 7):
-        stmt = pg_insert(pending).values(chunk)
-        await conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=[pending.c.pod_uid],
-                set_={
-                    "event_id": stmt.excluded.event_id,
-                    "namespace": stmt.excluded.namespace,
-                    "pod_name": stmt.excluded.pod_name,
-                    "summary": stmt.excluded.summary,
-                    "reasons": stmt.excluded.reasons,
-                    "refused_at": stmt.excluded.refused_at,
-                },
-                where=pending.c.refused_at <= stmt.excluded.refused_at,
-            )
+    if planned.pending_rows:  # one row per pod (executemany: the reasons are JSON)
+        stmt = pg_insert(pending)
+        upsert = stmt.on_conflict_do_update(
+            index_elements=[pending.c.pod_uid],
+            set_={
+                "event_id": stmt.excluded.event_id,
+                "namespace": stmt.excluded.namespace,
+                "pod_name": stmt.excluded.pod_name,
+                "summary": stmt.excluded.summary,
+                "reasons": stmt.excluded.reasons,
+                "refused_at": stmt.excluded.refused_at,
+            },
+            where=pending.c.refused_at <= stmt.excluded.refused_at,
         )
+        await conn.execute(upsert, planned.pending_rows)
 
 
 async def apply_many(conn: AsyncConnection, events: list[Event], *, at: datetime | None = None) -> list[Applied]:
