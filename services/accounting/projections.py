@@ -1,13 +1,19 @@
 """Accounting's projections: fold every event into read models, exactly once per event.
 
 The durable consumers "accounting" (the ledger stream) and "accounting-samples" (usage and refusals, from the
-samples stream) feed `Projector.handle`. An event is applied once, whatever the gap between its copies: each
-event's effect and its idempotency claim (`applied_events`, consumer "accounting") commit in one transaction,
-and every effect is idempotent by itself too (timeline rows are unique per event and allocation, a refusal
-only replaces an older one, a usage event whose samples are stored is skipped), so a copy that arrives after
-its claim was pruned (`dedupe_horizon`) changes nothing either. Usage events are not claimed: their samples
-carry the event id, and a claim row per sample interval per node would outgrow the samples.
-`rebuild_projections` refills the read models from what the streams still hold through the same `apply`.
+samples stream) feed `Projector.handle_many`, a batch per transaction. An event is applied once, whatever the
+gap between its copies: each event's effect and its idempotency claim (`applied_events`, consumer "accounting")
+commit in one transaction, and every effect is idempotent by itself too (timeline rows are unique per event
+and allocation, a refusal only replaces an older one, a usage event whose samples are stored is skipped), so
+a copy that arrives after its claim was pruned (`dedupe_horizon`) changes nothing either. Usage events are not
+claimed: their samples carry the event id, and a claim row per sample interval per node would outgrow the
+samples.
+`rebuild_projections` refills the read models from what the streams still hold through the same `apply_many`.
+
+A batch is applied in bulk (`apply_many`): its event ids are claimed in one statement, what its events ask of
+the read models is read with one query per question, `projection_plan.plan` folds the events in order over
+that (pure), and each table is written with one multi-row statement; the effects are those of applying the
+events one by one, in order.
 
 Read models: `acc_timeline` (each allocation's steps with timestamps), `acc_pending` (the latest refusal
 per pod until it gets a reservation) and `usage_samples` (usage events, one row per sample). The ledger
@@ -18,208 +24,186 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Table, delete, insert, select, text
+from sqlalchemy import (
+    DateTime,
+    Select,
+    Table,
+    Text,
+    any_,
+    bindparam,
+    column,
+    delete,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, UUID, distinct_on
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.types import TypeEngine
 
 from shared.events.bus import EventBus
-from shared.events.catalogue import (
-    AssignedEvent,
-    BoundEvent,
-    Event,
-    ExchangedEvent,
-    FailedEvent,
-    RefusedEvent,
-    ReleasedEvent,
-    ReservedEvent,
-    TerminatingEvent,
-    UsageEvent,
-)
-from shared.ledger.idempotency import claim
+from shared.events.catalogue import Event
 from shared.ledger.models import applied_events
 from shared.ledger.replay import read_events
-from shared.ledger.rules import AllocationState
 
+from .projection_plan import ASSIGNED, BOUND, PROJECTED, RESERVED, Applied, Known, Plan, Reads, Row, claims, plan, reads
 from .tables import CONSUMER, PROJECTION_TABLES, pending, timeline, usage_samples
+
+__all__ = ["PROJECTED", "Applied", "Projector", "apply", "apply_many", "rebuild_projections", "truncate_projections"]
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-PROJECTED = (
-    ReservedEvent,
-    BoundEvent,
-    AssignedEvent,
-    ExchangedEvent,
-    TerminatingEvent,
-    ReleasedEvent,
-    FailedEvent,
-    UsageEvent,
-    RefusedEvent,
-)  # the events that change the read models
 REBUILD_BATCH = 500
+TIMELINE_COLUMNS = ("event_id", "allocation_id", "pod_uid", "node", "step", "ts", "detail")
+SAMPLE_COLUMNS = (
+    "event_id",
+    "ts",
+    "node",
+    "gpu_uuid",
+    "pod_uid",
+    "namespace",
+    "pod_name",
+    "container",
+    "used_memory_mib",
+    "utilization_pct",
+)
 
 
-@dataclass
-class Applied:
-    """What applying one event did: whether it was new, and life-cycle latencies it completed."""
-
-    new: bool
-    latencies: list[tuple[str, float]] = field(default_factory=list)
+def _array(values: Sequence[object], item: TypeEngine[Any]) -> Any:
+    """One array parameter: the statement's text stays the same whatever the batch's size (compiled once)."""
+    return bindparam(None, list(values), type_=ARRAY(item))
 
 
-async def _first_step(
-    conn: AsyncConnection, allocation_id: uuid.UUID, step: str = AllocationState.RESERVED.value
-) -> datetime | None:
-    """When the allocation's timeline first reached `step` (a life-cycle event's kind)."""
-    return (
-        await conn.execute(
-            select(timeline.c.ts)
-            .where(timeline.c.allocation_id == allocation_id, timeline.c.step == step)
-            .order_by(timeline.c.ts)
-            .limit(1)
-        )
-    ).scalar()
+def _any(values: Sequence[object], item: TypeEngine[Any]) -> Any:
+    """`= ANY(:array)`."""
+    return any_(_array(values, item))
 
 
-async def _step(
-    conn: AsyncConnection, event: Event, allocation_id: uuid.UUID, pod_uid: str, node: str, detail: str = ""
-) -> None:
-    """A timeline row: the step is the event's kind."""
-    await conn.execute(
-        pg_insert(timeline)
-        .values(
-            event_id=event.event_id,
-            allocation_id=allocation_id,
-            pod_uid=pod_uid,
-            node=node,
-            step=event.kind,
-            ts=event.occurred_at,
-            detail=detail[:2048],
-        )
+def _rows(table: Table, columns: Sequence[str], rows: list[Row]) -> Select[Any]:
+    """`SELECT unnest(:c1), unnest(:c2), ...`: `rows` as one array per column, for `INSERT ... SELECT`."""
+    return select(*(func.unnest(_array([r[c] for r in rows], table.c[c].type)).label(c) for c in columns))
+
+
+async def _claim(conn: AsyncConnection, event_ids: list[uuid.UUID], at: datetime | None) -> set[uuid.UUID]:
+    """Record in one statement that the projections apply these events (`at`: when, the database's clock by
+    default); returns the ids not claimed before, whose effects the caller then applies in the same
+    transaction (claims commit or roll back with the effects: a crash in between leaves neither)."""
+    ids = select(literal(CONSUMER).label("consumer"), func.unnest(_array(event_ids, UUID(as_uuid=True))))
+    columns = ["consumer", "event_id"]
+    if at is not None:
+        ids = ids.add_columns(literal(at, DateTime(timezone=True)))
+        columns.append("applied_at")
+    result = await conn.execute(
+        pg_insert(applied_events)
+        .from_select(columns, ids)
         .on_conflict_do_nothing()
+        .returning(applied_events.c.event_id)
     )
+    return set(result.scalars())
+
+
+async def _known(conn: AsyncConnection, wanted: Reads) -> Known:
+    """Answer a batch's questions about the read models: one query per kind of question asked."""
+    first_steps: dict[tuple[uuid.UUID, str], datetime] = {}
+    earliest: dict[uuid.UUID, tuple[datetime, str]] = {}
+    latest: dict[str, datetime] = {}
+    stored: frozenset[uuid.UUID] = frozenset()
+    if wanted.step_allocations:
+        rows = await conn.execute(
+            select(timeline.c.allocation_id, timeline.c.step, func.min(timeline.c.ts))
+            .where(
+                timeline.c.allocation_id == _any(wanted.step_allocations, UUID(as_uuid=True)),
+                timeline.c.step == _any([RESERVED, BOUND, ASSIGNED], Text()),
+            )
+            .group_by(timeline.c.allocation_id, timeline.c.step)
+        )
+        first_steps = {(allocation_id, step): ts for allocation_id, step, ts in rows}
+    if wanted.pod_allocations:
+        rows = await conn.execute(
+            select(timeline.c.allocation_id, timeline.c.ts, timeline.c.pod_uid)
+            .where(timeline.c.allocation_id == _any(wanted.pod_allocations, UUID(as_uuid=True)))
+            .ext(distinct_on(timeline.c.allocation_id))
+            .order_by(timeline.c.allocation_id, timeline.c.ts, timeline.c.id)
+        )
+        earliest = {allocation_id: (ts, pod_uid) for allocation_id, ts, pod_uid in rows}
+    if wanted.refused_pods:
+        rows = await conn.execute(
+            select(timeline.c.pod_uid, func.max(timeline.c.ts))
+            .where(timeline.c.pod_uid == _any(wanted.refused_pods, Text()), timeline.c.step == RESERVED)
+            .group_by(timeline.c.pod_uid)
+        )
+        latest = {pod_uid: ts for pod_uid, ts in rows}
+    if wanted.usage_ids:
+        rows = await conn.execute(
+            select(usage_samples.c.event_id)
+            .where(usage_samples.c.event_id == _any(wanted.usage_ids, UUID(as_uuid=True)))
+            .distinct()
+        )
+        stored = frozenset(rows.scalars())
+    return Known(first_steps, earliest, latest, stored)
+
+
+async def _write(conn: AsyncConnection, planned: Plan) -> None:
+    """A batch's rows: one statement per table (and kind of change), whatever the batch's size."""
+    if planned.timeline_rows:
+        rows = _rows(timeline, TIMELINE_COLUMNS, planned.timeline_rows)
+        await conn.execute(pg_insert(timeline).from_select(TIMELINE_COLUMNS, rows).on_conflict_do_nothing())
+    if planned.sample_rows:
+        rows = _rows(usage_samples, SAMPLE_COLUMNS, planned.sample_rows)
+        await conn.execute(insert(usage_samples).from_select(SAMPLE_COLUMNS, rows))
+    deletes = planned.pending_deletes
+    if deletes:
+        gone = (
+            func.unnest(
+                _array([pod for pod, _ in deletes], Text()),
+                _array([upto for _, upto in deletes], DateTime(timezone=True)),
+            )
+            .table_valued(column("pod_uid", Text()), column("upto", DateTime(timezone=True)))
+            .render_derived(name="gone")
+        )
+        await conn.execute(
+            delete(pending).where(pending.c.pod_uid == gone.c.pod_uid, pending.c.refused_at <= gone.c.upto)
+        )
+    if planned.pending_rows:  # one row per pod (executemany: the reasons are JSON)
+        stmt = pg_insert(pending)
+        upsert = stmt.on_conflict_do_update(
+            index_elements=[pending.c.pod_uid],
+            set_={
+                "event_id": stmt.excluded.event_id,
+                "namespace": stmt.excluded.namespace,
+                "pod_name": stmt.excluded.pod_name,
+                "summary": stmt.excluded.summary,
+                "reasons": stmt.excluded.reasons,
+                "refused_at": stmt.excluded.refused_at,
+            },
+            where=pending.c.refused_at <= stmt.excluded.refused_at,
+        )
+        await conn.execute(upsert, planned.pending_rows)
+
+
+async def apply_many(conn: AsyncConnection, events: list[Event], *, at: datetime | None = None) -> list[Applied]:
+    """Apply a batch of events to the read models inside the caller's transaction, with the same effects as
+    applying them one by one in order (idempotent: copies and events applied before change nothing). `at` is
+    when they are claimed (the database's clock by default). Returns what each event did, in order."""
+    ids = claims(events)
+    claimed = await _claim(conn, ids, at) if ids else set()
+    planned = plan(events, claimed, await _known(conn, reads(events, claimed)))
+    await _write(conn, planned)
+    return planned.results
 
 
 async def apply(conn: AsyncConnection, event: Event, *, at: datetime | None = None) -> Applied:
     """Apply one event to the read models inside the caller's transaction (idempotent). `at` is when (the
     claim's time; the database's clock by default)."""
-    if not isinstance(event, PROJECTED):
-        return Applied(new=False)
-    if isinstance(event, UsageEvent):
-        return Applied(new=await _usage(conn, event))
-    if not await claim(conn, CONSUMER, event.event_id, at=at):
-        return Applied(new=False)
-    out = Applied(new=True)
-    match event:
-        case ReservedEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node)
-            await conn.execute(
-                delete(pending).where(pending.c.pod_uid == event.pod_uid, pending.c.refused_at <= event.occurred_at)
-            )
-        case BoundEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node)
-            reserved = await _first_step(conn, event.allocation_id)
-            if reserved is not None:
-                out.latencies.append(("reserved_to_bound", (event.occurred_at - reserved).total_seconds()))
-        case AssignedEvent():
-            first = await _first_step(conn, event.allocation_id, event.kind)
-            await _step(
-                conn,
-                event,
-                event.allocation_id,
-                event.pod_uid,
-                event.node,
-                f"container {event.container}: {', '.join(event.gpu_uuids)}",
-            )
-            bound = await _first_step(conn, event.allocation_id, AllocationState.BOUND.value)
-            if first is None and bound is not None:
-                out.latencies.append(("bound_to_assigned", (event.occurred_at - bound).total_seconds()))
-        case TerminatingEvent():
-            detail = "pod is being deleted; its share stays held until the pod is gone"
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, detail)
-        case ReleasedEvent() | FailedEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, event.reason)
-        case ExchangedEvent():
-            pairs = (
-                (event.first_allocation_id, event.first_container, event.second_allocation_id, event.second_container),
-                (event.second_allocation_id, event.second_container, event.first_allocation_id, event.first_container),
-            )
-            for mine, my_container, other, other_container in pairs:
-                pod_uid = (
-                    await conn.execute(select(timeline.c.pod_uid).where(timeline.c.allocation_id == mine).limit(1))
-                ).scalar() or ""
-                detail = f"container {my_container} swapped shares with allocation {other} container {other_container}"
-                await _step(conn, event, mine, pod_uid, event.node, detail)
-        case RefusedEvent():
-            await _refused(conn, event)
-    return out
-
-
-async def _usage(conn: AsyncConnection, event: UsageEvent) -> bool:
-    """Store a usage event's samples unless they are stored already; True when stored."""
-    if not event.samples:
-        return False
-    known = (
-        await conn.execute(select(usage_samples.c.id).where(usage_samples.c.event_id == event.event_id).limit(1))
-    ).first()
-    if known is not None:
-        return False
-    await conn.execute(
-        insert(usage_samples),
-        [
-            {
-                "event_id": event.event_id,
-                "ts": event.occurred_at,
-                "node": event.node,
-                "gpu_uuid": s.gpu_uuid,
-                "pod_uid": s.pod_uid,
-                "namespace": s.namespace,
-                "pod_name": s.pod_name,
-                "container": s.container,
-                "used_memory_mib": s.used_memory_mib,
-                "utilization_pct": s.utilization_pct,
-            }
-            for s in event.samples
-        ],
-    )
-    return True
-
-
-async def _refused(conn: AsyncConnection, event: RefusedEvent) -> None:
-    later_reservation = (
-        await conn.execute(
-            select(timeline.c.id)
-            .where(
-                timeline.c.pod_uid == event.pod_uid,
-                timeline.c.step == AllocationState.RESERVED.value,
-                timeline.c.ts >= event.occurred_at,
-            )
-            .limit(1)
-        )
-    ).first()
-    if later_reservation is not None:
-        return
-    values = {
-        "pod_uid": event.pod_uid,
-        "event_id": event.event_id,
-        "namespace": event.namespace,
-        "pod_name": event.pod_name,
-        "summary": event.summary,
-        "reasons": dict(event.reasons),
-        "refused_at": event.occurred_at,
-    }
-    stmt = pg_insert(pending).values(**values)
-    await conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[pending.c.pod_uid],
-            set_={k: stmt.excluded[k] for k in values if k != "pod_uid"},
-            where=pending.c.refused_at <= stmt.excluded.refused_at,
-        )
-    )
+    return (await apply_many(conn, [event], at=at))[0]
 
 
 class Projector:
@@ -245,7 +229,7 @@ class Projector:
         """Apply several events in one transaction (all or none); returns how many changed something."""
         at = self.clock() if self.clock is not None else None
         async with self.engine.begin() as conn:
-            results = [await apply(conn, event, at=at) for event in events]
+            results = await apply_many(conn, events, at=at)
         new = [r for r in results if r.new]
         self.applied += len(new)
         if self.on_latency is not None:
@@ -290,10 +274,8 @@ async def rebuild_projections(engine: AsyncEngine, bus: EventBus, progress: Prog
     batch: list[Event] = []
 
     async def flush() -> int:
-        applied = 0
         async with engine.begin() as conn:
-            for ev in batch:
-                applied += int((await apply(conn, ev)).new)
+            applied = sum(r.new for r in await apply_many(conn, batch))
         batch.clear()
         return applied
 

@@ -21,7 +21,7 @@ from .tables import CONSUMER, SAMPLES_CONSUMER
 
 log = logging.getLogger(__name__)
 
-BATCH = 256
+BATCH = 1000
 LINGER_S = 0.25
 
 
@@ -38,7 +38,9 @@ def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetri
         metrics.events_applied.inc(await projector.handle_many(events))
 
     # one transaction for whatever arrived within LINGER_S (up to BATCH events): a burst, or a backlog being
-    # replayed, costs a commit per batch instead of one per event; the read models lag by at most LINGER_S
+    # replayed, costs a commit and a few statements per batch (projections.apply_many) instead of a few per
+    # event; the read models lag by at most LINGER_S. A failing batch is handled again one event at a time
+    # (DurableConsumer.handle_batch), so a poison event is retried or parked on its own.
     return [
         DurableConsumer(bus, durable, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S, stream=stream)
         for durable, stream in ((CONSUMER, bus.names.stream), (SAMPLES_CONSUMER, bus.names.samples_stream))
