@@ -382,20 +382,9 @@ class ControlPlane:
     def _client_certificate_kubeconfig(self, token_config: dict[str, Any]) -> None:
         """A second kubeconfig whose user is a client certificate (CN admin, O system:masters) signed by a CA of
         this cluster (`--client-ca-file`): the other ordinary way managed clusters hand out access."""
-        certs = self.work_dir / "certs"
-        ca_key, ca_crt = certs / "client-ca.key", certs / "client-ca.crt"
-        key, csr, crt = certs / "admin.key", certs / "admin.csr", certs / "admin.crt"
-        for cmd in (
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
-             "-days", "2", "-subj", "/CN=gpushare-dev-client-ca"],
-            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
-             "-subj", "/O=system:masters/CN=admin"],
-            ["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
-             "-CAcreateserial", "-out", str(crt), "-days", "2"],
-        ):  # fmt: skip
-            res = subprocess.run(cmd, capture_output=True, check=False)
-            if res.returncode:
-                raise ControlPlaneUnavailable(f"{' '.join(cmd[:3])} failed: {res.stderr.decode()[-500:]}")
+        key, crt = self._ca_and_client_cert(
+            "client-ca", "gpushare-dev-client-ca", "admin", "/O=system:masters/CN=admin"
+        )
         config = json.loads(json.dumps(token_config))
         config["users"] = [{"name": "admin-cert", "user": {"client-certificate": str(crt), "client-key": str(key)}}]
         config["contexts"][0]["context"]["user"] = "admin-cert"
@@ -407,20 +396,27 @@ class ControlPlane:
         """The aggregation layer's front proxy: a CA extension API servers trust for forwarded requests
         (`--requestheader-client-ca-file`, published in kube-system's `extension-apiserver-authentication`) and the
         client certificate kube-apiserver proxies with (CN `front-proxy-client`)."""
+        self._ca_and_client_cert("front-proxy-ca", "gpushare-dev-front-proxy-ca", "front-proxy-client",
+                                 "/CN=front-proxy-client")  # fmt: skip
+
+    def _ca_and_client_cert(self, ca: str, ca_cn: str, client: str, subject: str) -> tuple[Path, Path]:
+        """A CA `certs/<ca>.{key,crt}` (CN `ca_cn`) and a client key and certificate `certs/<client>.{key,crt}` it
+        signed for `subject`, all valid 2 days; returns (client key, client certificate)."""
         certs = self.work_dir / "certs"
-        ca_key, ca_crt = certs / "front-proxy-ca.key", certs / "front-proxy-ca.crt"
-        key, csr, crt = (certs / f"front-proxy-client.{ext}" for ext in ("key", "csr", "crt"))
+        ca_key, ca_crt = certs / f"{ca}.key", certs / f"{ca}.crt"
+        key, csr, crt = (certs / f"{client}.{ext}" for ext in ("key", "csr", "crt"))
         for cmd in (
             ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
-             "-days", "2", "-subj", "/CN=gpushare-dev-front-proxy-ca"],
+             "-days", "2", "-subj", f"/CN={ca_cn}"],
             ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
-             "-subj", "/CN=front-proxy-client"],
+             "-subj", subject],
             ["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
              "-CAcreateserial", "-out", str(crt), "-days", "2"],
         ):  # fmt: skip
             res = subprocess.run(cmd, capture_output=True, check=False)
             if res.returncode:
                 raise ControlPlaneUnavailable(f"{' '.join(cmd[:3])} failed: {res.stderr.decode()[-500:]}")
+        return key, crt
 
     def _aggregation_flags(self) -> list[str]:
         """kube-apiserver's aggregation layer (APIService objects, e.g. custom.metrics.k8s.io). An APIService's
