@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +107,28 @@ async def run_all(args: argparse.Namespace, work_dir: Path) -> list[BenchResult]
         return results
 
 
+@contextlib.contextmanager
+def quieter(*names: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Raise the named loggers to `level` for the block, then give them back their levels."""
+    loggers = [logging.getLogger(n) for n in names]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, old in zip(loggers, before, strict=True):
+            lg.setLevel(old)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run, print the table, write `<out>/<profile>-<time>.json` and `<out>/latest.json`; 1 if one errored."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("shared.events.bus").setLevel(logging.ERROR)  # reconnect chatter when closing
-    logging.getLogger("devstack.stack").setLevel(logging.ERROR)  # kubelet stand-ins refusing benchmark pods
     machine = machine_info()
-    with tempfile.TemporaryDirectory(prefix="gpushare-bench-") as tmp:
+    # reconnect chatter when closing, kubelet stand-ins refusing benchmark pods: quiet while the benchmarks run
+    # (and only then: `main` is also called in-process, by the benchmark smoke test)
+    with quieter("shared.events.bus", "devstack.stack"), tempfile.TemporaryDirectory(prefix="gpushare-bench-") as tmp:
         results = asyncio.run(run_all(args, Path(tmp)))
     machine["load_average_after"] = machine_info()["load_average"]
     print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ def test_packing_workload_is_seeded() -> None:
 def test_quick_profile_of_fast_benchmarks_writes_expected_json(
     tmp_path: Path, pg_server_url: str, nats_url: str
 ) -> None:
+    quieted = [logging.getLogger(n) for n in ("shared.events.bus", "devstack.stack")]
+    levels = [lg.level for lg in quieted]
     code = main(
         [
             "--profile",
@@ -52,6 +55,8 @@ def test_quick_profile_of_fast_benchmarks_writes_expected_json(
         ]
     )
     assert code == 0
+    # the benchmarks quiet two loggers while they run, and give them back (a later test's logs depend on it)
+    assert [lg.level for lg in quieted] == levels
     doc = json.loads((tmp_path / "latest.json").read_text())
     assert doc["profile"] == "tiny"
     assert doc["machine"]["nproc"] >= 1 and doc["machine"]["cpu_model"] is not None
