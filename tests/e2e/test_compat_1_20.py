@@ -42,6 +42,7 @@ async def test_seed_packing_on_1_20(stack, api, namespace) -> None:
 
 
 async def test_terminating_rule_on_1_20(stack, api, namespace) -> None:
+    """The current release's test, with its assertions, run against the 1.20 API server."""
     await _terminating_rule(stack, api, namespace)
 
 

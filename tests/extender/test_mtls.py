@@ -179,8 +179,9 @@ async def test_kube_scheduler_binds_through_mutual_tls(
                 row = (await conn.execute(select(allocations.c.node).where(allocations.c.pod_uid == uid))).first()
             return row is not None and row.node == node
 
-        await eventually(reserved, within=60, what=f"a reservation made by kube-scheduler's bind:\n{tail(extender)}")
-        await eventually(lambda: [e.pod_uid for e in binder.seen] == [uid], what="the reserved event")
+        # eventually() raises TimeoutError, naming what never came, when the condition stays false
+        assert await eventually(reserved, within=60, what=f"a reservation by kube-scheduler's bind:\n{tail(extender)}")
+        assert await eventually(lambda: [e.pod_uid for e in binder.seen] == [uid], what="the reserved event")
         await client.CoreV1Api(api).delete_namespaced_pod("through-mtls", "default", grace_period_seconds=0)
     finally:
         await api.close()
