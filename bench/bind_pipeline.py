@@ -20,6 +20,7 @@ from bench.common import BenchResult, Context, Target, gather_limited, latency_s
 from bench.cpu import CpuWindow
 from bench.http_client import LeanClient
 from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, whole_stack
+from bench.pyspy import phase_profiles
 
 NAME = "bind"
 TITLE = "3. Bind pipeline (extender -> ledger -> JetStream -> binder -> Binding) vs raw Binding"
@@ -101,7 +102,7 @@ async def run(ctx: Context) -> BenchResult:
         )
         with CpuWindow(ctx.server_ports()) as raw_cpu:
             raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods, node_names, concurrency)
-        with CpuWindow(ctx.server_ports()) as pipeline_cpu:
+        with CpuWindow(ctx.server_ports()) as pipeline_cpu, phase_profiles("bind-pipeline"):
             rate, lat, errors = await pipeline_bindings(
                 api, stack.extender_url, gpu_ns, gpu_pods, node_names, concurrency
             )

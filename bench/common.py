@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
@@ -94,14 +94,18 @@ class Context:
             self.cache[key] = (url, await seed_half_full(url, nodes))
         return self.cache[key]
 
-    def server_ports(self) -> list[int]:
-        """The local TCP ports of the PostgreSQL and NATS servers in use (for `bench.cpu.CpuWindow`)."""
-        ports = []
+    def server_ports(self) -> list[int | str]:
+        """Where the PostgreSQL and NATS servers in use listen (for `bench.cpu.CpuWindow`): local TCP ports, or
+        the PostgreSQL unix socket's path when the URL names a socket directory (`?host=/dir`)."""
+        out: list[int | str] = []
         for url, default in ((self.database_url, 5432), (self.nats_url, 4222)):
             parts = urlsplit(url)
-            if parts.hostname in ("127.0.0.1", "localhost", "::1"):
-                ports.append(parts.port or default)
-        return ports
+            socket_dir = dict(parse_qsl(parts.query)).get("host", "")
+            if socket_dir.startswith("/"):
+                out.append(f"{socket_dir}/.s.PGSQL.{parts.port or default}")
+            elif parts.hostname in ("127.0.0.1", "localhost", "::1"):
+                out.append(parts.port or default)
+        return out
 
     def pick(self, tiny: Any, quick: Any, full: Any) -> Any:
         """The value for this run's profile."""

@@ -75,8 +75,11 @@ def _processes() -> dict[int, _Proc]:
     return out
 
 
-def listener_pids(ports: list[int]) -> list[int]:
-    """PIDs of the processes listening on these TCP ports (IPv4 or IPv6), where /proc lets us see them."""
+def listener_pids(listeners: list[int | str]) -> list[int]:
+    """PIDs of the processes listening on these TCP ports (IPv4 or IPv6) or unix socket paths, where /proc
+    lets us see them."""
+    ports = {x for x in listeners if isinstance(x, int)}
+    paths = {x for x in listeners if isinstance(x, str)}
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -87,6 +90,14 @@ def listener_pids(ports: list[int]) -> list[int]:
             cols = line.split()
             if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) in ports:  # 0A: LISTEN
                 inodes.add(cols[9])
+    try:
+        unix = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        unix = []
+    for line in unix:  # Num RefCount Protocol Flags Type St Inode Path
+        cols = line.split()
+        if len(cols) > 7 and cols[7] in paths:
+            inodes.add(cols[6])
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -123,7 +134,7 @@ def cpu_by_group(roots: list[int]) -> Counter[str]:
 class CpuWindow:
     """`with CpuWindow(server_ports) as w: ...` then `w.per_item_ms(n, prefix)`: CPU ms per item per group."""
 
-    def __init__(self, server_ports: list[int] | None = None) -> None:
+    def __init__(self, server_ports: list[int | str] | None = None) -> None:
         self.roots = [os.getpid(), *listener_pids(server_ports or [])]
 
     def __enter__(self) -> CpuWindow:
