@@ -8,7 +8,8 @@ Order of effects, chosen so a crash or an error at any point leaves nothing stal
 3. POST the Binding with every annotation inside it (one API write: the annotations exist iff the pod is bound)
    and the pod UID; when the API server refuses it, GET the pod and decide as in 2 (already on the node ->
    mark bound);
-4. `mark_bound` (the outbox publishes `bound`; the extender waits for it); the consumer acks after this.
+4. `mark_bound`, committed together with the other binds in flight (group commit; the outbox publishes
+   `bound`; the extender waits for it); the consumer acks after this.
 A crash between 3 and 4 is repaired on redelivery: the GET (or the refused POST, then the GET) finds the pod
 on the reserved node, so it is marked bound.
 429/5xx/connection errors are retried with backoff, then raised so the message is redelivered later.
@@ -34,6 +35,7 @@ from shared.kube.binding import create_binding
 from shared.kube.pods import get_pod
 from shared.kube.raw import status_message
 from shared.kube.retry import RetryPolicy, call_with_retry
+from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.rules import AllocationState
 from shared.settings import MemoryUnit
@@ -65,6 +67,8 @@ class BindHandler:
         self._locks: dict[uuid.UUID, tuple[asyncio.Lock, int]] = {}
         # None until asked: True when the API server refuses a Binding whose metadata.uid is not the pod's
         self.uid_precondition: bool | None = None
+        # `bound` writes that arrive while one is in flight are committed together in the next transaction
+        self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
 
     async def __call__(self, event: Event) -> None:
         if not isinstance(event, ReservedEvent):
@@ -167,7 +171,7 @@ class BindHandler:
 
     async def _apply(self, decision: Decision, event: ReservedEvent, started: float) -> None:
         if decision.action in (Action.BIND, Action.MARK_BOUND):
-            await self.ledger.mark_bound(event.allocation_id, event.pod_uid, event.node)
+            await self.bound.submit((event.allocation_id, event.pod_uid, event.node))
         elif decision.action is Action.FAIL:
             await self.ledger.mark_failed(event.allocation_id, event.pod_uid, event.node, decision.reason)
         self._finish(decision, event, started)

@@ -14,6 +14,7 @@ from services.extender.resync import ViewSync
 from services.extender.view import NO_INVENTORY, ClusterView
 from services.extender.wire import BindingArgs
 from shared.ledger.db import LedgerUnavailable, retry_transient
+from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import (
     InsufficientCapacity,
@@ -59,6 +60,12 @@ class Bind:
     unit: MemoryUnit
     policy: Policy
     timeout_s: float  # how long to wait for the binder's verdict
+
+    def __post_init__(self) -> None:
+        # binds that arrive while a reservation transaction is in flight are reserved together in the next one
+        self.reservations: GroupCommit[ReservationRequest, Reservation] = GroupCommit(
+            self.ledger.reserve_many, what="reserve"
+        )
 
     async def __call__(self, args: BindingArgs) -> str:
         """Reserve, wait for the binder, and return "" (bound) or the error text for kube-scheduler."""
@@ -139,7 +146,7 @@ class Bind:
             )
             try:
                 reservation = await retry_transient(
-                    lambda request=request: self.ledger.reserve(request), budget_s=LEDGER_BUDGET_S, what="reserve"
+                    lambda request=request: self.reservations.submit(request), budget_s=LEDGER_BUDGET_S, what="reserve"
                 )
             except BaseException as exc:
                 self.view.drop(args.pod_uid, request.allocation_id)  # refused, or no answer: the hold goes

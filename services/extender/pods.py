@@ -109,11 +109,16 @@ class PodCache:
             from kubernetes_asyncio import client
 
             from shared.kube.client import api_client
+            from shared.kube.raw import DEFAULT_TIMEOUT_S, read_json
 
             if self._kube is None:
                 self._kube = await api_client(self.kubeconfig)
-            found = await client.CoreV1Api(self._kube).read_namespaced_pod(args.pod_name, args.pod_namespace)
-            pod = self._kube.sanitize_for_serialization(found)
+            # the pod as the API server's JSON: no model objects built and serialised back on every bind
+            pod = await read_json(
+                await client.CoreV1Api(self._kube).read_namespaced_pod(
+                    args.pod_name, args.pod_namespace, _preload_content=False, _request_timeout=DEFAULT_TIMEOUT_S
+                )
+            )
         except Exception as exc:
             raise PodUnavailable(
                 f"pod {args.pod_namespace}/{args.pod_name} could not be read from the Kubernetes API: {_short(exc)}"

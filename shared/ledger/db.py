@@ -27,7 +27,8 @@ class LedgerUnavailable(Exception):
 
 def is_transient(exc: BaseException) -> bool:
     """A database failure that may pass on its own: lost or refused connections, "too many clients", a full
-    pool, a restart in progress. Constraint violations and other statement errors are not."""
+    pool, a restart in progress, a deadlock PostgreSQL broke by aborting this transaction. Constraint
+    violations and other statement errors are not."""
     if isinstance(exc, PoolTimeout | InterfaceError | OperationalError | ConnectionError | OSError | TimeoutError):
         return True
     if isinstance(exc, DBAPIError):
@@ -36,7 +37,14 @@ def is_transient(exc: BaseException) -> bool:
         text = str(exc.orig or exc).lower()
         return any(
             marker in text
-            for marker in ("too many clients", "connection", "cannot connect", "the database system is", "terminat")
+            for marker in (
+                "too many clients",
+                "connection",
+                "cannot connect",
+                "the database system is",
+                "terminat",
+                "deadlock detected",  # PostgreSQL aborted one of two waiting transactions: retrying succeeds
+            )
         )
     return False
 

@@ -26,8 +26,8 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger import idempotency, inventory, outbox, quotas, reservations, transitions
-from shared.ledger.reservations import Reservation, ReservationRequest
+from shared.ledger import batch_reserve, idempotency, inventory, outbox, quotas, reservations, transitions
+from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +115,57 @@ class Ledger:
 
         Raises `InsufficientCapacity` / `QuotaExceeded` (nothing is written then).
         """
-        event = reservations.reserved_event(request, source=self.source)
-        async with self.engine.begin() as conn:
-            result = await reservations.reserve(conn, event)
-            if result.created:
-                await outbox.stage(conn, self.prefix, event)
-        if result.created:
+        (answer,) = await self.reserve_many([request])
+        if isinstance(answer, ReservationError):
+            raise answer
+        return answer
+
+    async def reserve_many(self, requests: list[ReservationRequest]) -> list[Reservation | ReservationError]:
+        """Reserve for several pods in one transaction (group commit): one answer per request, in order.
+
+        A request's answer is its reservation (new, or the live one its pod already holds) or the
+        `ReservationError` that concerns it alone. The regular batch takes a constant number of statements
+        (`batch_reserve`); any other is retried one pod at a time, each under a savepoint, so a conflict
+        fails only the pods it concerns. Every new reservation's event is staged in the same transaction.
+        """
+        events = [reservations.reserved_event(r, source=self.source) for r in requests]
+        answers: list[Reservation | ReservationError] = []
+        try:
+            async with self.engine.begin() as conn:
+                answers.extend(await batch_reserve.reserve_fast(conn, events))
+                await outbox.stage(conn, self.prefix, *events)
+        except batch_reserve.Irregular:
+            answers = []
+            async with self.engine.begin() as conn:
+                await batch_reserve.lock_in_order(conn, events)
+                for event in events:
+                    try:
+                        async with conn.begin_nested():
+                            result = await reservations.reserve(conn, event)
+                            if result.created:
+                                await outbox.stage(conn, self.prefix, event)
+                    except ReservationError as exc:
+                        answers.append(exc)
+                    else:
+                        answers.append(result)
+        if any(isinstance(a, Reservation) and a.created for a in answers):
             self._committed()
-        return result
+        return answers
 
     async def mark_bound(self, allocation_id: uuid.UUID, pod_uid: str, node: str) -> bool:
         """The pod's Binding exists."""
-        return bool(
-            await self.record(BoundEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, source=self.source))
-        )
+        (changed,) = await self.mark_bound_many([(allocation_id, pod_uid, node)])
+        return changed
+
+    async def mark_bound_many(self, bindings: list[tuple[uuid.UUID, str, str]]) -> list[bool]:
+        """`mark_bound` for many (allocation id, pod UID, node) in one transaction (the binder's group commit);
+        True per allocation that moved to `bound`. Every event is staged, as `record` stages each."""
+        events = [BoundEvent(allocation_id=a, pod_uid=p, node=n, source=self.source) for a, p, n in bindings]
+        async with self.engine.begin() as conn:
+            changed = await transitions.apply_bound_many(conn, events)
+            await outbox.stage(conn, self.prefix, *events)
+        self._committed()
+        return changed
 
     async def mark_failed(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
         """Binding failed: give the capacity back."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import (
@@ -75,6 +75,42 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
     if values:
         await conn.execute(update(allocations).where(allocations.c.id == event.allocation_id).values(**values))
     return changed
+
+
+_BIND_MANY = text(
+    "WITH old AS (SELECT id, state FROM allocations WHERE id = ANY(CAST(:ids AS uuid[])) ORDER BY id FOR UPDATE) "
+    "UPDATE allocations AS a SET state = CASE WHEN old.state = :reserved THEN :bound ELSE a.state END,"
+    " bound_at = COALESCE(a.bound_at, u.at) "
+    "FROM old, unnest(CAST(:ids AS uuid[]), CAST(:ats AS timestamptz[])) AS u(id, at) "
+    "WHERE a.id = old.id AND a.id = u.id AND (old.state = :reserved OR a.bound_at IS NULL) "
+    "RETURNING a.id, old.state"
+)
+
+
+async def apply_bound_many(conn: AsyncConnection, events: list[BoundEvent]) -> list[bool]:
+    """`apply_transition` for many `bound` events in one statement (the binder's group commit): each row is
+    locked (in id order), stamped `bound_at` if not yet, and moved to `bound` only from `reserved` (the only state
+    `bound` advances; binding gives no capacity back). True per event whose allocation changed state; an unknown
+    allocation, or the same allocation named again in the batch, is a no-op (False)."""
+    if not events:
+        return []
+    rows = (
+        await conn.execute(
+            _BIND_MANY,
+            {
+                "ids": [e.allocation_id for e in events],
+                "ats": [e.occurred_at for e in events],
+                "reserved": AllocationState.RESERVED.value,
+                "bound": AllocationState.BOUND.value,
+            },
+        )
+    ).all()
+    moved = {r.id for r in rows if advances(r.state, AllocationState.BOUND)}
+    out = []
+    for event in events:
+        out.append(event.allocation_id in moved)
+        moved.discard(event.allocation_id)
+    return out
 
 
 async def apply_terminating(conn: AsyncConnection, event: TerminatingEvent) -> bool:

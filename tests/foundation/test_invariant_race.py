@@ -1,10 +1,12 @@
-"""No overcommit, whatever races: 4 OS processes x 8 reservers at the same two GPUs on real Postgres."""
+"""No overcommit, whatever races: 4 OS processes x 8 reservers at the same two GPUs on real Postgres, each
+reserving on its own or through its process's group commit (as the extender's binds do)."""
 
 from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -18,7 +20,10 @@ PROCESSES, ACTORS, ATTEMPTS = 4, 8, 25
 GPUS = [("GPU-race-0", 0), ("GPU-race-1", 1)]
 
 
-async def test_racing_reservers_never_overcommit_and_answer_truthfully(engine: AsyncEngine, database_url: str) -> None:
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "group-commit"])
+async def test_racing_reservers_never_overcommit_and_answer_truthfully(
+    engine: AsyncEngine, database_url: str, grouped: bool
+) -> None:
     ledger = Ledger(engine, prefix="race")
     await ledger.record(
         InventoryEvent(
@@ -31,7 +36,8 @@ async def test_racing_reservers_never_overcommit_and_answer_truthfully(engine: A
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(PROCESSES, mp_context=ctx) as pool:
         futures = [
-            pool.submit(race_worker.run, database_url, seed, ACTORS, ATTEMPTS, GPUS) for seed in range(PROCESSES)
+            pool.submit(race_worker.run, database_url, seed, ACTORS, ATTEMPTS, GPUS, grouped)
+            for seed in range(PROCESSES)
         ]
         results = [f.result(timeout=240) for f in futures]
 
@@ -39,6 +45,8 @@ async def test_racing_reservers_never_overcommit_and_answer_truthfully(engine: A
     refused = {a for r in results for a in r["refused"]}
     released = {a for r in results for a in r["released"]}
     assert len(reserved) > 20 and len(refused) > 5, "the race must both succeed and refuse many times"
+    if grouped:  # the actors' reservations really went in shared transactions
+        assert 0 < sum(r["batches"] for r in results) < len(reserved) + len(refused)
 
     async with engine.connect() as conn:
         rows = {str(r.id): r.state for r in (await conn.execute(select(allocations.c.id, allocations.c.state)))}

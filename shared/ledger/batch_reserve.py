@@ -1,0 +1,157 @@
+"""Reserving for many pods in one transaction, with a constant number of statements per batch.
+
+The fast path of group commit (`Ledger.reserve_many`). It handles the regular case, in which every pod is new,
+no namespace in the batch has a GPU quota, and every GPU has room for the sum of what the batch puts on it:
+
+1. one INSERT of every allocation (`unnest` of arrays; the partial unique index on live allocations per pod);
+2. one SELECT ... FOR UPDATE of the GPUs concerned, in UUID order (concurrent writers cannot deadlock);
+3. one conditional UPDATE that raises each GPU's counters by the batch's sum, only where it fits;
+4. one INSERT of every allocation part.
+
+Anything else raises `Irregular` before the caller commits; the caller rolls back and reserves the batch one
+pod at a time (`reservations.reserve` under a savepoint each, after `lock_in_order`), which names the conflict
+and fails only the pods it concerns. The CHECK constraints on `gpus` back both paths: no code path can commit
+an overcommitted GPU.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from shared.events.catalogue import ReservedEvent
+from shared.ledger.models import LIVE_SQL
+from shared.ledger.quotas import lock_quota
+from shared.ledger.reservations import Reservation
+from shared.ledger.rules import AllocationState, gpu_charges
+
+
+class Irregular(Exception):
+    """The batch needs the one-by-one path (an existing reservation, a quota, a GPU without room, ...)."""
+
+
+_QUOTAS = text(
+    "SELECT namespace FROM quotas WHERE namespace = ANY(CAST(:namespaces AS text[])) "
+    "AND (memory_mib IS NOT NULL OR compute IS NOT NULL) LIMIT 1"
+)
+_INSERT_ALLOCATIONS = text(
+    "INSERT INTO allocations (id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, state, memory_mib,"
+    " compute, reserved_at, pod_created_at) "
+    "SELECT u.id, u.pod_uid, u.namespace, u.pod_name, u.owner_kind, u.owner_name, u.node, :state, u.memory_mib,"
+    " u.compute, u.reserved_at, u.pod_created_at "
+    "FROM unnest(CAST(:ids AS uuid[]), CAST(:pod_uids AS text[]), CAST(:namespaces AS text[]),"
+    " CAST(:pod_names AS text[]), CAST(:owner_kinds AS text[]), CAST(:owner_names AS text[]),"
+    " CAST(:nodes AS text[]), CAST(:memory AS integer[]), CAST(:compute AS integer[]),"
+    " CAST(:reserved_at AS timestamptz[]), CAST(:pod_created_at AS timestamptz[])) "
+    "AS u(id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, memory_mib, compute, reserved_at,"
+    " pod_created_at) "
+    f"ON CONFLICT (pod_uid) WHERE {LIVE_SQL} DO NOTHING RETURNING id"
+)
+_LOCK_GPUS = text("SELECT uuid FROM gpus WHERE uuid = ANY(CAST(:uuids AS text[])) ORDER BY uuid FOR UPDATE")
+_CHARGE_GPUS = text(
+    "UPDATE gpus AS g SET allocated_memory_mib = g.allocated_memory_mib + w.memory,"
+    " allocated_compute = g.allocated_compute + w.compute, updated_at = :at "
+    "FROM unnest(CAST(:uuids AS text[]), CAST(:nodes AS text[]), CAST(:memory AS integer[]),"
+    " CAST(:compute AS integer[])) AS w(uuid, node, memory, compute) "
+    "WHERE g.uuid = w.uuid AND g.node = w.node AND g.healthy AND g.retired_at IS NULL"
+    " AND g.allocated_memory_mib + w.memory <= g.memory_mib AND g.allocated_compute + w.compute <= g.compute_units "
+    "RETURNING g.uuid"
+)
+_INSERT_PARTS = text(
+    "INSERT INTO allocation_parts (allocation_id, container, container_index, init, sidecar, gpu_uuid, gpu_index,"
+    " memory_mib, compute) "
+    "SELECT * FROM unnest(CAST(:allocation_ids AS uuid[]), CAST(:containers AS text[]),"
+    " CAST(:container_indexes AS integer[]), CAST(:inits AS boolean[]), CAST(:sidecars AS boolean[]),"
+    " CAST(:gpu_uuids AS text[]), CAST(:gpu_indexes AS integer[]), CAST(:memory AS integer[]),"
+    " CAST(:compute AS integer[]))"
+)
+
+
+async def lock_in_order(conn: AsyncConnection, events: list[ReservedEvent]) -> None:
+    """Take, up front and in one global order, every lock the one-by-one path will need: the namespaces' quota
+    locks by name, then the GPUs' rows by UUID. Reserving pod after pod would otherwise take them in the pods'
+    order, and two such transactions (or one and a single reservation) could wait on each other."""
+    for namespace in sorted({e.namespace for e in events}):
+        await lock_quota(conn, namespace)
+    uuids = sorted({p.gpu_uuid for e in events for p in e.parts})
+    if uuids:
+        await conn.execute(_LOCK_GPUS, {"uuids": uuids})
+
+
+def batch_charges(events: list[ReservedEvent]) -> dict[str, tuple[str, int, int]]:
+    """What the batch adds to each GPU: {uuid: (node, memory MiB, compute)}; `Irregular` when a pod appears
+    twice or a GPU is named on two nodes (the one-by-one path then explains it)."""
+    if len({e.pod_uid for e in events}) != len(events):
+        raise Irregular("a pod appears twice in the batch")
+    out: dict[str, tuple[str, int, int]] = {}
+    for event in events:
+        for gpu_uuid, (memory, compute) in gpu_charges(event.parts).items():
+            node, m, c = out.get(gpu_uuid, (event.node, 0, 0))
+            if node != event.node:
+                raise Irregular(f"GPU {gpu_uuid} named on nodes {node} and {event.node}")
+            out[gpu_uuid] = (node, m + memory, c + compute)
+    return out
+
+
+async def reserve_fast(conn: AsyncConnection, events: list[ReservedEvent]) -> list[Reservation]:
+    """Reserve every event's shares inside the caller's transaction, or raise `Irregular` (the caller must then
+    roll back: statements may have run)."""
+    charges = batch_charges(events)
+    namespaces = sorted({e.namespace for e in events})
+    if (await conn.execute(_QUOTAS, {"namespaces": namespaces})).first() is not None:
+        raise Irregular("a namespace in the batch has a GPU quota")
+    per_pod = [gpu_charges(e.parts) for e in events]
+    inserted = await conn.execute(
+        _INSERT_ALLOCATIONS,
+        {
+            "state": AllocationState.RESERVED.value,
+            "ids": [e.allocation_id for e in events],
+            "pod_uids": [e.pod_uid for e in events],
+            "namespaces": [e.namespace for e in events],
+            "pod_names": [e.pod_name for e in events],
+            "owner_kinds": [e.owner_kind for e in events],
+            "owner_names": [e.owner_name for e in events],
+            "nodes": [e.node for e in events],
+            "memory": [sum(m for m, _ in c.values()) for c in per_pod],
+            "compute": [sum(x for _, x in c.values()) for c in per_pod],
+            "reserved_at": [e.occurred_at for e in events],
+            "pod_created_at": [e.pod_created_at for e in events],
+        },
+    )
+    if len(inserted.all()) != len(events):
+        raise Irregular("a pod in the batch already holds a live reservation")
+    uuids = sorted(charges)
+    if uuids:
+        await conn.execute(_LOCK_GPUS, {"uuids": uuids})
+        charged = await conn.execute(
+            _CHARGE_GPUS,
+            {
+                "at": max(e.occurred_at for e in events),
+                "uuids": uuids,
+                "nodes": [charges[u][0] for u in uuids],
+                "memory": [charges[u][1] for u in uuids],
+                "compute": [charges[u][2] for u in uuids],
+            },
+        )
+        if len(charged.all()) != len(uuids):
+            raise Irregular("a GPU has no room for what the batch puts on it")
+    parts = [(e.allocation_id, p) for e in events for p in e.parts]
+    if parts:
+        await conn.execute(
+            _INSERT_PARTS,
+            {
+                "allocation_ids": [a for a, _ in parts],
+                "containers": [p.container for _, p in parts],
+                "container_indexes": [p.container_index for _, p in parts],
+                "inits": [p.init for _, p in parts],
+                "sidecars": [p.sidecar for _, p in parts],
+                "gpu_uuids": [p.gpu_uuid for _, p in parts],
+                "gpu_indexes": [p.gpu_index for _, p in parts],
+                "memory": [p.memory_mib for _, p in parts],
+                "compute": [p.compute for _, p in parts],
+            },
+        )
+    return [
+        Reservation(e.allocation_id, e.pod_uid, e.node, AllocationState.RESERVED, tuple(e.parts), created=True)
+        for e in events
+    ]

@@ -1,0 +1,289 @@
+"""Group commit: callers queued during a transaction share the next one, and each still gets its own verdict.
+
+`GroupCommit` alone (pure asyncio), then `Ledger.reserve_many` on real PostgreSQL: the regular batch in one
+transaction with one staged event per pod, and the irregular ones (a GPU without room for everyone, a pod that
+already holds a reservation, a pod twice, a namespace quota) answered pod by pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, QuotaEvent
+from shared.ledger.group_commit import GroupCommit
+from shared.ledger.ledger import Ledger
+from shared.ledger.models import allocations, gpus, outbox
+from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, Reservation, ReservationRequest
+
+# ---- GroupCommit -------------------------------------------------------------------------------------------
+
+
+async def test_items_queued_during_a_batch_go_together_in_the_next() -> None:
+    seen: list[list[int]] = []
+    release = asyncio.Event()
+
+    async def run(items: list[int]) -> list[int | BaseException]:
+        seen.append(items)
+        if len(seen) == 1:
+            await release.wait()  # the first batch is "in flight" while the others queue
+        return [ValueError(f"odd {i}") if i % 2 else i * 10 for i in items]
+
+    group: GroupCommit[int, int] = GroupCommit(run, what="test")
+    first = asyncio.create_task(group.submit(0))
+    await asyncio.sleep(0)
+    rest = [asyncio.create_task(group.submit(i)) for i in range(1, 6)]
+    await asyncio.sleep(0)
+    release.set()
+    assert await first == 0
+    answers = await asyncio.gather(*rest, return_exceptions=True)
+    assert seen == [[0], [1, 2, 3, 4, 5]]
+    assert answers[1] == 20 and answers[3] == 40
+    assert [str(a) for a in answers if isinstance(a, ValueError)] == ["odd 1", "odd 3", "odd 5"]
+    assert group.batches == 2
+
+
+async def test_a_failed_batch_reaches_each_of_its_callers_and_the_next_batch_still_runs() -> None:
+    calls = 0
+
+    async def run(items: list[str]) -> list[str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionError("database went away")
+        return [i.upper() for i in items]
+
+    group: GroupCommit[str, str] = GroupCommit(run, what="test")
+    with pytest.raises(ConnectionError):
+        await group.submit("a")
+    assert await group.submit("b") == "B"
+
+
+async def test_a_caller_cancelled_before_its_batch_is_left_out() -> None:
+    seen: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def run(items: list[str]) -> list[str]:
+        seen.append(items)
+        await release.wait()
+        return items
+
+    group: GroupCommit[str, str] = GroupCommit(run, what="test")
+    first = asyncio.create_task(group.submit("first"))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(group.submit("gone"))
+    kept = asyncio.create_task(group.submit("kept"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    release.set()
+    assert await first == "first" and await kept == "kept"
+    assert seen == [["first"], ["kept"]]
+
+
+async def test_batches_are_capped() -> None:
+    seen: list[int] = []
+
+    async def run(items: list[int]) -> list[int]:
+        seen.append(len(items))
+        await asyncio.sleep(0)
+        return items
+
+    group: GroupCommit[int, int] = GroupCommit(run, what="test", max_batch=4)
+    assert await asyncio.gather(*(group.submit(i) for i in range(10))) == list(range(10))
+    assert max(seen) <= 4 and sum(seen) == 10
+
+
+# ---- Ledger.reserve_many -----------------------------------------------------------------------------------
+
+NODE = "node-g"
+
+
+async def _ledger(engine: AsyncEngine, gpus_gib: tuple[int, ...] = (16, 16)) -> Ledger:
+    ledger = Ledger(engine, prefix="gc")
+    await ledger.record(
+        InventoryEvent(
+            node=NODE,
+            gpus=[
+                GpuInfo(uuid=f"GPU-g{i}", index=i, memory_mib=g * 1024, memory_total_mib=g * 1024)
+                for i, g in enumerate(gpus_gib)
+            ],
+        )
+    )
+    async with engine.begin() as conn:
+        await conn.execute(outbox.delete())
+    return ledger
+
+
+def _request(gib: int, gpu: int = 0, *, namespace: str = "a", pod_uid: str | None = None) -> ReservationRequest:
+    uid = pod_uid or f"pod-{uuid.uuid4().hex[:8]}"
+    part = AllocationPart(
+        container="main", container_index=0, gpu_uuid=f"GPU-g{gpu}", gpu_index=gpu, memory_mib=gib * 1024
+    )
+    return ReservationRequest(pod_uid=uid, namespace=namespace, pod_name=uid, node=NODE, parts=(part,))
+
+
+async def _allocated(engine: AsyncEngine) -> dict[str, int]:
+    async with engine.connect() as conn:
+        return dict((await conn.execute(select(gpus.c.uuid, gpus.c.allocated_memory_mib))).all())
+
+
+async def _staged(engine: AsyncEngine) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.execute(select(func.count()).select_from(outbox))).scalar_one())
+
+
+async def test_a_regular_batch_is_one_transaction_with_one_event_per_pod(engine: AsyncEngine) -> None:
+    ledger = await _ledger(engine)
+    requests = [_request(2, gpu=i % 2) for i in range(6)]
+    answers = await ledger.reserve_many(requests)
+    assert all(isinstance(a, Reservation) and a.created for a in answers)
+    assert [a.allocation_id for a in answers] == [r.allocation_id for r in requests]  # type: ignore[union-attr]
+    assert await _allocated(engine) == {"GPU-g0": 6 * 1024, "GPU-g1": 6 * 1024}
+    assert await _staged(engine) == 6
+    async with engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(allocations))).scalar_one() == 6
+
+
+async def test_a_gpu_without_room_for_everyone_fails_only_the_pods_that_do_not_fit(engine: AsyncEngine) -> None:
+    ledger = await _ledger(engine)
+    requests = [_request(6), _request(4, gpu=1), _request(6), _request(6)]  # GPU-g0 has 16 GiB: the 3rd fits
+    answers = await ledger.reserve_many(requests)
+    assert [type(a).__name__ for a in answers] == ["Reservation", "Reservation", "Reservation", "InsufficientCapacity"]
+    refused = answers[3]
+    assert isinstance(refused, InsufficientCapacity) and "has 4096 MiB free, pod needs 6144 MiB" in str(refused)
+    assert await _allocated(engine) == {"GPU-g0": 12 * 1024, "GPU-g1": 4 * 1024}
+    assert await _staged(engine) == 3
+
+
+async def test_a_pod_that_already_holds_a_reservation_gets_it_back(engine: AsyncEngine) -> None:
+    ledger = await _ledger(engine)
+    held = await ledger.reserve(_request(2, pod_uid="pod-held"))
+    answers = await ledger.reserve_many([_request(2, pod_uid="pod-held"), _request(3)])
+    again, fresh = answers
+    assert isinstance(again, Reservation) and not again.created and again.allocation_id == held.allocation_id
+    assert isinstance(fresh, Reservation) and fresh.created
+    assert await _allocated(engine) == {"GPU-g0": 5 * 1024, "GPU-g1": 0}
+    assert await _staged(engine) == 2  # the first reservation's event and the new one's
+
+
+async def test_a_pod_twice_in_one_batch_is_reserved_once(engine: AsyncEngine) -> None:
+    ledger = await _ledger(engine)
+    first, second = await ledger.reserve_many([_request(2, pod_uid="pod-twice"), _request(2, pod_uid="pod-twice")])
+    assert isinstance(first, Reservation) and first.created
+    assert isinstance(second, Reservation) and not second.created and second.allocation_id == first.allocation_id
+    assert await _allocated(engine) == {"GPU-g0": 2 * 1024, "GPU-g1": 0}
+
+
+async def test_a_namespace_quota_is_checked_pod_by_pod(engine: AsyncEngine) -> None:
+    ledger = await _ledger(engine)
+    await ledger.record(QuotaEvent(namespace="q", memory_mib=5 * 1024))
+    answers = await ledger.reserve_many(
+        [_request(2, namespace="q"), _request(2, namespace="q"), _request(2, namespace="q"), _request(8)]
+    )
+    assert [type(a).__name__ for a in answers] == ["Reservation", "Reservation", "QuotaExceeded", "Reservation"]
+    assert isinstance(answers[2], QuotaExceeded) and "namespace q GPU memory quota" in str(answers[2])
+    assert await _allocated(engine) == {"GPU-g0": 12 * 1024, "GPU-g1": 0}
+
+
+async def test_racing_group_commits_fill_a_gpu_exactly(engine: AsyncEngine, database_url: str) -> None:
+    """Three processes' worth of group commits (three ledgers, each its own engine) race 1 GiB pods at one
+    16 GiB GPU: exactly 16 are told yes, everyone else is told why not, and the counters agree."""
+    from shared.ledger.db import make_engine
+
+    await _ledger(engine, gpus_gib=(16,))
+    engines = [make_engine(database_url, pool_size=4) for _ in range(3)]
+    try:
+        groups = [GroupCommit(Ledger(e, prefix="gc").reserve_many, what="race") for e in engines]
+        requests = [_request(1) for _ in range(60)]
+        answers = await asyncio.gather(
+            *(groups[i % 3].submit(r) for i, r in enumerate(requests)), return_exceptions=True
+        )
+    finally:
+        for e in engines:
+            await e.dispose()
+    granted = [a for a in answers if isinstance(a, Reservation)]
+    refused = [a for a in answers if isinstance(a, InsufficientCapacity)]
+    assert len(granted) == 16 and len(refused) == 44, answers
+    assert await _allocated(engine) == {"GPU-g0": 16 * 1024}
+    assert await _staged(engine) == 16
+    assert sum(g.batches for g in groups) < 60
+
+
+# ---- Ledger.mark_bound_many ---------------------------------------------------------------------------------
+
+
+async def _row(engine: AsyncEngine, allocation_id: uuid.UUID) -> tuple:
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                select(allocations.c.state, allocations.c.bound_at).where(allocations.c.id == allocation_id)
+            )
+        ).one()
+    return (row.state, row.bound_at is not None)
+
+
+async def test_bound_in_a_batch_does_what_one_bound_event_does_from_every_state(engine: AsyncEngine) -> None:
+    """For each state an allocation can be in, the batched statement and `apply_transition` (what replay runs)
+    leave the same row and report the same change."""
+    from shared.events.catalogue import AssignedEvent, BoundEvent, ReleasedEvent
+    from shared.ledger.ledger import apply_event
+
+    ledger = await _ledger(engine, gpus_gib=(64,))
+
+    async def in_state(state: str) -> Reservation:
+        r = await ledger.reserve(_request(1))
+        if state == "failed":
+            await ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "test")
+        elif state in ("bound", "assigned", "released"):
+            await ledger.record(BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
+            if state == "assigned":
+                await ledger.record(
+                    AssignedEvent(
+                        allocation_id=r.allocation_id,
+                        pod_uid=r.pod_uid,
+                        node=NODE,
+                        container="main",
+                        gpu_uuids=["GPU-g0"],
+                    )
+                )
+            if state == "released":
+                await ledger.record(
+                    ReleasedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, reason="t")
+                )
+        return r
+
+    states = ["reserved", "bound", "assigned", "failed", "released"]
+    batched = [await in_state(s) for s in states]
+    single = [await in_state(s) for s in states]
+    changed = await ledger.mark_bound_many([(r.allocation_id, r.pod_uid, NODE) for r in batched])
+    expected = []
+    for r in single:
+        async with engine.begin() as conn:
+            expected.append(
+                await apply_event(conn, BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
+            )
+    assert changed == expected == [True, False, False, False, False]
+    for b, s in zip(batched, single, strict=True):
+        assert await _row(engine, b.allocation_id) == await _row(engine, s.allocation_id)
+
+
+async def test_racing_bound_batches_move_each_allocation_once(engine: AsyncEngine, database_url: str) -> None:
+    """Two binders' group commits race `bound` for the same 40 allocations: each moves exactly once."""
+    from shared.ledger.db import make_engine
+
+    ledger = await _ledger(engine, gpus_gib=(64,))
+    held = [await ledger.reserve(_request(1)) for _ in range(40)]
+    engines = [make_engine(database_url, pool_size=4) for _ in range(2)]
+    try:
+        groups = [GroupCommit(Ledger(e, prefix="gc").mark_bound_many, what="bound") for e in engines]
+        answers = await asyncio.gather(*(g.submit((r.allocation_id, r.pod_uid, NODE)) for r in held for g in groups))
+    finally:
+        for e in engines:
+            await e.dispose()
+    assert sum(answers) == 40
+    for r in held:
+        assert await _row(engine, r.allocation_id) == ("bound", True)
