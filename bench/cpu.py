@@ -26,10 +26,16 @@ GROUPS = (
     "nats-server",
     "postgres",
 )
+# where they run in a deployment: the Kubernetes control plane, and what gpushare adds to it (its services and
+# the servers they use); the product's CPU per pod is the sum of the second
+CONTROL_PLANE_GROUPS = ("kube-apiserver", "etcd", "kube-scheduler", "kube-controller-manager")
+PRODUCT_GROUPS = ("extender", "binder", "accounting", "node-agent", "postgres", "nats-server")
 
 
 @dataclass(frozen=True)
-class _Proc:
+class Proc:
+    """A process as /proc shows it: its CPU seconds include its reaped children's."""
+
     pid: int
     ppid: int
     command: str
@@ -57,9 +63,9 @@ def group_of(command: str, pid: int) -> str:
     return "postgres" if program.startswith("postgres") or "postgres:" in command else "other"
 
 
-def _processes() -> dict[int, _Proc]:
+def _processes() -> dict[int, Proc]:
     ticks = os.sysconf("SC_CLK_TCK")
-    out: dict[int, _Proc] = {}
+    out: dict[int, Proc] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -71,7 +77,7 @@ def _processes() -> dict[int, _Proc]:
         fields = stat[stat.rfind(")") + 2 :].split()
         cpu = sum(int(f) for f in fields[11:15]) / ticks  # utime, stime, cutime, cstime
         pid = int(entry.name)
-        out[pid] = _Proc(pid, int(fields[1]), command, cpu)
+        out[pid] = Proc(pid, int(fields[1]), command, cpu)
     return out
 
 
@@ -111,31 +117,57 @@ def listener_pids(listeners: list[int | str]) -> list[int]:
     return pids
 
 
-def cpu_by_group(roots: list[int]) -> Counter[str]:
-    """CPU seconds used so far by the process trees under `roots`, per group."""
+def benchmark_roots(server_ports: list[int | str] | None = None) -> list[int]:
+    """This process and the PostgreSQL / NATS servers listening there: the roots of the benchmark's trees."""
+    return [os.getpid(), *listener_pids(server_ports or [])]
+
+
+def tree(roots: list[int]) -> list[Proc]:
+    """The processes of the trees under `roots` (each once), as they are now."""
     procs = _processes()
     children: dict[int, list[int]] = {}
     for p in procs.values():
         children.setdefault(p.ppid, []).append(p.pid)
     seen: set[int] = set()
     todo = [r for r in roots if r in procs]
-    out: Counter[str] = Counter()
+    out: list[Proc] = []
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        p = procs[pid]
-        out[group_of(p.command, pid)] += p.cpu_s
+        out.append(procs[pid])
         todo.extend(children.get(pid, ()))
     return out
+
+
+def cpu_by_group(roots: list[int]) -> Counter[str]:
+    """CPU seconds used so far by the process trees under `roots`, per group."""
+    out: Counter[str] = Counter()
+    for p in tree(roots):
+        out[group_of(p.command, p.pid)] += p.cpu_s
+    return out
+
+
+def ms_per_item(spent: dict[str, float], items: int, prefix: str) -> dict[str, float]:
+    """`{prefix}_cpu_ms_per_pod_{group}` for every group that used CPU (seconds in `spent`), plus the total."""
+    used = {g: s for g, s in spent.items() if s > 0}
+    out = {f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}": round(s * 1000 / items, 2) for g, s in used.items()}
+    out[f"{prefix}_cpu_ms_per_pod_total"] = round(sum(used.values()) * 1000 / items, 2)
+    return out
+
+
+def product_ms_per_pod(metrics: dict[str, float], prefix: str) -> float:
+    """gpushare's own CPU per pod: the sum of the `PRODUCT_GROUPS`' `{prefix}_cpu_ms_per_pod_*` figures."""
+    keys = (f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}" for g in PRODUCT_GROUPS)
+    return round(sum(metrics.get(k, 0.0) for k in keys), 2)
 
 
 class CpuWindow:
     """`with CpuWindow(server_ports) as w: ...` then `w.per_item_ms(n, prefix)`: CPU ms per item per group."""
 
     def __init__(self, server_ports: list[int | str] | None = None) -> None:
-        self.roots = [os.getpid(), *listener_pids(server_ports or [])]
+        self.roots = benchmark_roots(server_ports)
 
     def __enter__(self) -> CpuWindow:
         self.before = cpu_by_group(self.roots)
@@ -150,7 +182,4 @@ class CpuWindow:
 
     def per_item_ms(self, items: int, prefix: str) -> dict[str, float]:
         """`{prefix}_cpu_ms_per_pod_{group}` for every group that used CPU, plus the total."""
-        spent = {g: s for g, s in self.spent().items() if s > 0}
-        out = {f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}": round(s * 1000 / items, 2) for g, s in spent.items()}
-        out[f"{prefix}_cpu_ms_per_pod_total"] = round(sum(spent.values()) * 1000 / items, 2)
-        return out
+        return ms_per_item(self.spent(), items, prefix)
