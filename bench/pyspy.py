@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.cpu import _processes, group_of
+from bench.cpu import group_of, tree
 
 PROFILED = ("extender", "binder", "accounting", "node-agent")
 ENV = "GPUSHARE_BENCH_PYSPY"
@@ -25,20 +25,8 @@ ENV = "GPUSHARE_BENCH_PYSPY"
 
 def service_pids(groups: tuple[str, ...] = PROFILED) -> dict[int, str]:
     """This process's descendants that are gpushare services, with their group."""
-    procs = _processes()
-    children: dict[int, list[int]] = {}
-    for p in procs.values():
-        children.setdefault(p.ppid, []).append(p.pid)
-    out: dict[int, str] = {}
-    todo = [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        for child in children.get(pid, ()):
-            group = group_of(procs[child].command, child)
-            if group in groups:
-                out[child] = group
-            todo.append(child)
-    return out
+    found = ((p.pid, group_of(p.command, p.pid)) for p in tree([os.getpid()]))
+    return {pid: group for pid, group in found if group in groups}
 
 
 @contextlib.contextmanager

@@ -63,6 +63,7 @@ class AgentConfig:
     evict_overusers: bool = False
     proc_root: Path = Path("/proc")
     address: str = ""
+    metrics_debounce_s: float = 0.5  # ledger events within this window refresh the GPU gauges once
 
 
 @dataclass
@@ -92,6 +93,7 @@ class NodeAgent:
         self.overuse = OveruseTracker(self.config.overuse_grace_s)
         self._unallocated_labels: dict[tuple[str, str], tuple[str, ...]] = {}
         self.last_usage: UsageEvent | None = None
+        self._metrics_due: asyncio.TimerHandle | None = None
         self.assigner = Assigner(
             link=self.link,
             view=self.view,
@@ -156,6 +158,9 @@ class NodeAgent:
         for p in self.plugins:
             await p.stop()
         await self.link.unfollow()
+        if self._metrics_due is not None:
+            self._metrics_due.cancel()
+            self._metrics_due = None
 
     # -- the view of the ledger -----------------------------------------------------------------
     async def reload_view(self) -> bool:
@@ -182,7 +187,19 @@ class NodeAgent:
 
     def _on_event(self, event: Event) -> None:
         if self.view.apply(event):
+            self._gpu_metrics_soon()
+
+    def _gpu_metrics_soon(self) -> None:
+        """Refresh the GPU gauges once for every ledger event of the next `metrics_debounce_s`: a refresh walks
+        every allocation on the node, so one per event would cost a burst of N pods N x N steps."""
+        if self._metrics_due is not None:
+            return
+
+        def refresh() -> None:
+            self._metrics_due = None
             self._update_gpu_metrics()
+
+        self._metrics_due = asyncio.get_running_loop().call_later(self.config.metrics_debounce_s, refresh)
 
     async def _view_loop(self) -> None:
         """Load the view (retrying with capped backoff while the ledger is away), then resync periodically."""

@@ -7,6 +7,7 @@ import asyncio
 from services.node_agent.discovery import ProcessUsage
 from shared.events.catalogue import decode_event
 from tests.node_agent.conftest import Harness
+from tests.waiting import eventually
 
 
 async def test_usage_sample_publication_and_overuse(harness: Harness) -> None:
@@ -89,3 +90,31 @@ async def test_a_pod_using_a_gpu_it_holds_no_share_on_is_flagged(harness: Harnes
     harness.backend.set_processes([])
     await harness.agent.sample_usage()
     assert reg.get_sample_value("gpushare_node_agent_pod_unallocated_gpu_use", mine) == 0  # the episode ended
+
+
+async def test_a_burst_of_ledger_events_refreshes_the_gpu_gauges_a_few_times_not_once_per_event(
+    harness: Harness,
+) -> None:
+    """Each refresh walks every allocation on the node: one per event made a burst of N pods cost N x N steps
+    (the node agents' CPU per GPU pod grew with the pods on the node). The gauges still end up exact."""
+    refreshes = 0
+    refresh = harness.agent._update_gpu_metrics
+
+    def counted() -> None:
+        nonlocal refreshes
+        refreshes += 1
+        refresh()
+
+    harness.agent._update_gpu_metrics = counted  # type: ignore[method-assign]
+    pods = 20
+    for i in range(pods):
+        await harness.reserve(f"burst-{i}", [("main", [(2, 1)])], wait_for_view=False)  # 1 GiB each on the A100
+    reg = harness.agent.metrics.registry
+    node = harness.agent.config.node
+    a100 = {"node": node, "Hostname": node, "gpu": "2", "UUID": harness.gpu(2), "modelName": "A100"}
+    await eventually(
+        lambda: reg.get_sample_value("gpushare_node_agent_gpu_memory_allocated_bytes", a100) == pods * 1024**3,
+        what="the A100's allocated gauge after the burst",
+    )
+    events = 2 * pods  # reserved and bound per pod
+    assert refreshes < events / 2, f"{refreshes} refreshes for {events} events"
