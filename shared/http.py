@@ -30,7 +30,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _too_large(self.max_bytes, scope, send)
+            await too_large(self.max_bytes, scope, send)
             return
         seen = 0
         refused = False
@@ -43,7 +43,7 @@ class BodyLimitMiddleware:
                 if seen > self.max_bytes:
                     if not refused:  # answered here: a framework that catches the error below cannot turn it
                         refused = True  # into its own 400 (FastAPI does for the bodies it parses)
-                        await _too_large(self.max_bytes, scope, send)
+                        await too_large(self.max_bytes, scope, send)
                     raise _BodyTooLarge
             return message
 
@@ -55,14 +55,15 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, guarded_send)
         except _BodyTooLarge:
             if not refused:
-                await _too_large(self.max_bytes, scope, send)
+                await too_large(self.max_bytes, scope, send)
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-async def _too_large(limit: int, scope: Scope, send: Send) -> None:
+async def too_large(limit: int, scope: Scope, send: Send) -> None:
+    """Answer 413 with a JSON body naming the limit (and log it)."""
     log.warning("refused an oversized request body", extra={"path": scope.get("path"), "limit": limit})
     response = JSONResponse({"error": f"request body larger than {limit} bytes"}, status_code=413)
     await response(scope, _empty_receive, send)

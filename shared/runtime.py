@@ -298,7 +298,7 @@ class ServiceRuntime:
             },
         )
 
-    async def serve(self, app: FastAPI | None, *, probes_app: FastAPI | None = None) -> None:
+    async def serve(self, app: ASGIApp | None, *, probes_app: ASGIApp | None = None) -> None:
         """Hand the ports that have answered since start to the service: `app` on `listen`, `probes_app` (only
         /healthz, /readyz and /metrics, for probes beside a mutual-TLS port) on `probes`; return when the stop
         event is set (or a server ended)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -32,6 +31,7 @@ from services.extender.wire import (
     parse_extender_args,
     parse_preemption_args,
 )
+from shared.hot_path import Handler, HotPath
 from shared.http import BodyLimitMiddleware, install_common
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,12 @@ def _version() -> str:
         return "unknown"
 
 
-def _bad(request: Request, exc: WireError, error_key: bool = True) -> JSONResponse:
-    log.info("rejected a malformed extender request", extra={"path": request.url.path, "problem": str(exc)})
+def _bad(path: str, exc: WireError, error_key: bool = True) -> tuple[int, bytes]:
+    log.info("rejected a malformed extender request", extra={"path": path, "problem": str(exc)})
     body: dict[str, Any] = {"error": str(exc)}
     if error_key:
         body["Error"] = str(exc)
-    return JSONResponse(body, status_code=400)
+    return 400, dump_json(body)
 
 
 def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
@@ -73,9 +73,71 @@ def _documented(
 _REFUSED = {400: "the body is not what kube-scheduler sends", 413: "the body is too large"}
 
 
-def _json(value: Any) -> Response:
-    """A JSON answer rendered directly (FastAPI's jsonable_encoder walk costs ~10x json.dumps on big lists)."""
-    return Response(dump_json(value), media_type="application/json")
+def _answer(answer: tuple[int, bytes]) -> Response:
+    status, payload = answer
+    return Response(payload, status_code=status, media_type="application/json")
+
+
+def verbs(service: ExtenderService, prefix: str) -> dict[str, Handler]:
+    """kube-scheduler's verbs as body-in, JSON-out handlers, by full path (served by `HotPath` and by the
+    FastAPI routes alike). JSON is rendered directly: FastAPI's jsonable_encoder walk costs ~10x json.dumps."""
+
+    def timed(histogram: Any, work: Handler) -> Handler:
+        async def handler(body: bytes) -> tuple[int, bytes]:
+            start = time.perf_counter()
+            try:
+                return await work(body)
+            finally:
+                histogram.observe(time.perf_counter() - start)
+
+        return handler
+
+    async def filter_(body: bytes) -> tuple[int, bytes]:
+        try:
+            args = parse_extender_args(load_json(body))
+        except WireError as exc:
+            return _bad(f"{prefix}/filter", exc)
+        return 200, dump_json(await service.filter(args))
+
+    async def prioritize(body: bytes) -> tuple[int, bytes]:
+        try:
+            args = parse_extender_args(load_json(body))
+        except WireError as exc:
+            return _bad(f"{prefix}/prioritize", exc, error_key=False)
+        return 200, dump_priorities(service.prioritize(args))
+
+    async def bind(body: bytes) -> tuple[int, bytes]:
+        try:
+            args = parse_binding_args(load_json(body))
+        except WireError as exc:
+            metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
+            return _bad(f"{prefix}/bind", exc)
+        try:
+            error = await service.bind(args)
+        except Exception as exc:  # the ledger or bus is away: an answer, not a 500 (a retry finds any reservation)
+            log.exception("bind failed unexpectedly", extra={"pod": f"{args.pod_namespace}/{args.pod_name}"})
+            metrics.BIND_OUTCOMES.labels(reason="failed").inc()
+            error = f"bind failed: an internal error in the gpushare extender ({type(exc).__name__}; see its log)"
+        if error:
+            log.info(
+                "bind refused",
+                extra={"pod": f"{args.pod_namespace}/{args.pod_name}", "node": args.node, "reason": error},
+            )
+        return 200, dump_json({"Error": error})
+
+    async def preempt(body: bytes) -> tuple[int, bytes]:
+        try:
+            args = parse_preemption_args(load_json(body))
+        except WireError as exc:
+            return _bad(f"{prefix}/preempt", exc, error_key=False)
+        return 200, dump_json(service.preempt(args))
+
+    return {
+        f"{prefix}/filter": timed(metrics.FILTER_SECONDS, filter_),
+        f"{prefix}/prioritize": timed(metrics.PRIORITIZE_SECONDS, prioritize),
+        f"{prefix}/bind": timed(metrics.BIND_SECONDS, bind),
+        f"{prefix}/preempt": timed(metrics.PREEMPT_SECONDS, preempt),
+    }
 
 
 def create_app(
@@ -83,76 +145,31 @@ def create_app(
     *,
     prefix: str = DEFAULT_PREFIX,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-) -> FastAPI:
-    """The FastAPI app; `service` must be started (and closed) by the caller."""
+) -> HotPath:
+    """The extender's ASGI app: the verbs on the lean path (`HotPath`), everything else (and the same verbs, for
+    /openapi.json and any other method) in FastAPI; `service` must be started (and closed) by the caller."""
     prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
     app = FastAPI(title="gpushare scheduler extender", version=_version())
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     install_common(app, ready=lambda: service.ready)
     router = APIRouter(prefix=prefix)
-
-    async def timed(histogram: Any, work: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        try:
-            return await work()
-        finally:
-            histogram.observe(time.perf_counter() - start)
+    handlers = verbs(service, prefix)
 
     @router.post("/filter", **_documented(FILTER_RESULT_SCHEMA, EXTENDER_ARGS_SCHEMA, _REFUSED))
-    async def filter_(request: Request) -> Any:
-        async def work() -> Any:
-            try:
-                args = parse_extender_args(load_json(await request.body()))
-            except WireError as exc:
-                return _bad(request, exc)
-            return _json(await service.filter(args))
-
-        return await timed(metrics.FILTER_SECONDS, work)
+    async def filter_(request: Request) -> Response:
+        return _answer(await handlers[f"{prefix}/filter"](await request.body()))
 
     @router.post("/prioritize", **_documented(HOST_PRIORITY_LIST_SCHEMA, EXTENDER_ARGS_SCHEMA, _REFUSED))
-    async def prioritize(request: Request) -> Any:
-        async def work() -> Any:
-            try:
-                args = parse_extender_args(load_json(await request.body()))
-            except WireError as exc:
-                return _bad(request, exc, error_key=False)
-            return Response(dump_priorities(service.prioritize(args)), media_type="application/json")
-
-        return await timed(metrics.PRIORITIZE_SECONDS, work)
+    async def prioritize(request: Request) -> Response:
+        return _answer(await handlers[f"{prefix}/prioritize"](await request.body()))
 
     @router.post("/bind", **_documented(BINDING_RESULT_SCHEMA, BINDING_ARGS_SCHEMA, _REFUSED))
-    async def bind(request: Request) -> Any:
-        async def work() -> Any:
-            try:
-                args = parse_binding_args(load_json(await request.body()))
-            except WireError as exc:
-                metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
-                return _bad(request, exc)
-            try:
-                error = await service.bind(args)
-            except Exception as exc:  # the ledger or bus is away: an answer, not a 500 (a retry finds any reservation)
-                log.exception("bind failed unexpectedly", extra={"pod": f"{args.pod_namespace}/{args.pod_name}"})
-                metrics.BIND_OUTCOMES.labels(reason="failed").inc()
-                error = f"bind failed: an internal error in the gpushare extender ({type(exc).__name__}; see its log)"
-            if error:
-                log.info(
-                    "bind refused",
-                    extra={"pod": f"{args.pod_namespace}/{args.pod_name}", "node": args.node, "reason": error},
-                )
-            return _json({"Error": error})
-
-        return await timed(metrics.BIND_SECONDS, work)
+    async def bind(request: Request) -> Response:
+        return _answer(await handlers[f"{prefix}/bind"](await request.body()))
 
     @router.post("/preempt", **_documented(PREEMPTION_RESULT_SCHEMA, PREEMPTION_ARGS_SCHEMA, _REFUSED))
-    async def preempt(request: Request) -> Any:
-        async def work() -> Any:
-            try:
-                args = parse_preemption_args(load_json(await request.body()))
-            except WireError as exc:
-                return _bad(request, exc, error_key=False)
-            return _json(service.preempt(args))
-
-        return await timed(metrics.PREEMPT_SECONDS, work)
+    async def preempt(request: Request) -> Response:
+        return _answer(await handlers[f"{prefix}/preempt"](await request.body()))
 
     @router.get("/inspect", **_documented(INSPECT_SCHEMA))
     async def inspect_all() -> Any:
@@ -171,7 +188,7 @@ def create_app(
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    return app
+    return HotPath(app, handlers, max_body_bytes=max_body_bytes)
 
 
 def create_health_app(service: ExtenderService) -> FastAPI:

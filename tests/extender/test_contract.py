@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from services.extender.app import create_app
 from services.extender.service import ExtenderService
+from services.extender.wire import DEFAULT_PREFIX
 from shared.events.bus import EventBus
 from shared.events.catalogue import QuotaEvent, RefusedEvent
 from shared.ledger.ledger import Ledger
@@ -244,3 +248,24 @@ async def test_the_view_follows_ledger_events_without_a_resync(ledger: Ledger, s
         lambda: service.view.nodes["late"].gpus[0].allocated_memory_mib == 0, what="the view to give the share back"
     )
     assert "uid-x" not in service.view.allocations
+
+
+async def test_the_lean_path_and_the_fastapi_routes_answer_the_verbs_alike(service: ExtenderService) -> None:
+    """The verbs are served by `HotPath`; the FastAPI routes behind it (what /openapi.json documents) call the
+    same handlers: same status and body for a good and a malformed call of each."""
+    app = create_app(service, max_body_bytes=256 * 1024)
+    pod = {"metadata": {"name": "p", "namespace": "default", "uid": "u-lean"}, "spec": {"containers": []}}
+    bodies = {
+        "filter": {"Pod": pod, "NodeNames": ["nowhere"]},
+        "prioritize": {"Pod": pod, "NodeNames": ["nowhere"]},
+        "bind": {"PodName": "p", "PodNamespace": "default", "PodUID": "u-lean", "Node": "nowhere"},
+        "preempt": {"Pod": pod, "NodeNameToMetaVictims": {}},
+    }
+    for verb, body in bodies.items():
+        for content in (json.dumps(body).encode(), b"{not json"):
+            answers = []
+            for asgi in (app, app.app):
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://e") as c:
+                    reply = await c.post(f"{DEFAULT_PREFIX}/{verb}", content=content)
+                answers.append((reply.status_code, reply.json()))
+            assert answers[0] == answers[1], (verb, content[:20], answers)
