@@ -68,6 +68,10 @@ class BindHandler:
         # None until asked: True when the API server refuses a Binding whose metadata.uid is not the pod's
         self.uid_precondition: bool | None = None
         # `bound` writes that arrive while one is in flight are committed together in the next transaction
+        # so are the ledger reads that open each binding: one pair of statements for the reservations in hand
+        self.facts: GroupCommit[tuple[uuid.UUID, list[str]], reads.BindFacts] = GroupCommit(
+            lambda asks: reads.bind_facts_many(ledger.engine, asks), what="bind_facts"
+        )
         self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
 
     async def __call__(self, event: Event) -> None:
@@ -95,7 +99,7 @@ class BindHandler:
         started = time.monotonic()
         ns, name = event.namespace, event.pod_name
         gpu_uuids = sorted({p.gpu_uuid for p in event.parts})
-        facts = await reads.bind_facts(self.ledger.engine, event.allocation_id, gpu_uuids)
+        facts = await self.facts.submit((event.allocation_id, gpu_uuids))
         if facts.state != AllocationState.RESERVED:
             self._finish(decide(state=facts.state, pod=None, pod_uid=event.pod_uid, node=event.node), event, started)
             return

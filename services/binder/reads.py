@@ -45,18 +45,28 @@ class BindFacts:
     gpu_memory: dict[str, int]  # schedulable MiB of each GPU asked about that the ledger knows
 
 
-async def bind_facts(engine: AsyncEngine, allocation_id: uuid.UUID, uuids: list[str]) -> BindFacts:
-    """The allocation's state and the memory of the named GPUs, in one round trip."""
-    query = (
-        select(allocations.c.state, gpus.c.uuid, gpus.c.memory_mib)
-        .select_from(allocations.outerjoin(gpus, gpus.c.uuid.in_(uuids)))
-        .where(allocations.c.id == allocation_id)
-    )
+async def bind_facts_many(engine: AsyncEngine, asks: list[tuple[uuid.UUID, list[str]]]) -> list[BindFacts]:
+    """`bind_facts` for many (allocation id, GPU UUIDs) in two statements on one connection (the binder reads
+    them for the reservations it handles together, as it commits their `bound` writes together)."""
+    ids = [a for a, _ in asks]
+    uuids = sorted({u for _, us in asks for u in us})
     async with engine.connect() as conn:
-        rows = (await conn.execute(query)).all()
-    if not rows:
-        return BindFacts(None, {})
-    return BindFacts(rows[0].state, {r.uuid: int(r.memory_mib) for r in rows if r.uuid is not None})
+        states = dict(
+            (await conn.execute(select(allocations.c.id, allocations.c.state).where(allocations.c.id.in_(ids)))).all()
+        )
+        memory = (
+            {
+                r.uuid: int(r.memory_mib)
+                for r in await conn.execute(select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid.in_(uuids)))
+            }
+            if uuids
+            else {}
+        )
+    out = []
+    for allocation_id, wanted in asks:
+        state = states.get(allocation_id)
+        out.append(BindFacts(state, {u: memory[u] for u in wanted if u in memory} if state is not None else {}))
+    return out
 
 
 async def allocation_exists(engine: AsyncEngine, allocation_id: uuid.UUID) -> bool:

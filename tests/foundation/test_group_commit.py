@@ -287,3 +287,22 @@ async def test_racing_bound_batches_move_each_allocation_once(engine: AsyncEngin
     assert sum(answers) == 40
     for r in held:
         assert await _row(engine, r.allocation_id) == ("bound", True)
+
+
+async def test_the_binders_grouped_reads_answer_each_reservation_with_its_own_facts(engine: AsyncEngine) -> None:
+    from services.binder.reads import BindFacts, bind_facts_many
+
+    ledger = await _ledger(engine)
+    first = await ledger.reserve(_request(2, gpu=0))
+    second = await ledger.reserve(_request(2, gpu=1))
+    await ledger.mark_failed(second.allocation_id, second.pod_uid, NODE, "test")
+    unknown = uuid.uuid4()
+    answers = await bind_facts_many(
+        engine,
+        [(first.allocation_id, ["GPU-g0"]), (second.allocation_id, ["GPU-g1", "GPU-gone"]), (unknown, ["GPU-g0"])],
+    )
+    assert answers == [
+        BindFacts("reserved", {"GPU-g0": 16 * 1024}),
+        BindFacts("failed", {"GPU-g1": 16 * 1024}),
+        BindFacts(None, {}),
+    ]
