@@ -29,6 +29,7 @@ MODULES = {
     "overhead": "bench.scheduler_overhead",
     "scale": "bench.scale",
     "request_size": "bench.request_size",
+    "catchup": "bench.accounting_catchup",
 }
 
 

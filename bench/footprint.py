@@ -55,7 +55,7 @@ async def run(ctx: Context) -> BenchResult:
                     if time.monotonic() > deadline:
                         break
                     await asyncio.sleep(0.5)
-                applied = _applied((await client.get(f"{acc.url}/metrics")).text)
+                applied = applied_events((await client.get(f"{acc.url}/metrics")).text)
                 caught_up = watch.result() if watch.done() else None
                 watch.cancel()
                 window = caught_up if caught_up is not None else time.monotonic() - started
@@ -83,12 +83,12 @@ async def _caught_up(url: str, total: int, started: float) -> float:
     """Seconds from `started` until accounting has applied `total` events (its /metrics read every 0.2 s)."""
     async with httpx.AsyncClient(timeout=30.0) as client:
         while True:
-            if _applied((await client.get(f"{url}/metrics")).text) >= total:
+            if applied_events((await client.get(f"{url}/metrics")).text) >= total:
                 return time.monotonic() - started
             await asyncio.sleep(0.2)
 
 
-def _applied(metrics: str) -> float:
+def applied_events(metrics: str) -> float:
     """gpushare_accounting_events_applied_total from a /metrics page (0 when absent)."""
     for line in metrics.splitlines():
         if line.startswith("gpushare_accounting_events_applied_total"):
