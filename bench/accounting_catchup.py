@@ -1,4 +1,4 @@
-"""9. Accounting catch-up: how fast a fresh accounting projects a 45,000-event backlog, on its own.
+"""10. Accounting catch-up: how fast a fresh accounting projects a 45,000-event backlog, on its own.
 
 The events of benchmark 7's cluster (5,000 nodes x 8 GPUs, one allocation each: inventories, reservations,
 bindings) are published to private streams; then a real `gpushare accounting` starts on a fresh, migrated
@@ -25,7 +25,7 @@ from bench.stack import service
 from shared.events.catalogue import ReservedEvent
 
 NAME = "catchup"
-TITLE = "9. Accounting catch-up on a 45,000-event backlog (accounting alone)"
+TITLE = "10. Accounting catch-up on a 45,000-event backlog (accounting alone)"
 
 
 async def run(ctx: Context) -> BenchResult:
