@@ -30,6 +30,7 @@ from bench.affinity import Pinning, deployment_plan, pinned
 from bench.common import BenchResult, Context, Target, median
 from bench.cpu import CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
 from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, wait_all_bound, whole_stack
+from bench.pyspy import phase_profiles
 from shared.ledger.models import LIVE_SQL
 
 NAME = "overhead"
@@ -65,7 +66,7 @@ class Variant:
         namespaces = []
         for kind, gpu_gib in (("plain", 0), ("gpu", 1)):
             ns = "-".join(filter(None, ("bench", self.prefix.strip("_"), kind, uuid.uuid4().hex[:5])))
-            with CpuWindow(listeners) as window:
+            with CpuWindow(listeners) as window, phase_profiles(f"overhead-{self.prefix}{kind}"):
                 self.rounds[kind].append(await phase(api, gpu_gib, pods, 20, timeout_s, ns))
             self.cpu[kind].update(window.spent())
             namespaces.append(ns)
