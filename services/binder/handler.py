@@ -67,8 +67,8 @@ class BindHandler:
         self._locks: dict[uuid.UUID, tuple[asyncio.Lock, int]] = {}
         # None until asked: True when the API server refuses a Binding whose metadata.uid is not the pod's
         self.uid_precondition: bool | None = None
-        # `bound` writes that arrive while one is in flight are committed together in the next transaction
-        # so are the ledger reads that open each binding: one pair of statements for the reservations in hand
+        # group commit: the ledger reads that open each binding, and the `bound` writes that close it, that arrive
+        # while one is in flight go together in the next statement pair / transaction
         self.facts: GroupCommit[tuple[uuid.UUID, list[str]], reads.BindFacts] = GroupCommit(
             lambda asks: reads.bind_facts_many(ledger.engine, asks), what="bind_facts"
         )
