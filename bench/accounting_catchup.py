@@ -21,7 +21,7 @@ from bench.common import BenchResult, Context, Target, private_bus, private_data
 from bench.cpu import CpuWindow
 from bench.footprint import applied_events
 from bench.replay import publish_all
-from bench.stack import service
+from bench.stack import rss_mib, service
 from shared.events.catalogue import ReservedEvent
 
 NAME = "catchup"
@@ -51,6 +51,7 @@ async def run(ctx: Context) -> BenchResult:
                             break
                         await asyncio.sleep(0.1)
                 seconds = time.monotonic() - started
+            m["accounting_rss_mib"], m["accounting_peak_rss_mib"] = rss_mib(acc.pid)
     m["events_in_stream"] = len(events)
     m["events_applied"] = int(applied)
     m["catchup_s"] = round(seconds, 2)
