@@ -38,7 +38,7 @@ async def run(ctx: Context) -> BenchResult:
         common = {"db_url": db_url, "nats_url": ctx.nats_url, "names": bus.names, "work_dir": ctx.work_dir}
         async with service("extender", **common) as ext, service("accounting", **common) as acc:
             started = time.monotonic()  # accounting is ready: its consumer works through the stream from here
-            watch = asyncio.create_task(_caught_up(acc.url, m["allocations"], started))
+            watch = asyncio.create_task(caught_up(acc.url, m["allocations"], started))
             m["extender_rss_start_mib"], _ = rss_mib(ext.pid)
             m["accounting_rss_start_mib"], _ = rss_mib(acc.pid)
             body = json.dumps({"Pod": pod(), "NodeNames": [node_name(n) for n in range(nodes)]}).encode()
@@ -56,13 +56,13 @@ async def run(ctx: Context) -> BenchResult:
                         break
                     await asyncio.sleep(0.5)
                 applied = applied_events((await client.get(f"{acc.url}/metrics")).text)
-                caught_up = watch.result() if watch.done() else None
+                done_s = watch.result() if watch.done() else None
                 watch.cancel()
-                window = caught_up if caught_up is not None else time.monotonic() - started
+                window = done_s if done_s is not None else time.monotonic() - started
             m["extender_rss_mib"], m["extender_peak_rss_mib"] = rss_mib(ext.pid)
             m["accounting_rss_mib"], m["accounting_peak_rss_mib"] = rss_mib(acc.pid)
             m["accounting_events_projected"] = int(applied)
-            m["accounting_catchup_s"] = round(caught_up, 1) if caught_up is not None else None
+            m["accounting_catchup_s"] = round(done_s, 1) if done_s is not None else None
             m["accounting_catchup_events_per_s"] = round(applied / window, 1) if window > 0 else 0.0
             m["events_in_stream"] = len(events)
     result.targets += [
@@ -79,13 +79,13 @@ async def run(ctx: Context) -> BenchResult:
     return result
 
 
-async def _caught_up(url: str, total: int, started: float) -> float:
-    """Seconds from `started` until accounting has applied `total` events (its /metrics read every 0.2 s)."""
+async def caught_up(url: str, total: int, started: float, *, every_s: float = 0.2) -> float:
+    """Seconds from `started` until accounting has applied `total` events (its /metrics read every `every_s`)."""
     async with httpx.AsyncClient(timeout=30.0) as client:
         while True:
             if applied_events((await client.get(f"{url}/metrics")).text) >= total:
                 return time.monotonic() - started
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(every_s)
 
 
 def applied_events(metrics: str) -> float:

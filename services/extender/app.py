@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -82,36 +83,40 @@ def verbs(service: ExtenderService, prefix: str) -> dict[str, Handler]:
     """kube-scheduler's verbs as body-in, JSON-out handlers, by full path (served by `HotPath` and by the
     FastAPI routes alike). JSON is rendered directly: FastAPI's jsonable_encoder walk costs ~10x json.dumps."""
 
-    def timed(histogram: Any, work: Handler) -> Handler:
+    def verb(
+        name: str,
+        histogram: Any,
+        parse: Callable[[dict[str, Any]], Any],
+        answer: Callable[[Any], Awaitable[bytes]],
+        *,
+        error_key: bool = True,
+        on_invalid: Callable[[], None] = lambda: None,
+    ) -> tuple[str, Handler]:
+        """(path, handler): parse the body (400 naming the problem when it is not what kube-scheduler sends),
+        answer, time it."""
+        path = f"{prefix}/{name}"
+
         async def handler(body: bytes) -> tuple[int, bytes]:
             start = time.perf_counter()
             try:
-                return await work(body)
+                try:
+                    args = parse(load_json(body))
+                except WireError as exc:
+                    on_invalid()
+                    return _bad(path, exc, error_key)
+                return 200, await answer(args)
             finally:
                 histogram.observe(time.perf_counter() - start)
 
-        return handler
+        return path, handler
 
-    async def filter_(body: bytes) -> tuple[int, bytes]:
-        try:
-            args = parse_extender_args(load_json(body))
-        except WireError as exc:
-            return _bad(f"{prefix}/filter", exc)
-        return 200, dump_json(await service.filter(args))
+    async def filter_(args: Any) -> bytes:
+        return dump_json(await service.filter(args))
 
-    async def prioritize(body: bytes) -> tuple[int, bytes]:
-        try:
-            args = parse_extender_args(load_json(body))
-        except WireError as exc:
-            return _bad(f"{prefix}/prioritize", exc, error_key=False)
-        return 200, dump_priorities(service.prioritize(args))
+    async def prioritize(args: Any) -> bytes:
+        return dump_priorities(service.prioritize(args))
 
-    async def bind(body: bytes) -> tuple[int, bytes]:
-        try:
-            args = parse_binding_args(load_json(body))
-        except WireError as exc:
-            metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
-            return _bad(f"{prefix}/bind", exc)
+    async def bind(args: Any) -> bytes:
         try:
             error = await service.bind(args)
         except Exception as exc:  # the ledger or bus is away: an answer, not a 500 (a retry finds any reservation)
@@ -123,21 +128,22 @@ def verbs(service: ExtenderService, prefix: str) -> dict[str, Handler]:
                 "bind refused",
                 extra={"pod": f"{args.pod_namespace}/{args.pod_name}", "node": args.node, "reason": error},
             )
-        return 200, dump_json({"Error": error})
+        return dump_json({"Error": error})
 
-    async def preempt(body: bytes) -> tuple[int, bytes]:
-        try:
-            args = parse_preemption_args(load_json(body))
-        except WireError as exc:
-            return _bad(f"{prefix}/preempt", exc, error_key=False)
-        return 200, dump_json(service.preempt(args))
+    async def preempt(args: Any) -> bytes:
+        return dump_json(service.preempt(args))
 
-    return {
-        f"{prefix}/filter": timed(metrics.FILTER_SECONDS, filter_),
-        f"{prefix}/prioritize": timed(metrics.PRIORITIZE_SECONDS, prioritize),
-        f"{prefix}/bind": timed(metrics.BIND_SECONDS, bind),
-        f"{prefix}/preempt": timed(metrics.PREEMPT_SECONDS, preempt),
-    }
+    def invalid_bind() -> None:
+        metrics.BIND_OUTCOMES.labels(reason="invalid").inc()
+
+    return dict(
+        [
+            verb("filter", metrics.FILTER_SECONDS, parse_extender_args, filter_),
+            verb("prioritize", metrics.PRIORITIZE_SECONDS, parse_extender_args, prioritize, error_key=False),
+            verb("bind", metrics.BIND_SECONDS, parse_binding_args, bind, on_invalid=invalid_bind),
+            verb("preempt", metrics.PREEMPT_SECONDS, parse_preemption_args, preempt, error_key=False),
+        ]
+    )
 
 
 def create_app(

@@ -78,14 +78,16 @@ async def lock_in_order(conn: AsyncConnection, events: list[ReservedEvent]) -> N
         await conn.execute(_LOCK_GPUS, {"uuids": uuids})
 
 
-def batch_charges(events: list[ReservedEvent]) -> dict[str, tuple[str, int, int]]:
+def batch_charges(
+    events: list[ReservedEvent], per_pod: list[dict[str, tuple[int, int]]]
+) -> dict[str, tuple[str, int, int]]:
     """What the batch adds to each GPU: {uuid: (node, memory MiB, compute)}; `Irregular` when a pod appears
     twice or a GPU is named on two nodes (the one-by-one path then explains it)."""
     if len({e.pod_uid for e in events}) != len(events):
         raise Irregular("a pod appears twice in the batch")
     out: dict[str, tuple[str, int, int]] = {}
-    for event in events:
-        for gpu_uuid, (memory, compute) in gpu_charges(event.parts).items():
+    for event, charges in zip(events, per_pod, strict=True):
+        for gpu_uuid, (memory, compute) in charges.items():
             node, m, c = out.get(gpu_uuid, (event.node, 0, 0))
             if node != event.node:
                 raise Irregular(f"GPU {gpu_uuid} named on nodes {node} and {event.node}")
@@ -96,11 +98,11 @@ def batch_charges(events: list[ReservedEvent]) -> dict[str, tuple[str, int, int]
 async def reserve_fast(conn: AsyncConnection, events: list[ReservedEvent]) -> list[Reservation]:
     """Reserve every event's shares inside the caller's transaction, or raise `Irregular` (the caller must then
     roll back: statements may have run)."""
-    charges = batch_charges(events)
+    per_pod = [gpu_charges(e.parts) for e in events]  # {GPU: (memory, compute)} of each pod
+    charges = batch_charges(events, per_pod)
     namespaces = sorted({e.namespace for e in events})
     if (await conn.execute(_QUOTAS, {"namespaces": namespaces})).first() is not None:
         raise Irregular("a namespace in the batch has a GPU quota")
-    per_pod = [gpu_charges(e.parts) for e in events]
     inserted = await conn.execute(
         _INSERT_ALLOCATIONS,
         {

@@ -21,15 +21,17 @@ for _ in range(3):
 print("ready", flush=True)
 sys.stdin.readline()
 threading.Thread(target=idle, daemon=True).start()
-grandchild = subprocess.Popen(["sleep", "120"])
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *sys.argv[1:]])
 print("started", flush=True)
 sys.stdin.readline()
 grandchild.kill()
 grandchild.wait()
 """
 
-ARGV = [sys.executable, "-c", CHILD]
-GROUP = group_of(" ".join(ARGV), 0)  # 'other': a plan may name any group
+# named as a service is (`... services.cli <name>`, the grandchild too), so that no other process of the test
+# session (a multiprocessing resource tracker left by an earlier test, say) falls into the group the plan pins
+ARGV = [sys.executable, "-c", CHILD, "services.cli", "affinity-test-child"]
+GROUP = group_of(" ".join(ARGV), 0)  # a plan may name any group
 needs_two_cpus = pytest.mark.skipif(len(usable_cpus()) < 2, reason="pinning is only visible with two CPUs or more")
 
 

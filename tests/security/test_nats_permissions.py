@@ -271,14 +271,18 @@ async def _answers(server: EmbeddedNats, url: str, auth: NatsAuth) -> bool:
         await bus.close()
 
 
-async def _admits_only(tmp_path: Path, auth: NatsAuth) -> None:
-    """A nats-server with `tmp_path/nats.conf` answers a bus logged in with `auth` and refuses a bare client."""
+async def _admission(tmp_path: Path, auth: NatsAuth) -> tuple[bool, bool]:
+    """A nats-server with `tmp_path/nats.conf`: (it answers a bus logged in with `auth`, it refuses a bare client)."""
     server = EmbeddedNats(tmp_path / "data", config=tmp_path / "nats.conf")
     url = server.start()
     try:
-        assert await _answers(server, url, auth)
-        with pytest.raises(NatsError):  # without the credential: refused
-            await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+        answers = await _answers(server, url, auth)
+        try:
+            bare = await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+        except NatsError:
+            return answers, True
+        await bare.close()
+        return answers, False
     finally:
         server.stop()
 
@@ -293,7 +297,7 @@ async def test_event_bus_logs_in_with_an_nkey_seed(tmp_path: Path) -> None:
     seed_file = tmp_path / "user.nk"
     seed_file.write_bytes(seed)
     (tmp_path / "nats.conf").write_text(f"authorization {{ users: [ {{ nkey: {public} }} ] }}\n")
-    await _admits_only(tmp_path, NatsAuth(nkey_seed_file=seed_file))
+    assert await _admission(tmp_path, NatsAuth(nkey_seed_file=seed_file)) == (True, True)  # admitted; bare refused
 
 
 async def test_event_bus_presents_a_tls_client_certificate(tmp_path: Path) -> None:
@@ -410,7 +414,7 @@ async def test_event_bus_logs_in_with_a_credentials_file(tmp_path: Path) -> None
         f"-----BEGIN NATS USER JWT-----\n{user}\n------END NATS USER JWT------\n\n"
         f"-----BEGIN USER NKEY SEED-----\n{user_seed.decode()}\n------END USER NKEY SEED------\n"
     )
-    await _admits_only(tmp_path, NatsAuth(creds_file=creds))
+    assert await _admission(tmp_path, NatsAuth(creds_file=creds)) == (True, True)  # admitted; bare refused
 
 
 async def test_accounting_reads_samples_keeps_snapshots_and_trims(connect, caplog: pytest.LogCaptureFixture) -> None:
