@@ -29,7 +29,8 @@ def reason_label(text: str) -> str:
 class Snapshot:
     """Gauge values read from the ledger and projections."""
 
-    nodes: list[dict] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)  # in service, by name
+    gpus: list[queries.GpuGauge] = field(default_factory=list)  # their GPUs in service, by node and index
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)
     quotas: list[dict] = field(default_factory=list)
     pending_by_reason: dict[str, int] = field(default_factory=dict)
@@ -58,17 +59,23 @@ class LedgerCollector(Collector):
         gpu_used = GaugeMetricFamily(
             "gpushare_gpu_memory_used_bytes", "Memory of a GPU in use at its latest usage sample", labels=GPU_LABELS
         )
-        for n in s.nodes:
-            node = node_labels(n["name"])
-            node_total.add_metric(node, mib_to_bytes(n["memory_mib"]))
-            node_alloc.add_metric(node, mib_to_bytes(n["allocated_memory_mib"]))
-            node_gpus.add_metric(node, n["gpu_count"])
-            for g in n["gpus"]:
-                labels = gpu_labels(n["name"], g["index"], g["uuid"], g["model"])
-                gpu_total.add_metric(labels, mib_to_bytes(g["memory_mib"]))
-                gpu_alloc.add_metric(labels, mib_to_bytes(g["allocated_memory_mib"]))
-                if g["used_memory_mib"] is not None:
-                    gpu_used.add_metric(labels, mib_to_bytes(g["used_memory_mib"]))
+        per_node: dict[str, list[float]] = {}  # node -> [memory, allocated, GPUs]
+        for node, index, uuid, model, memory, allocated, used in s.gpus:
+            sums = per_node.setdefault(node, [0, 0, 0])
+            sums[0] += memory
+            sums[1] += allocated
+            sums[2] += 1
+            labels = gpu_labels(node, index, uuid, model)
+            gpu_total.add_metric(labels, mib_to_bytes(memory))
+            gpu_alloc.add_metric(labels, mib_to_bytes(allocated))
+            if used is not None:
+                gpu_used.add_metric(labels, mib_to_bytes(used))
+        for name in s.nodes:
+            memory, allocated, count = per_node.get(name, (0, 0, 0))
+            node = node_labels(name)
+            node_total.add_metric(node, mib_to_bytes(memory))
+            node_alloc.add_metric(node, mib_to_bytes(allocated))
+            node_gpus.add_metric(node, count)
         ns_alloc = GaugeMetricFamily(
             "gpushare_namespace_gpu_memory_allocated_bytes", "GPU memory a namespace holds", labels=["namespace"]
         )
@@ -174,8 +181,10 @@ class AccountingMetrics:
                 texts = set(p["reasons"].values()) or {p["summary"]}
                 for reason in {reason_label(t) for t in texts}:
                     tally[reason] += 1
+            names, gpu_rows = await queries.gpu_gauges(conn)
             self.collector.snapshot = Snapshot(
-                nodes=await queries.list_nodes(conn),
+                nodes=names,
+                gpus=gpu_rows,
                 namespaces=await queries.namespace_allocated(conn),
                 quotas=await queries.list_quotas(conn),
                 pending_by_reason=dict(tally),

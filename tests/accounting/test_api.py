@@ -303,3 +303,24 @@ async def test_oversized_bodies_are_refused_before_parsing(plain_client: httpx.A
     assert r.status_code == 413
     ok = await plain_client.put("/v1/quotas/team-a", json={"memory_mib": -1}, headers=auth)
     assert ok.status_code == 422  # an ordinary body still reaches validation
+
+
+async def test_cluster_totals_are_the_sums_of_the_node_list(seeded: Stack) -> None:
+    """/v1/cluster adds up what /v1/nodes lists (read without building that list): retired nodes and GPUs left
+    out, unhealthy GPUs counted, the latest usage samples summed."""
+    from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, NodeRetiredEvent
+
+    gone = [GpuInfo(uuid=f"GPU-gone-{i}", index=i, memory_mib=8 * GIB, memory_total_mib=8 * GIB) for i in range(2)]
+    await seeded.ledger.record(InventoryEvent(node="node-gone", gpus=gone))
+    await seeded.ledger.record(NodeRetiredEvent(node="node-gone"))
+    await seeded.ledger.record(HealthEvent(node="node-1", gpu_uuid="GPU-1-1", healthy=False, reason="Xid 79"))
+    await seeded.settle()
+    c = (await seeded.client.get("/v1/cluster")).json()
+    nodes = (await seeded.client.get("/v1/nodes")).json()["items"]
+    gpus = [g for n in nodes for g in n["gpus"]]
+    assert c["nodes"] == len(nodes) == 2
+    assert c["gpus"] == len(gpus) == 4
+    assert c["unhealthy_gpus"] == sum(1 for g in gpus if not g["healthy"]) == 1
+    assert c["memory_mib"] == sum(n["memory_mib"] for n in nodes)
+    assert c["allocated_memory_mib"] == sum(n["allocated_memory_mib"] for n in nodes)
+    assert c["used_memory_mib"] == sum(n["used_memory_mib"] for n in nodes) > 0

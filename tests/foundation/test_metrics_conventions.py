@@ -56,17 +56,9 @@ def _give_values(holder: object, registry: CollectorRegistry | None = None) -> N
 
 def _accounting() -> CollectorRegistry:
     metrics = AccountingMetrics()
-    gpu = {"uuid": "GPU-1", "index": 0, "model": "Tesla-T4", "memory_mib": 15360, "allocated_memory_mib": 2048}
     metrics.collector.snapshot = Snapshot(
-        nodes=[
-            {
-                "name": "n1",
-                "memory_mib": 15360,
-                "allocated_memory_mib": 2048,
-                "gpu_count": 1,
-                "gpus": [{**gpu, "used_memory_mib": 1024}],
-            }
-        ],
+        nodes=["n1"],
+        gpus=[("n1", 0, "GPU-1", "Tesla-T4", 15360, 2048, 1024)],
         namespaces={"team-a": (2048, 0)},
         quotas=[{"namespace": "team-a", "memory_mib": 4096}],
         pending_by_reason={"needs N GiB": 1},
