@@ -19,7 +19,7 @@ import httpx
 
 from bench.common import BenchResult, Context, Target, private_bus, private_database
 from bench.cpu import CpuWindow
-from bench.footprint import applied_events, caught_up
+from bench.footprint import applied_so_far, caught_up
 from bench.replay import publish_all
 from bench.stack import rss_mib, service
 from shared.events.catalogue import ReservedEvent
@@ -50,7 +50,7 @@ async def run(ctx: Context) -> BenchResult:
                 except TimeoutError:
                     seconds = None
                 async with httpx.AsyncClient(timeout=30.0) as client:
-                    applied = applied_events((await client.get(f"{acc.url}/metrics")).text)
+                    applied = await applied_so_far(client, acc.url)
             m["accounting_rss_mib"], m["accounting_peak_rss_mib"] = rss_mib(acc.pid)
     m["events_in_stream"] = len(events)
     m["events_applied"] = int(applied)

@@ -55,7 +55,7 @@ async def run(ctx: Context) -> BenchResult:
                     if time.monotonic() > deadline:
                         break
                     await asyncio.sleep(0.5)
-                applied = applied_events((await client.get(f"{acc.url}/metrics")).text)
+                applied = await applied_so_far(client, acc.url)
                 done_s = watch.result() if watch.done() else None
                 watch.cancel()
                 window = done_s if done_s is not None else time.monotonic() - started
@@ -73,7 +73,7 @@ async def run(ctx: Context) -> BenchResult:
         "accounting keeps its read models in PostgreSQL; accounting_events_projected says how far its consumer "
         f"got through the {len(events)} events within the soak ({m['allocations']} of them change its read "
         "models); accounting_catchup_events_per_s is that count over the seconds from accounting's readiness to "
-        "the last one applied (accounting_catchup_s, /metrics read every 0.2 s) or to the end of the soak, while "
+        "the last one applied (accounting_catchup_s, that counter read every 0.2 s) or to the end of the soak, while "
         "the extender is exercised on the same machine"
     )
     return result
@@ -83,14 +83,23 @@ async def caught_up(url: str, total: int, started: float, *, every_s: float = 0.
     """Seconds from `started` until accounting has applied `total` events (its /metrics read every `every_s`)."""
     async with httpx.AsyncClient(timeout=30.0) as client:
         while True:
-            if applied_events((await client.get(f"{url}/metrics")).text) >= total:
+            if await applied_so_far(client, url) >= total:
                 return time.monotonic() - started
             await asyncio.sleep(every_s)
+
+
+APPLIED = "gpushare_accounting_events_applied_total"
+
+
+async def applied_so_far(client: httpx.AsyncClient, url: str) -> float:
+    """The events accounting at `url` has applied, read from /metrics filtered to that counter (the whole page
+    is 15 MB at 5,000 nodes)."""
+    return applied_events((await client.get(f"{url}/metrics", params={"name[]": APPLIED})).text)
 
 
 def applied_events(metrics: str) -> float:
     """gpushare_accounting_events_applied_total from a /metrics page (0 when absent)."""
     for line in metrics.splitlines():
-        if line.startswith("gpushare_accounting_events_applied_total"):
+        if line.startswith(APPLIED):
             return float(line.split()[-1])
     return 0.0

@@ -44,38 +44,36 @@ class LedgerCollector(Collector):
         self.snapshot = Snapshot()
 
     def collect(self) -> Iterable[Metric]:
+        # One family at a time: at 5,000 nodes x 8 GPUs each per-GPU family is 40,000 samples, and /metrics
+        # renders each family as it comes (shared.http.exposition), so only one is held at once.
         s = self.snapshot
-        node_total = GaugeMetricFamily(
-            "gpushare_node_gpu_memory_bytes", "Schedulable GPU memory of a node", labels=NODE_LABELS
-        )
-        node_alloc = GaugeMetricFamily(
-            "gpushare_node_gpu_memory_allocated_bytes", "GPU memory allocated on a node", labels=NODE_LABELS
-        )
-        node_gpus = GaugeMetricFamily("gpushare_node_gpus", "GPUs of a node in the ledger", labels=NODE_LABELS)
-        gpu_total = GaugeMetricFamily("gpushare_gpu_memory_bytes", "Schedulable memory of a GPU", labels=GPU_LABELS)
-        gpu_alloc = GaugeMetricFamily(
-            "gpushare_gpu_memory_allocated_bytes", "Memory of a GPU held by live allocations", labels=GPU_LABELS
-        )
-        gpu_used = GaugeMetricFamily(
-            "gpushare_gpu_memory_used_bytes", "Memory of a GPU in use at its latest usage sample", labels=GPU_LABELS
-        )
-        per_node: dict[str, list[float]] = {}  # node -> [memory, allocated, GPUs]
-        for node, index, uuid, model, memory, allocated, used in s.gpus:
+        per_node: dict[str, list[int]] = {}  # node -> [memory, allocated, GPUs]
+        for node, _index, _uuid, _model, memory, allocated, _used in s.gpus:
             sums = per_node.setdefault(node, [0, 0, 0])
             sums[0] += memory
             sums[1] += allocated
             sums[2] += 1
-            labels = gpu_labels(node, index, uuid, model)
-            gpu_total.add_metric(labels, mib_to_bytes(memory))
-            gpu_alloc.add_metric(labels, mib_to_bytes(allocated))
-            if used is not None:
-                gpu_used.add_metric(labels, mib_to_bytes(used))
-        for name in s.nodes:
-            memory, allocated, count = per_node.get(name, (0, 0, 0))
-            node = node_labels(name)
-            node_total.add_metric(node, mib_to_bytes(memory))
-            node_alloc.add_metric(node, mib_to_bytes(allocated))
-            node_gpus.add_metric(node, count)
+        node_families = (
+            ("gpushare_node_gpu_memory_bytes", "Schedulable GPU memory of a node", 0, mib_to_bytes),
+            ("gpushare_node_gpu_memory_allocated_bytes", "GPU memory allocated on a node", 1, mib_to_bytes),
+            ("gpushare_node_gpus", "GPUs of a node in the ledger", 2, int),
+        )
+        for name, help_text, column, scale in node_families:
+            family = GaugeMetricFamily(name, help_text, labels=NODE_LABELS)
+            for node in s.nodes:
+                family.add_metric(node_labels(node), scale(per_node.get(node, (0, 0, 0))[column]))
+            yield family
+        gpu_families = (
+            ("gpushare_gpu_memory_bytes", "Schedulable memory of a GPU", 4),
+            ("gpushare_gpu_memory_allocated_bytes", "Memory of a GPU held by live allocations", 5),
+            ("gpushare_gpu_memory_used_bytes", "Memory of a GPU in use at its latest usage sample", 6),
+        )
+        for name, help_text, column in gpu_families:
+            family = GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
+            for row in s.gpus:
+                if row[column] is not None:
+                    family.add_metric(gpu_labels(*row[:4]), mib_to_bytes(row[column]))
+            yield family
         ns_alloc = GaugeMetricFamily(
             "gpushare_namespace_gpu_memory_allocated_bytes", "GPU memory a namespace holds", labels=["namespace"]
         )
@@ -99,7 +97,6 @@ class LedgerCollector(Collector):
         )
         for ns, pod, value in s.pod_ratios:
             ratio.add_metric([ns, pod], value)
-        yield from (node_total, node_alloc, node_gpus, gpu_total, gpu_alloc, gpu_used)
         yield from (ns_alloc, ns_quota, pending, ratio)
 
 

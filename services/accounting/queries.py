@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -27,14 +28,19 @@ def _iso(ts: datetime | None) -> str | None:
 # ---------------------------------------------------------------- GPUs and nodes
 
 
-async def latest_gpu_usage(conn: AsyncConnection) -> dict[str, tuple[int, datetime]]:
-    """Per GPU UUID: the memory used at its latest usage sample and when."""
+async def latest_gpu_usage(conn: AsyncConnection, *, node: str | None = None) -> dict[str, tuple[int, datetime]]:
+    """Per GPU UUID (of one node's samples, when `node` is given): the memory used at its latest usage sample
+    and when."""
+    one = node is not None
     rows = await conn.execute(
         text(
-            "WITH latest AS (SELECT gpu_uuid, max(ts) AS ts FROM usage_samples GROUP BY gpu_uuid) "
+            "WITH latest AS (SELECT gpu_uuid, max(ts) AS ts FROM usage_samples "
+            f"{'WHERE node = :node ' if one else ''}GROUP BY gpu_uuid) "
             "SELECT u.gpu_uuid, sum(u.used_memory_mib) AS used, max(u.ts) AS ts "
-            "FROM usage_samples u JOIN latest l ON u.gpu_uuid = l.gpu_uuid AND u.ts = l.ts GROUP BY u.gpu_uuid"
-        )
+            "FROM usage_samples u JOIN latest l ON u.gpu_uuid = l.gpu_uuid AND u.ts = l.ts "
+            f"{'WHERE u.node = :node ' if one else ''}GROUP BY u.gpu_uuid"
+        ),
+        {"node": node} if one else {},
     )
     return {r.gpu_uuid: (int(r.used), r.ts) for r in rows}
 
@@ -57,31 +63,24 @@ def _gpu_dict(r: Any, used: dict[str, tuple[int, datetime]]) -> dict[str, Any]:
     }
 
 
-async def list_nodes(conn: AsyncConnection, *, include_retired: bool = False) -> list[dict[str, Any]]:
-    """Every node with its GPUs and their allocated / used memory."""
-    query = select(nodes).order_by(nodes.c.name)
-    if not include_retired:
-        query = query.where(nodes.c.retired_at.is_(None))
-    node_rows = (await conn.execute(query)).all()
-    gpu_query = select(gpus).where(gpus.c.retired_at.is_(None)).order_by(gpus.c.node, gpus.c.index)
-    by_node: dict[str, list[Any]] = defaultdict(list)
-    for g in (await conn.execute(gpu_query)).all():
-        by_node[g.node].append(g)
-    used = await latest_gpu_usage(conn)
-    pending_mib = await _pending_memory(conn)
-    counts = dict(
-        (
-            await conn.execute(
-                select(allocations.c.node, func.count()).where(text(LIVE_SQL)).group_by(allocations.c.node)
-            )
-        ).all()
-    )
-    out = []
-    for n in node_rows:
-        gpu_list = [_gpu_dict(g, used) for g in by_node.get(n.name, [])]
-        labels = n.labels or {}
-        out.append(
-            {
+@dataclass
+class NodeRows:
+    """What the node listing is made of, read in one go: node rows, their GPU rows, the latest usage samples,
+    the memory pending on GPUs gone from a node, and the live allocations per node. `dicts` builds the
+    listing's dicts one node at a time, so a caller that streams them never holds the whole listing."""
+
+    nodes: list[Any]
+    gpus: dict[str, list[Any]]
+    used: dict[str, tuple[int, datetime]]
+    pending_mib: dict[str, int]
+    live_counts: dict[str, int]
+
+    def dicts(self) -> Iterator[dict[str, Any]]:
+        """Each node as `/v1/nodes` lists it, with its GPUs."""
+        for n in self.nodes:
+            gpu_list = [_gpu_dict(g, self.used) for g in self.gpus.get(n.name, [])]
+            labels = n.labels or {}
+            yield {
                 "name": n.name,
                 "address": labels.get("address") or labels.get("internal_ip") or "",
                 "driver_version": n.driver_version,
@@ -91,32 +90,61 @@ async def list_nodes(conn: AsyncConnection, *, include_retired: bool = False) ->
                 "memory_mib": sum(g["memory_mib"] for g in gpu_list),
                 "allocated_memory_mib": sum(g["allocated_memory_mib"] for g in gpu_list),
                 "used_memory_mib": sum(g["used_memory_mib"] or 0 for g in gpu_list),
-                "pending_memory_mib": pending_mib.get(n.name, 0),
-                "live_allocations": int(counts.get(n.name, 0)),
+                "pending_memory_mib": self.pending_mib.get(n.name, 0),
+                "live_allocations": int(self.live_counts.get(n.name, 0)),
                 "gpus": gpu_list,
             }
-        )
-    return out
 
 
-async def _pending_memory(conn: AsyncConnection) -> dict[str, int]:
-    """Per node: memory of live shares on GPUs the node no longer lists (gpushare's PENDING column)."""
-    rows = await conn.execute(
+async def node_rows(conn: AsyncConnection, *, include_retired: bool = False, name: str | None = None) -> NodeRows:
+    """The rows behind the node listing: every node in service (also the retired ones with `include_retired`),
+    or only the node called `name` (retired or not)."""
+    query = select(nodes).order_by(nodes.c.name)
+    gpu_query = select(gpus).where(gpus.c.retired_at.is_(None)).order_by(gpus.c.node, gpus.c.index)
+    counts_query = select(allocations.c.node, func.count()).where(text(LIVE_SQL)).group_by(allocations.c.node)
+    if name is not None:
+        query = query.where(nodes.c.name == name)
+        gpu_query = gpu_query.where(gpus.c.node == name)
+        counts_query = counts_query.where(allocations.c.node == name)
+    elif not include_retired:
+        query = query.where(nodes.c.retired_at.is_(None))
+    by_node: dict[str, list[Any]] = defaultdict(list)
+    for g in await conn.execute(gpu_query):
+        by_node[g.node].append(g)
+    return NodeRows(
+        nodes=(await conn.execute(query)).all(),
+        gpus=by_node,
+        used=await latest_gpu_usage(conn, node=name),
+        pending_mib=await _pending_memory(conn, node=name),
+        live_counts=dict((await conn.execute(counts_query)).all()),
+    )
+
+
+async def list_nodes(conn: AsyncConnection, *, include_retired: bool = False) -> list[dict[str, Any]]:
+    """Every node with its GPUs and their allocated / used memory."""
+    return list((await node_rows(conn, include_retired=include_retired)).dicts())
+
+
+async def _pending_memory(conn: AsyncConnection, *, node: str | None = None) -> dict[str, int]:
+    """Per node (or for `node` only): memory of live shares on GPUs the node no longer lists (gpushare's PENDING
+    column)."""
+    query = (
         select(allocations.c.node, func.sum(allocation_parts.c.memory_mib))
         .select_from(allocation_parts.join(allocations, allocation_parts.c.allocation_id == allocations.c.id))
         .outerjoin(gpus, and_(gpus.c.uuid == allocation_parts.c.gpu_uuid, gpus.c.retired_at.is_(None)))
         .where(allocations.c.state.in_(LIVE_STATE_VALUES), gpus.c.uuid.is_(None))
         .group_by(allocations.c.node)
     )
-    return {r[0]: int(r[1]) for r in rows}
+    if node is not None:
+        query = query.where(allocations.c.node == node)
+    return {r[0]: int(r[1]) for r in await conn.execute(query)}
 
 
 async def node_detail(conn: AsyncConnection, name: str) -> dict[str, Any] | None:
     """One node, its GPUs and each GPU's live allocations (with this GPU's share of each)."""
-    found = [n for n in await list_nodes(conn, include_retired=True) if n["name"] == name]
-    if not found:
+    node = next((await node_rows(conn, name=name)).dicts(), None)
+    if node is None:
         return None
-    node = found[0]
     live = await _allocations_where(conn, and_(allocations.c.node == name, allocations.c.state.in_(LIVE_STATE_VALUES)))
     by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for a in live:

@@ -6,12 +6,18 @@ from datetime import timedelta
 
 import httpx
 import pytest
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 from pydantic import SecretStr
+from sqlalchemy import event
 
+from services.accounting import queries
 from services.accounting.api import create_app
 from services.accounting.resource_quotas import ResourceQuotas, gpu_quota_rows, quantity
+from services.accounting.routes import cluster
 from services.accounting.routes.quotas import NO_KUBERNETES
-from shared.events.catalogue import QuotaEvent
+from services.accounting.schemas import NodeList
+from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, NodeRetiredEvent, QuotaEvent
 from shared.ledger.replay import read_events
 from shared.settings import Settings
 
@@ -308,8 +314,6 @@ async def test_oversized_bodies_are_refused_before_parsing(plain_client: httpx.A
 async def test_cluster_totals_are_the_sums_of_the_node_list(seeded: Stack) -> None:
     """/v1/cluster adds up what /v1/nodes lists (read without building that list): retired nodes and GPUs left
     out, unhealthy GPUs counted, the latest usage samples summed."""
-    from shared.events.catalogue import GpuInfo, HealthEvent, InventoryEvent, NodeRetiredEvent
-
     gone = [GpuInfo(uuid=f"GPU-gone-{i}", index=i, memory_mib=8 * GIB, memory_total_mib=8 * GIB) for i in range(2)]
     await seeded.ledger.record(InventoryEvent(node="node-gone", gpus=gone))
     await seeded.ledger.record(NodeRetiredEvent(node="node-gone"))
@@ -324,3 +328,52 @@ async def test_cluster_totals_are_the_sums_of_the_node_list(seeded: Stack) -> No
     assert c["memory_mib"] == sum(n["memory_mib"] for n in nodes)
     assert c["allocated_memory_mib"] == sum(n["allocated_memory_mib"] for n in nodes)
     assert c["used_memory_mib"] == sum(n["used_memory_mib"] for n in nodes) > 0
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2, 100])
+async def test_node_listing_is_streamed_as_the_answer_model_writes_it(
+    seeded: Stack, monkeypatch: pytest.MonkeyPatch, per_chunk: int
+) -> None:
+    """/v1/nodes is streamed without FastAPI's answer check (for memory at 5,000 nodes): its bytes are exactly
+    the JSONResponse of the listing validated by NodeList, whatever the chunking, retired nodes included."""
+    monkeypatch.setattr(cluster, "NODES_PER_CHUNK", per_chunk)
+    gone = [GpuInfo(uuid="GPU-gone-0", index=0, memory_mib=8 * GIB, memory_total_mib=8 * GIB)]
+    await seeded.ledger.record(InventoryEvent(node="node-gone", gpus=gone))
+    await seeded.ledger.record(NodeRetiredEvent(node="node-gone"))
+    await seeded.settle()
+    for retired in (False, True):
+        r = await seeded.client.get(f"/v1/nodes?include_retired={str(retired).lower()}")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        async with seeded.engine.connect() as conn:
+            items = await queries.list_nodes(conn, include_retired=retired)
+        answer = NodeList.model_validate({"items": items, "memory_unit": "GiB"})
+        assert r.content == JSONResponse(jsonable_encoder(answer)).body
+        assert len(items) == (3 if retired else 2)
+    await seeded.ledger.record(NodeRetiredEvent(node="node-0"))
+    await seeded.ledger.record(NodeRetiredEvent(node="node-1"))
+    await seeded.settle()
+    empty = await seeded.client.get("/v1/nodes")
+    assert empty.json() == {"items": [], "memory_unit": "GiB"}
+
+
+async def test_node_detail_reads_only_its_node(seeded: Stack) -> None:
+    """/v1/nodes/{name} is the listing's entry for that node plus its allocations, read for that node alone
+    (it used to build the whole cluster's listing to pick one node from it)."""
+    async with seeded.engine.connect() as conn:
+        listing = {n["name"]: n for n in await queries.list_nodes(conn)}
+        statements: list[str] = []
+
+        def record(conn_: object, cursor: object, statement: str, *args: object) -> None:
+            statements.append(statement)
+
+        event.listen(seeded.engine.sync_engine, "before_cursor_execute", record)
+        try:
+            detail = await queries.node_detail(conn, "node-0")
+        finally:
+            event.remove(seeded.engine.sync_engine, "before_cursor_execute", record)
+    assert detail is not None
+    summary = {k: v for k, v in detail.items() if k not in ("allocations", "pending_allocations")}
+    summary["gpus"] = [{k: v for k, v in g.items() if k != "allocations"} for g in detail["gpus"]]
+    assert summary == listing["node-0"]
+    node_reads = [s for s in statements if "FROM nodes" in s]
+    assert node_reads and all("nodes.name = " in s for s in node_reads)

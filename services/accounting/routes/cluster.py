@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
 
 from .. import queries
 from ..deps import AppSettings, Conn, found
@@ -20,9 +23,35 @@ async def cluster(conn: Conn, settings: AppSettings) -> dict[str, Any]:
 
 
 @router.get("/nodes", summary="Nodes with their GPUs", response_model=NodeList, responses=refusals(422))
-async def nodes(conn: Conn, settings: AppSettings, include_retired: bool = False) -> dict[str, Any]:
-    items = await queries.list_nodes(conn, include_retired=include_retired)
-    return {"items": items, "memory_unit": settings.resource_memory_unit.value}
+async def nodes(conn: Conn, settings: AppSettings, include_retired: bool = False) -> StreamingResponse:
+    # Streamed node by node, bypassing the answer model's check: at 5,000 nodes x 8 GPUs the validated listing
+    # cost accounting ~100 MiB at its peak. The bytes equal the validated answer's (tested against NodeList).
+    rows = await queries.node_rows(conn, include_retired=include_retired)
+    return StreamingResponse(listing_json(rows.dicts(), settings.resource_memory_unit.value), media_type=JSON)
+
+
+JSON = "application/json"
+NODES_PER_CHUNK = 100
+
+
+async def listing_json(items: Iterable[dict[str, Any]], memory_unit: str) -> AsyncIterator[bytes]:
+    """`{"items": [...], "memory_unit": ...}` as FastAPI's JSONResponse writes it, in chunks of
+    `NODES_PER_CHUNK` items."""
+    yield b'{"items":['
+    chunk: list[str] = []
+    first = True
+    for item in items:
+        chunk.append(_dumps(item))
+        if len(chunk) == NODES_PER_CHUNK:
+            yield (("" if first else ",") + ",".join(chunk)).encode()
+            chunk, first = [], False
+    if chunk:
+        yield (("" if first else ",") + ",".join(chunk)).encode()
+    yield f'],"memory_unit":{_dumps(memory_unit)}}}'.encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
 
 
 @router.get("/nodes/{name}", **lookup("One node, its GPUs and their allocations", NodeDetail))
