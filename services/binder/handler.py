@@ -28,10 +28,10 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from services.binder import reads
 from services.binder.decide import Action, Decision, binding_checks_uid, decide
 from services.binder.metrics import BinderMetrics
-from services.binder.pod_index import PodIndex
 from shared.annotations import binding_annotations
 from shared.events.catalogue import Event, ReservedEvent
 from shared.kube.binding import create_binding
+from shared.kube.pod_index import PodIndex
 from shared.kube.pods import get_pod
 from shared.kube.raw import status_message
 from shared.kube.retry import RetryPolicy, call_with_retry

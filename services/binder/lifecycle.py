@@ -22,7 +22,7 @@ from kubernetes_asyncio import client
 from services.binder import reads
 from services.binder.metrics import BinderMetrics
 from services.binder.nudge import CapacityNudger
-from services.binder.pod_index import PodIndex
+from services.binder.pod_index import PodIndex, binder_index
 from shared.annotations import ALLOCATION, GPU_MEM_IDX
 from shared.kube import pods
 from shared.kube.pods import Pod
@@ -59,7 +59,7 @@ class Lifecycle:
         self, ledger: Ledger, api: client.ApiClient, *, metrics: BinderMetrics, index: PodIndex | None = None
     ) -> None:
         self.ledger = ledger
-        self.index = index if index is not None else PodIndex()
+        self.index = index if index is not None else binder_index()
         self.api = api
         self.metrics = metrics
         self.nudger = CapacityNudger(api)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from shared.kube import pods
+from shared.kube.pod_index import PodIndex
 from shared.kube.pods import Pod
-from shared.kube.watching import DELETED
 
 
 def summary(pod: Pod) -> Pod:
@@ -29,42 +29,6 @@ def summary(pod: Pod) -> Pod:
     }
 
 
-class PodIndex:
-    """namespace/name -> `summary` of the pod, fed by watch events.
-
-    Each (re)list ends with `synced()`: entries neither listed nor changed since the previous one belong to
-    pods deleted while the watch was down, and are dropped. A stale entry can only make a Binding fail
-    (the pod is gone, or bound elsewhere): the binder then reads the pod, as without the index.
-    """
-
-    def __init__(self) -> None:
-        self.ready = False
-        self._cycle = 0
-        self._pods: dict[tuple[str, str], tuple[int, Pod]] = {}
-
-    def __len__(self) -> int:
-        return len(self._pods)
-
-    def update(self, event_type: str, pod: Pod) -> None:
-        """Apply one ADDED / MODIFIED / DELETED event."""
-        meta = pods.metadata(pod)
-        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-        if event_type == DELETED:
-            current = self._pods.get(key)
-            if current is not None and pods.pod_uid(current[1]) == pods.pod_uid(pod):
-                del self._pods[key]
-            return
-        self._pods[key] = (self._cycle, summary(pod))
-
-    def synced(self) -> None:
-        """A (re)list finished: forget what it did not list (and nothing changed since), then answer."""
-        self._pods = {k: v for k, v in self._pods.items() if v[0] >= self._cycle}
-        self._cycle += 1
-        self.ready = True
-
-    def get(self, namespace: str, name: str) -> Pod | None:
-        """The pod as last seen, or None when unknown (or before the first list finished)."""
-        if not self.ready:
-            return None
-        entry = self._pods.get((namespace, name))
-        return entry[1] if entry is not None else None
+def binder_index() -> PodIndex:
+    """The binder's index: a `summary` of every pod the watch shows."""
+    return PodIndex(summary)

@@ -15,7 +15,7 @@ from services.binder.gateway import LedgerGateway
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
 from services.binder.metrics import BinderMetrics
-from services.binder.pod_index import PodIndex
+from services.binder.pod_index import binder_index
 from services.binder.reconcile import Reconciler
 from shared.events.bus import EventBus
 from shared.events.catalogue import ReservedEvent, kind_of
@@ -47,7 +47,7 @@ class Binder:
     def __init__(self, ledger: Ledger, bus: EventBus, api: client.ApiClient, config: BinderConfig) -> None:
         self.config = config
         self.metrics = BinderMetrics()
-        self.pods = PodIndex()  # fed by the lifecycle's pod watch, read by the handler before binding
+        self.pods = binder_index()  # fed by the lifecycle's pod watch, read by the handler before binding
         self.handler = BindHandler(
             ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods
         )

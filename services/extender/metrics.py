@@ -24,3 +24,8 @@ BIND_OUTCOMES = Counter(
     ["reason"],
 )
 RESYNCS = Counter("gpushare_extender_resyncs_total", "Full reloads of the in-memory view from the ledger", ["reason"])
+BIND_POD_READS = Counter(
+    "gpushare_extender_bind_pod_reads_total",
+    "Pods bind reserved for, by where the pod came from (watch: the unbound-pod watch; api: a GET)",
+    ["source"],
+)

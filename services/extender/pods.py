@@ -3,9 +3,14 @@
 Filter calls are unauthenticated in the usual set-up (plain HTTP, as kube-scheduler's extender protocol is
 often run), so a pod described by a filter call is a claim, not a fact: a forged filter call with a real pod's
 UID and other resources would otherwise steer that pod's reservation. With the API configured (the default:
-`--kubeconfig`, `$KUBECONFIG` or in-cluster), bind reads the pod by namespace and name and refuses when its
+`--kubeconfig`, `$KUBECONFIG` or in-cluster), bind takes the pod from the API server and refuses when its
 UID is not the one kube-scheduler asked to bind; the resources, annotations and owner it reserves for are the
 API server's.
+
+Where from: a list-then-watch of unbound pods (`spec.nodeName=`) keeps the GPU pods among them, so most binds
+need no request of their own; a pod the watch has not shown yet (it may trail kube-scheduler's informer by
+milliseconds), or shows under another UID, is read with a GET as before. The watch needs `list` and `watch`
+on pods; without them it retries in the background and every bind reads its pod.
 
 Only `--trust-filter-pods` (local development and benchmarks without an API server) makes bind use what
 filter saw: an LRU bounded by entries and by bytes.
@@ -13,12 +18,18 @@ filter saw: an LRU bounded by entries and by bytes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
 from typing import Any
 
+from services.extender.metrics import BIND_POD_READS
 from services.extender.wire import BindingArgs, dump_json
+from shared.kube import pods
+from shared.kube.pod_index import PodIndex
+from shared.kube.pods import Pod
+from shared.kube.watching import SYNCED, watch_objects
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +84,11 @@ class FilterPods:
         return found[0]
 
 
+def unbound_gpu_pod(pod: Pod) -> Pod | None:
+    """What the extender's pod watch keeps: an unbound pod that asks for gpushare's resources (pure)."""
+    return pod if not pods.node_name(pod) and pods.requests_resource_prefix(pod) else None
+
+
 class PodCache:
     """Where bind gets its pod: the Kubernetes API (verified by UID), or, only with `trust_filter`, filter's LRU."""
 
@@ -88,7 +104,37 @@ class PodCache:
         self.kube_enabled = kube_enabled
         self.trust_filter = not kube_enabled
         self.filtered = FilterPods(max_entries=size, max_bytes=max_bytes)
+        self.watched = PodIndex(unbound_gpu_pod, max_entries=size)
         self._kube: Any = None
+
+    async def _api(self) -> Any:
+        from shared.kube.client import api_client
+
+        if self._kube is None:
+            self._kube = await api_client(self.kubeconfig)
+        return self._kube
+
+    async def watch(self, *, retry_s: float = 5.0) -> None:
+        """Feed `watched` from a list-then-watch of unbound pods, until cancelled (nothing to do when bind
+        trusts filter)."""
+        if self.trust_filter:
+            return
+        from kubernetes_asyncio import client
+
+        while True:
+            try:
+                core = client.CoreV1Api(await self._api())
+                break
+            except Exception as exc:
+                log.warning("no Kubernetes API for the pod watch yet (%s); bind reads each pod", _short(exc))
+                await asyncio.sleep(retry_s)
+        async for event in watch_objects(
+            core.list_pod_for_all_namespaces, what="unbound pods", field_selector="spec.nodeName="
+        ):
+            if event.type == SYNCED:
+                self.watched.synced()
+            else:
+                self.watched.update(event.type, event.object)
 
     def remember(self, pod: dict[str, Any]) -> None:
         """Called for every filter call: kept only when bind trusts filter (nothing is kept otherwise)."""
@@ -105,17 +151,19 @@ class PodCache:
                     "filter (--trust-filter-pods: the Kubernetes API is not used)"
                 )
             return pod
+        watched = self.watched.get(args.pod_namespace, args.pod_name)
+        if watched is not None and pods.pod_uid(watched) == args.pod_uid:
+            BIND_POD_READS.labels(source="watch").inc()
+            return watched
+        BIND_POD_READS.labels(source="api").inc()
         try:
             from kubernetes_asyncio import client
 
-            from shared.kube.client import api_client
             from shared.kube.raw import DEFAULT_TIMEOUT_S, read_json
 
-            if self._kube is None:
-                self._kube = await api_client(self.kubeconfig)
             # the pod as the API server's JSON: no model objects built and serialised back on every bind
             pod = await read_json(
-                await client.CoreV1Api(self._kube).read_namespaced_pod(
+                await client.CoreV1Api(await self._api()).read_namespaced_pod(
                     args.pod_name, args.pod_namespace, _preload_content=False, _request_timeout=DEFAULT_TIMEOUT_S
                 )
             )

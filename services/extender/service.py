@@ -7,7 +7,7 @@
 | bind | `services.extender.bind` |
 | preempt | `services.extender.preempt` |
 | inspect | `services.extender.inspection` |
-| pod specs for bind (verified in the Kubernetes API) | `services.extender.pods` |
+| pod specs for bind (from the Kubernetes API: a watch of unbound pods, else a GET) | `services.extender.pods` |
 | bus events, reloads | `services.extender.resync` |
 | refused events | `services.extender.refusals` |
 """
@@ -83,6 +83,7 @@ class ExtenderService:
             self._sub = await self.bus.nc.subscribe(f"{self.bus.names.prefix}.>", cb=self.sync.on_message)
         await self.resync("start")
         self._tasks.append(asyncio.create_task(self.sync.run()))
+        self._tasks.append(asyncio.create_task(self.pods.watch(), name="unbound-pod-watch"))
 
     async def close(self) -> None:
         """Stop background work (the caller owns the engine and the bus)."""

@@ -121,7 +121,7 @@ async def watch_objects(
             )
             if resp.status != 200:
                 await read_json(resp)  # raises with the status
-            try:
+            async with resp:  # the connection goes back to the pool however the stream ends
                 async for line in _lines(resp):
                     parsed = parse_line(line)
                     if parsed is None:
@@ -132,8 +132,6 @@ async def watch_objects(
                     version = resource_version(parsed.object) or version
                     backoff = 0.5
                     yield parsed
-            finally:
-                resp.release()
         except asyncio.CancelledError:
             raise
         except Gone:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.binder.decide import Action, decide
-from services.binder.pod_index import PodIndex
+from services.binder.pod_index import binder_index
 
 
 def pod(name: str, uid: str, node: str = "", deleting: bool = False) -> dict:
@@ -14,7 +14,7 @@ def pod(name: str, uid: str, node: str = "", deleting: bool = False) -> dict:
 
 
 def test_answers_only_after_the_first_list_and_keeps_what_decide_reads() -> None:
-    index = PodIndex()
+    index = binder_index()
     index.update("ADDED", pod("a", "u1"))
     assert index.get("ml", "a") is None  # not synced yet: the caller reads the pod
     index.synced()
@@ -25,7 +25,7 @@ def test_answers_only_after_the_first_list_and_keeps_what_decide_reads() -> None
 
 
 def test_follows_binding_deletion_and_replacement() -> None:
-    index = PodIndex()
+    index = binder_index()
     index.synced()
     index.update("ADDED", pod("a", "u1"))
     index.update("MODIFIED", pod("a", "u1", node="n2"))
@@ -39,7 +39,7 @@ def test_follows_binding_deletion_and_replacement() -> None:
 
 
 def test_a_relist_forgets_pods_deleted_while_the_watch_was_down() -> None:
-    index = PodIndex()
+    index = binder_index()
     for name in ("a", "b", "c"):
         index.update("ADDED", pod(name, f"u-{name}"))
     index.synced()

@@ -15,12 +15,13 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes_asyncio import client
+from prometheus_client import REGISTRY
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devstack.cluster import ControlPlane
 from services.extender.app import create_app
-from services.extender.pods import FilterPods
+from services.extender.pods import FilterPods, PodCache
 from services.extender.service import ExtenderService
 from services.extender.wire import dump_json
 from shared.events.bus import EventBus
@@ -29,6 +30,7 @@ from shared.ledger.models import allocations
 from shared.settings import MemoryUnit
 from tests import system_tools
 from tests.extender.conftest import PREFIX, StandInBinder, add_node, bind_args, gpu_pod, names_args
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -155,3 +157,79 @@ def test_filter_pods_are_bounded_by_entries_and_bytes() -> None:
     assert len(small) == 3
     kept = [pod for pod in big if pods.get(pod["metadata"]["uid"]) is not None]
     assert pods.bytes == sum(len(dump_json(pod)) for pod in kept)
+
+
+def pod_reads() -> dict[str, float]:
+    """gpushare_extender_bind_pod_reads_total by source, in this process."""
+    name = "gpushare_extender_bind_pod_reads_total"
+    return {s: REGISTRY.get_sample_value(name, {"source": s}) or 0.0 for s in ("watch", "api")}
+
+
+async def test_bind_takes_unbound_gpu_pods_from_the_watch_and_reads_the_rest(
+    verifying: tuple[ExtenderService, httpx.AsyncClient],
+    kube: tuple[Any, str],
+    ledger: Ledger,
+    engine: AsyncEngine,
+    binder: StandInBinder,
+) -> None:
+    """The watch of unbound pods spares bind its GET: what it reserves is still the API server's pod (a forged
+    filter call changes nothing), a pod once bound leaves the watch, pods without GPU resources are never kept,
+    and a pod the watch shows under another UID is read before anything is reserved."""
+    service, http = verifying
+    api, namespace = kube
+    core = client.CoreV1Api(api)
+    await add_node(ledger, "n1", [16])
+    await service.resync("test")
+    real = await create_pending_pod(api, namespace, "watched", 8)
+    uid = real["metadata"]["uid"]
+    plain = {
+        "metadata": {"name": "plain", "namespace": namespace},
+        "spec": {"schedulerName": "nobody-schedules-this", "containers": [{"name": "c", "image": "busybox"}]},
+    }
+    await core.create_namespaced_pod(namespace, plain)
+    await eventually(lambda: service.pods.watched.get(namespace, "watched") is not None, what="the watch")
+    assert service.pods.watched.get(namespace, "plain") is None  # no GPU resources: not kept
+
+    before = pod_reads()
+    forged = gpu_pod("watched", 1, uid=uid, namespace=namespace)
+    await http.post(f"{PREFIX}/filter", json=names_args(forged, ["n1"]))
+    answer = (await http.post(f"{PREFIX}/bind", json=bind_args(forged, "n1"))).json()
+    assert answer["Error"] == "", answer
+    assert await reserved_mib(engine, uid) == [8 * 1024]  # the API server's 8 GiB, from the watch
+    after = pod_reads()
+    assert (after["watch"] - before["watch"], after["api"] - before["api"]) == (1, 0)
+
+    # the stand-in binder does not create Bindings: bind the pod here, and the watch lets it go
+    binding = {"metadata": {"name": "watched"}, "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"}}
+    await core.create_namespaced_binding(namespace, binding, _preload_content=False)
+    await eventually(lambda: service.pods.watched.get(namespace, "watched") is None, what="the bound pod to leave")
+
+    # recreated under the same name: until the watch catches up, a bind naming the new UID reads the pod
+    await create_pending_pod(api, namespace, "again", 2)
+    await eventually(lambda: service.pods.watched.get(namespace, "again") is not None, what="the watch")
+    service.pods.watched.update("MODIFIED", gpu_pod("again", 2, uid="stale-uid", namespace=namespace))
+    fresh = await core.read_namespaced_pod("again", namespace)
+    renamed = gpu_pod("again", 2, uid=fresh.metadata.uid, namespace=namespace)
+    before = pod_reads()
+    answer = (await http.post(f"{PREFIX}/bind", json=bind_args(renamed, "n1"))).json()
+    assert answer["Error"] == "", answer
+    after = pod_reads()
+    assert (after["watch"] - before["watch"], after["api"] - before["api"]) == (0, 1)
+
+
+def test_the_unbound_pod_index_keeps_gpu_pods_only_and_is_bounded() -> None:
+    """Pure: the watch keeps unbound pods asking for aliyun.com/ resources, drops them once bound, and keeps
+    no more than its bound (readers fall back to a GET)."""
+    cache = PodCache(size=2, kubeconfig=None)
+    index = cache.watched
+    index.synced()
+    index.update("ADDED", gpu_pod("a", 1, namespace="ml"))
+    index.update("ADDED", {"metadata": {"name": "cpu", "namespace": "ml", "uid": "u"}, "spec": {"containers": [{}]}})
+    assert index.get("ml", "a") is not None and index.get("ml", "cpu") is None
+    bound = gpu_pod("a", 1, namespace="ml")
+    bound["spec"]["nodeName"] = "n1"
+    index.update("MODIFIED", bound)
+    assert index.get("ml", "a") is None and len(index) == 0
+    for name in ("b", "c", "d"):
+        index.update("ADDED", gpu_pod(name, 1, namespace="ml"))
+    assert len(index) == 2 and index.get("ml", "d") is None and index.skipped == 1

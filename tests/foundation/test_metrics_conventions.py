@@ -26,7 +26,21 @@ from shared.metrics import GPU_LABELS, NODE_LABELS
 ROOT = Path(__file__).resolve().parents[2]
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 DASHBOARD = ROOT / "k8s" / "base" / "gpushare-dashboard.json"
-LABELS = {"node", "Hostname", "gpu", "UUID", "modelName", "namespace", "pod", "reason", "verb", "table", "task", "le"}
+LABELS = {
+    "node",
+    "Hostname",
+    "gpu",
+    "UUID",
+    "modelName",
+    "namespace",
+    "pod",
+    "reason",
+    "verb",
+    "table",
+    "task",
+    "source",
+    "le",
+}
 NOT_BASE_UNITS = re.compile(r"_(mib|gib|mb|gb|kib|pct|percent|ms|milliseconds)(_|$)")
 SECTIONS = {
     "accounting": "## Accounting",
