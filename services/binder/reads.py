@@ -5,9 +5,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import cache
 from typing import Any
 
-from sqlalchemy import and_, select
+from sqlalchemy import Select, Text, and_, any_, bindparam, select
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot, ShareRecord
@@ -51,22 +53,30 @@ async def bind_facts_many(engine: AsyncEngine, asks: list[tuple[uuid.UUID, list[
     ids = [a for a, _ in asks]
     uuids = sorted({u for _, us in asks for u in us})
     async with engine.connect() as conn:
-        states = dict(
-            (await conn.execute(select(allocations.c.id, allocations.c.state).where(allocations.c.id.in_(ids)))).all()
-        )
+        states = dict((await conn.execute(_states_of(), {"ids": ids})).all())
         memory = (
-            {
-                r.uuid: int(r.memory_mib)
-                for r in await conn.execute(select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid.in_(uuids)))
-            }
-            if uuids
-            else {}
+            {r.uuid: int(r.memory_mib) for r in await conn.execute(_memory_of(), {"uuids": uuids})} if uuids else {}
         )
     out = []
     for allocation_id, wanted in asks:
         state = states.get(allocation_id)
         out.append(BindFacts(state, {u: memory[u] for u in wanted if u in memory} if state is not None else {}))
     return out
+
+
+@cache
+def _states_of() -> Select:
+    """State of each allocation in `:ids`, one statement whatever their number (`= ANY(array)`: an IN list
+    would be re-rendered for every length)."""
+    return select(allocations.c.id, allocations.c.state).where(
+        allocations.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
+    )
+
+
+@cache
+def _memory_of() -> Select:
+    """Schedulable memory of each GPU in `:uuids` (`= ANY(array)`, as `_states_of`)."""
+    return select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid == any_(bindparam("uuids", type_=ARRAY(Text))))
 
 
 async def allocation_exists(engine: AsyncEngine, allocation_id: uuid.UUID) -> bool:
@@ -77,7 +87,7 @@ async def allocation_exists(engine: AsyncEngine, allocation_id: uuid.UUID) -> bo
 async def gpu_memory(engine: AsyncEngine, uuids: list[str]) -> dict[str, int]:
     """Schedulable memory (MiB) of each GPU named."""
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid.in_(uuids)))).all()
+        rows = (await conn.execute(_memory_of(), {"uuids": list(uuids)})).all()
     return {r.uuid: int(r.memory_mib) for r in rows}
 
 
@@ -165,7 +175,7 @@ async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord
             return None
         rows = await _part_rows(conn, allocation_id)
         uuids = sorted({r.gpu_uuid for r in rows})
-        memory = (await conn.execute(select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid.in_(uuids)))).all()
+        memory = (await conn.execute(_memory_of(), {"uuids": uuids})).all()
     return PodRecord(
         allocation_id=row.id,
         pod_uid=row.pod_uid,
