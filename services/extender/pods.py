@@ -106,12 +106,14 @@ class PodCache:
         self.filtered = FilterPods(max_entries=size, max_bytes=max_bytes)
         self.watched = PodIndex(unbound_gpu_pod, max_entries=size)
         self._kube: Any = None
+        self._opening = asyncio.Lock()
 
     async def _api(self) -> Any:
         from shared.kube.client import api_client
 
-        if self._kube is None:
-            self._kube = await api_client(self.kubeconfig)
+        async with self._opening:  # the watch and the first binds may ask at once: one client
+            if self._kube is None:
+                self._kube = await api_client(self.kubeconfig)
         return self._kube
 
     async def watch(self, *, retry_s: float = 5.0) -> None:
