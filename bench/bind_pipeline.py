@@ -5,11 +5,13 @@ Binding straight to the apiserver. Pipeline: POST kube-scheduler's bind call to 
 untimed filter call for the pod, as kube-scheduler makes before every bind), which
 reserves in the ledger, publishes through JetStream to the binder, which creates the Binding and reports
 back; the call returns when the outcome is known. Both with `concurrency` calls in flight; sustained
-pods/s and p50 / p99 per call.
+pods/s and p50 / p99 per call. An idle window before both phases measures the system's background CPU, and
+`*_background_cpu_ms_per_pod_*` say how much of each phase's CPU per pod that is (it grows with the phase).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from bench.common import BenchResult, Context, Target, gather_limited, latency_summary
-from bench.cpu import CpuWindow, product_ms_per_pod
+from bench.cpu import CpuWindow, background_ms_per_item, product_ms_per_pod
 from bench.http_client import LeanClient
 from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, whole_stack
 from bench.pyspy import phase_profiles
@@ -104,6 +106,9 @@ async def run(ctx: Context) -> BenchResult:
         gpu_pods = await create_pods(
             api, gpu_ns, [pod_body(f"g-{i}", gpu_gib=1, scheduler=NOBODY) for i in range(pods)], 20
         )
+        # the system's background CPU, to tell the phases' per-pod figures apart from it (see docs/benchmarks.md)
+        with CpuWindow(ctx.server_ports()) as idle_cpu:
+            await asyncio.sleep(ctx.pick(0.5, 3.0, 5.0))
         with CpuWindow(ctx.server_ports()) as raw_cpu:
             raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods, node_names, concurrency)
         with CpuWindow(ctx.server_ports()) as pipeline_cpu, phase_profiles("bind-pipeline"):
@@ -114,6 +119,8 @@ async def run(ctx: Context) -> BenchResult:
     m.update(raw_cpu.per_item_ms(pods, "raw"))
     m.update(pipeline_cpu.per_item_ms(pods, "pipeline"))
     m["pipeline_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "pipeline")  # gpushare's own share of the total
+    for prefix, phase in (("raw", raw_cpu), ("pipeline", pipeline_cpu)):
+        m.update(background_ms_per_item(idle_cpu.spent(), idle_cpu.seconds, phase.seconds, pods, prefix))
     m["raw_bindings_per_s"] = round(raw_rate, 2)
     m["pipeline_pods_per_s"] = round(rate, 2)
     m["ratio_pipeline_vs_raw"] = round(rate / raw_rate, 3)

@@ -10,6 +10,7 @@ process's time includes its reaped children's, so short-lived helpers (PostgreSQ
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,22 @@ def ms_per_item(spent: dict[str, float], items: int, prefix: str) -> dict[str, f
     return out
 
 
+def background_ms_per_item(
+    idle: dict[str, float], idle_s: float, busy_s: float, items: int, prefix: str
+) -> dict[str, float]:
+    """What the system spends with nothing to do (CPU seconds per group over `idle_s` of an idle window),
+    spread over a phase of `busy_s` seconds and `items` pods: the part of that phase's CPU per pod that is
+    background (leases, probes, periodic loops) rather than the pods' own work. Totals for the control plane,
+    for gpushare (`PRODUCT_GROUPS`) and for everything, as `{prefix}_background_cpu_ms_per_pod_*`."""
+    scale = busy_s / idle_s * 1000 / items if idle_s > 0 and items > 0 else 0.0
+    parts = {
+        "control_plane": sum(idle.get(g, 0.0) for g in CONTROL_PLANE_GROUPS),
+        "product": sum(idle.get(g, 0.0) for g in PRODUCT_GROUPS),
+        "total": sum(idle.values()),
+    }
+    return {f"{prefix}_background_cpu_ms_per_pod_{k}": round(v * scale, 2) for k, v in parts.items()}
+
+
 def product_ms_per_pod(metrics: dict[str, float], prefix: str) -> float:
     """gpushare's own CPU per pod: the sum of the `PRODUCT_GROUPS`' `{prefix}_cpu_ms_per_pod_*` figures."""
     keys = (f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}" for g in PRODUCT_GROUPS)
@@ -171,10 +188,12 @@ class CpuWindow:
 
     def __enter__(self) -> CpuWindow:
         self.before = cpu_by_group(self.roots)
+        self.started = time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.after = cpu_by_group(self.roots)
+        self.seconds = time.monotonic() - self.started
 
     def spent(self) -> dict[str, float]:
         """CPU seconds per group inside the window."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import asyncpg
 
 from bench.common import Context
-from bench.cpu import CpuWindow, listener_pids
+from bench.cpu import CpuWindow, background_ms_per_item, listener_pids
 from tests.conftest import _run
 
 
@@ -28,3 +28,16 @@ def test_postgres_found_by_its_unix_socket_and_its_cpu_counted(pg_server_url: st
     with CpuWindow(listeners) as window:
         _run(work())
     assert window.spent().get("postgres", 0.0) > 0.05, window.spent()
+
+
+def test_background_cpu_is_spread_over_the_phase_and_its_pods() -> None:
+    """An idle window's CPU, scaled to a phase's length and divided by its pods: per group family and total."""
+    idle = {"kube-apiserver": 0.3, "etcd": 0.1, "extender": 0.05, "postgres": 0.05, "bench": 0.1}
+    figures = background_ms_per_item(idle, idle_s=2.0, busy_s=4.0, items=200, prefix="pipeline")
+    # control plane 0.4 s per 2 s idle -> 0.8 s over the 4 s phase -> 4 ms per pod; gpushare 0.1 -> 1 ms
+    assert figures == {
+        "pipeline_background_cpu_ms_per_pod_control_plane": 4.0,
+        "pipeline_background_cpu_ms_per_pod_product": 1.0,
+        "pipeline_background_cpu_ms_per_pod_total": 6.0,
+    }
+    assert set(background_ms_per_item(idle, 0.0, 4.0, 200, "raw").values()) == {0.0}
