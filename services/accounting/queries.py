@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy import Select, and_, func, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, nodes, quotas
@@ -162,6 +162,15 @@ def _brief(a: dict[str, Any]) -> dict[str, Any]:
     return {k: a[k] for k in ("id", "pod_uid", "namespace", "pod_name", "state", "terminating_at")}
 
 
+def _gpus_in_service(*columns: Any) -> Select:
+    """`columns` of every GPU in service on a node in service (what `list_nodes` lists)."""
+    return (
+        select(*columns)
+        .join(nodes, nodes.c.name == gpus.c.node)
+        .where(gpus.c.retired_at.is_(None), nodes.c.retired_at.is_(None))
+    )
+
+
 GpuGauge = tuple[str, int, str, str, int, int, int | None]
 """(node, index, UUID, model, memory MiB, allocated MiB, used MiB at the latest sample or None)."""
 
@@ -173,12 +182,9 @@ async def gpu_gauges(conn: AsyncConnection) -> tuple[list[str], list[GpuGauge]]:
         (await conn.execute(select(nodes.c.name).where(nodes.c.retired_at.is_(None)).order_by(nodes.c.name))).scalars()
     )
     used = await latest_gpu_usage(conn)
-    query = (
-        select(gpus.c.node, gpus.c.index, gpus.c.uuid, gpus.c.model, gpus.c.memory_mib, gpus.c.allocated_memory_mib)
-        .join(nodes, nodes.c.name == gpus.c.node)
-        .where(gpus.c.retired_at.is_(None), nodes.c.retired_at.is_(None))
-        .order_by(gpus.c.node, gpus.c.index)
-    )
+    query = _gpus_in_service(
+        gpus.c.node, gpus.c.index, gpus.c.uuid, gpus.c.model, gpus.c.memory_mib, gpus.c.allocated_memory_mib
+    ).order_by(gpus.c.node, gpus.c.index)
     rows = [
         (
             r.node,
@@ -200,11 +206,7 @@ async def cluster_totals(conn: AsyncConnection, unit: str) -> dict[str, Any]:
     node_count = (
         await conn.execute(select(func.count()).select_from(nodes).where(nodes.c.retired_at.is_(None)))
     ).scalar_one()
-    live_gpus = (
-        select(gpus.c.uuid, gpus.c.memory_mib, gpus.c.allocated_memory_mib, gpus.c.healthy)
-        .join(nodes, nodes.c.name == gpus.c.node)
-        .where(gpus.c.retired_at.is_(None), nodes.c.retired_at.is_(None))
-    )
+    live_gpus = _gpus_in_service(gpus.c.uuid, gpus.c.memory_mib, gpus.c.allocated_memory_mib, gpus.c.healthy)
     used = await latest_gpu_usage(conn)
     gpu_count = unhealthy = total = allocated = used_total = 0
     for g in await conn.execute(live_gpus):

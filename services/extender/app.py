@@ -25,7 +25,6 @@ from services.extender.wire import (
     PREEMPTION_ARGS_SCHEMA,
     PREEMPTION_RESULT_SCHEMA,
     WireError,
-    dump_json,
     dump_priorities,
     load_json,
     parse_binding_args,
@@ -33,7 +32,7 @@ from services.extender.wire import (
     parse_preemption_args,
 )
 from shared.hot_path import Handler, HotPath
-from shared.http import BodyLimitMiddleware, install_common
+from shared.http import BodyLimitMiddleware, dump_json, install_common
 
 log = logging.getLogger(__name__)
 

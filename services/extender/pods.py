@@ -25,7 +25,8 @@ from collections import OrderedDict
 from typing import Any
 
 from services.extender.metrics import BIND_POD_READS
-from services.extender.wire import BindingArgs, dump_json
+from services.extender.wire import BindingArgs
+from shared.http import dump_json
 from shared.kube import pods
 from shared.kube.pod_index import PodIndex
 from shared.kube.pods import Pod
@@ -33,6 +34,8 @@ from shared.kube.watching import SYNCED, watch_objects
 
 log = logging.getLogger(__name__)
 
+FROM_WATCH = BIND_POD_READS.labels(source="watch")
+FROM_API = BIND_POD_READS.labels(source="api")
 DEFAULT_MAX_ENTRIES = 10_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # a pod object may be ~1.5 MiB (etcd's request limit): entries alone are no bound
 
@@ -155,9 +158,9 @@ class PodCache:
             return pod
         watched = self.watched.get(args.pod_namespace, args.pod_name)
         if watched is not None and pods.pod_uid(watched) == args.pod_uid:
-            BIND_POD_READS.labels(source="watch").inc()
+            FROM_WATCH.inc()
             return watched
-        BIND_POD_READS.labels(source="api").inc()
+        FROM_API.inc()
         try:
             from kubernetes_asyncio import client
 

@@ -10,8 +10,6 @@ from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from operator import getitem
 from typing import Any
 
-from pydantic_core import PydanticSerializationError, to_json
-
 DEFAULT_PREFIX = "/gpushare-scheduler"  # where the verbs are served (the scheduler configuration's urlPrefix)
 # The largest body a real kube-scheduler sends at 5,000 nodes with nodeCacheCapable: true (the pod and every
 # feasible node's name) is measured by `python -m bench --only request_size` (docs/benchmarks.md); this stays
@@ -32,19 +30,6 @@ def load_json(body: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise WireError("body must be a JSON object")
     return value
-
-
-def dump_json(value: Any) -> bytes:
-    """JSON bytes exactly as FastAPI's JSONResponse renders plain JSON values (compact, UTF-8).
-
-    Rendered by pydantic-core (Rust, ~3x `json.dumps` on a 5,000-name filter answer): the same bytes for the
-    strings, integers, booleans, nulls, lists and dicts the extender answers with (it would write a float
-    NaN as null, but no answer holds a float). Whatever it refuses goes through `json.dumps`.
-    """
-    try:
-        return to_json(value)
-    except (PydanticSerializationError, ValueError):
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
 _SCORE_TAILS = [f',"Score":{s}}}' for s in range(11)]

@@ -16,16 +16,11 @@ from shared.kube.pods import Pod
 from shared.kube.watching import DELETED
 
 
-def whole(pod: Pod) -> Pod:
-    """Keep the pod as the watch delivered it."""
-    return pod
-
-
 class PodIndex:
     """namespace/name -> `keep(pod)`, fed by watch events. A stale entry can only make a later API call fail
     (the pod is gone, or bound elsewhere), and every reader settles that by reading the pod."""
 
-    def __init__(self, keep: Callable[[Pod], Pod | None] = whole, *, max_entries: int | None = None) -> None:
+    def __init__(self, keep: Callable[[Pod], Pod | None], *, max_entries: int | None = None) -> None:
         self.keep = keep
         self.max_entries = max_entries
         self.ready = False

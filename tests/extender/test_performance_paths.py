@@ -12,8 +12,9 @@ from starlette.responses import JSONResponse
 
 from services.extender.service import ExtenderService
 from services.extender.view import ClusterView
-from services.extender.wire import dump_json, dump_priorities, parse_extender_args
+from services.extender.wire import dump_priorities, parse_extender_args
 from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, NodeRetiredEvent
+from shared.http import dump_json
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import ReservationRequest
 from tests.extender.conftest import PREFIX, StandInBinder, add_node, bind_args, gpu_pod, names_args

@@ -23,8 +23,8 @@ from devstack.cluster import ControlPlane
 from services.extender.app import create_app
 from services.extender.pods import FilterPods, PodCache
 from services.extender.service import ExtenderService
-from services.extender.wire import dump_json
 from shared.events.bus import EventBus
+from shared.http import dump_json
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations
 from shared.settings import MemoryUnit

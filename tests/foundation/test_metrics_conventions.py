@@ -26,21 +26,16 @@ from shared.metrics import GPU_LABELS, NODE_LABELS
 ROOT = Path(__file__).resolve().parents[2]
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 DASHBOARD = ROOT / "k8s" / "base" / "gpushare-dashboard.json"
-LABELS = {
-    "node",
-    "Hostname",
-    "gpu",
-    "UUID",
-    "modelName",
-    "namespace",
-    "pod",
-    "reason",
-    "verb",
-    "table",
-    "task",
-    "source",
-    "le",
-}
+
+
+def documented_labels() -> set[str]:
+    """The label names in the first column of docs/metrics.md's label table."""
+    text = METRICS_DOC.read_text()
+    table = text[text.index("| label | on | value |") :].split("\n\n", 1)[0]
+    return {name for row in table.splitlines()[2:] for name in re.findall(r"`([A-Za-z_]+)`", row.split("|")[1])}
+
+
+LABELS = documented_labels()
 NOT_BASE_UNITS = re.compile(r"_(mib|gib|mb|gb|kib|pct|percent|ms|milliseconds)(_|$)")
 SECTIONS = {
     "accounting": "## Accounting",

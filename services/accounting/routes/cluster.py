@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
+
+from shared.http import dump_json
 
 from .. import queries
 from ..deps import AppSettings, Conn, found
@@ -38,20 +39,15 @@ async def listing_json(items: Iterable[dict[str, Any]], memory_unit: str) -> Asy
     """`{"items": [...], "memory_unit": ...}` as FastAPI's JSONResponse writes it, in chunks of
     `NODES_PER_CHUNK` items."""
     yield b'{"items":['
-    chunk: list[str] = []
-    first = True
+    separator, chunk = b"", []
     for item in items:
-        chunk.append(_dumps(item))
+        chunk.append(dump_json(item))
         if len(chunk) == NODES_PER_CHUNK:
-            yield (("" if first else ",") + ",".join(chunk)).encode()
-            chunk, first = [], False
+            yield separator + b",".join(chunk)
+            separator, chunk = b",", []
     if chunk:
-        yield (("" if first else ",") + ",".join(chunk)).encode()
-    yield f'],"memory_unit":{_dumps(memory_unit)}}}'.encode()
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+        yield separator + b",".join(chunk)
+    yield b'],"memory_unit":' + dump_json(memory_unit) + b"}"
 
 
 @router.get("/nodes/{name}", **lookup("One node, its GPUs and their allocations", NodeDetail))
