@@ -18,9 +18,10 @@ GPUS = "8x16GiB:Tesla-T4"
 
 
 @contextlib.asynccontextmanager
-async def whole_stack(ctx: Context, nodes: int, *, fleet: bool = False) -> AsyncIterator[Any]:
+async def whole_stack(ctx: Context, nodes: int, *, fleet: bool = False, max_pods: int = 110) -> AsyncIterator[Any]:
     """A started Stack (control plane, services, simulated nodes) on a private database and private streams;
-    `fleet`: every node's agent and kubelet stand-in in one process, admitting no pods (hundreds of nodes).
+    `fleet`: every node's agent and kubelet stand-in in one process, admitting no pods (hundreds of nodes);
+    `max_pods`: each node's pod capacity.
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
@@ -34,6 +35,7 @@ async def whole_stack(ctx: Context, nodes: int, *, fleet: bool = False) -> Async
             data_dir=ctx.work_dir / f"stack-{uuid.uuid4().hex[:6]}",
             nodes=nodes,
             gpus=GPUS,
+            max_pods=max_pods,
             node_prefix=f"bench-{uuid.uuid4().hex[:4]}",
             extender_port=0,
             binder_port=0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import Counter
@@ -144,11 +145,21 @@ async def settle(roots: list[int], busy_below: float = 0.3, most_s: float = 30.0
         before = after
 
 
+def sizes(ctx: Context) -> tuple[int, int, int]:
+    """(pods per phase, nodes, rounds) of this run's profile."""
+    return ctx.pick(20, 200, 1000), ctx.pick(1, 4, 10), ctx.pick(1, 1, 3)
+
+
+def max_pods_per_node(pods: int, nodes: int) -> int:
+    """Each simulated node's pod capacity: a round leaves both of its phases' pods bound until the next round
+    clears them, so the nodes must hold twice a phase (a kubelet's default of 110 held 1,100 on 10 nodes, and
+    the full profile's GPU phase stalled at its 100th pod)."""
+    return max(110, math.ceil(2 * pods / nodes) + 10)
+
+
 async def run(ctx: Context) -> BenchResult:
     """Rounds of (shared-core pair, pinned pair) on one stack."""
-    pods = ctx.pick(20, 200, 1000)
-    nodes = ctx.pick(1, 4, 10)
-    rounds = ctx.pick(1, 1, 3)
+    pods, nodes, rounds = sizes(ctx)
     plan = deployment_plan()
     result = BenchResult(
         NAME,
@@ -165,7 +176,7 @@ async def run(ctx: Context) -> BenchResult:
     listeners = ctx.server_ports()
     timeout = ctx.pick(60.0, 300.0, 900.0)
     off_cpu = 0
-    async with whole_stack(ctx, nodes) as stack:
+    async with whole_stack(ctx, nodes, max_pods=max_pods_per_node(pods, nodes)) as stack:
         api = await stack.api_client()
         await pause_kubelets(stack)
         roots = benchmark_roots(listeners)

@@ -64,6 +64,7 @@ class StackConfig:
     data_dir: Path = Path(".gpushare")
     nodes: int = 2
     gpus: str = spec.DEFAULT_GPUS
+    max_pods: int = 110  # each simulated node's pod capacity (a kubelet's --max-pods; 110 is its default)
     node_prefix: str = "gpu-node"
     extender_port: int = 12345
     binder_port: int = 8081
@@ -365,19 +366,16 @@ class Stack:
         api = await self.api_client()
         unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
         gpus = spec.node_gpus(self.config.gpus, unit_mib)
+        labels = {"gpushare.io/simulated": "true", **self.config.node_labels}
         for node in self.node_names:
             self.progress(f"creating simulated node {node} with GPUs {self.config.gpus}")
             try:
-                await create_gpu_node(
-                    api, node, gpus=gpus, labels={"gpushare.io/simulated": "true", **self.config.node_labels}
-                )
+                await create_gpu_node(api, node, gpus=gpus, labels=labels, pods=str(self.config.max_pods))
             except ApiException as exc:
                 if exc.status != 409:
                     raise
                 await delete_node(api, node)
-                await create_gpu_node(
-                    api, node, gpus=gpus, labels={"gpushare.io/simulated": "true", **self.config.node_labels}
-                )
+                await create_gpu_node(api, node, gpus=gpus, labels=labels, pods=str(self.config.max_pods))
         core = client.CoreV1Api(api)
         for node in self.node_names:
             # an address for `inspect`'s IPADDRESS column (loopback: nothing listens there for the node)

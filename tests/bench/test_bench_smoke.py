@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import main, table
-from bench.common import BenchResult, Target, percentile
+from bench.common import BenchResult, Context, Target, percentile
 from bench.packing import workload
 
 FAST = ("packing", "replay", "ledger")
@@ -82,3 +82,11 @@ def test_quick_profile_of_fast_benchmarks_writes_expected_json(
         ledger["reservations_per_s"] / ledger["update_per_s"], rel=0.01
     )
     assert {"reserve_p50_ms", "reserve_p99_ms", "update_p50_ms", "update_p99_ms"} <= set(ledger)
+
+
+@pytest.mark.parametrize("profile", ["tiny", "quick", "full"])
+def test_scheduler_overhead_nodes_hold_both_phases_of_a_round(profile: str, tmp_path: Path) -> None:
+    from bench.scheduler_overhead import max_pods_per_node, sizes
+
+    pods, nodes, _ = sizes(Context(profile, "postgresql://unused", "nats://unused", tmp_path))
+    assert nodes * max_pods_per_node(pods, nodes) >= 2 * pods

@@ -1,0 +1,35 @@
+"""kube-apiserver's counters, as benchmark 3 reads them."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench.api_requests import breakdown, parse_counts, per_pod
+
+EXPOSITION = """\
+# HELP apiserver_request_total [STABLE] Counter of apiserver requests.
+# TYPE apiserver_request_total counter
+apiserver_request_total{code="201",resource="pods",subresource="binding",verb="POST",version="v1"} 7
+apiserver_request_total{code="409",resource="pods",subresource="binding",verb="POST",version="v1"} 1
+apiserver_request_total{code="200",resource="pods",subresource="",verb="GET",version="v1"} 3
+# HELP apiserver_watch_events_total [ALPHA] Number of events sent in watch clients
+# TYPE apiserver_watch_events_total counter
+apiserver_watch_events_total{group="",resource="pods",version="v1"} 40
+apiserver_watch_events_total{group="",kind="Node",version="v1"} 2
+# HELP apiserver_request_duration_seconds [STABLE] Response latency.
+# TYPE apiserver_request_duration_seconds histogram
+apiserver_request_duration_seconds_bucket{verb="GET",resource="pods",le="0.1"} 3
+apiserver_request_duration_seconds_count{verb="GET",resource="pods"} 3
+"""
+
+
+def test_requests_are_counted_by_verb_and_resource_and_watch_events_by_kind() -> None:
+    counts = parse_counts(EXPOSITION)
+    assert counts == Counter({"POST pods/binding": 8, "GET pods": 3, "WATCH-EVENT pods": 40, "WATCH-EVENT Node": 2})
+
+
+def test_per_pod_figures_are_the_differences_over_the_phase() -> None:
+    before = Counter({"POST pods/binding": 10, "GET pods": 5, "WATCH-EVENT Pod": 100})
+    after = Counter({"POST pods/binding": 30, "GET pods": 5, "PATCH pods": 10, "WATCH-EVENT Pod": 180})
+    assert per_pod(before, after, 20, "x") == {"x_api_requests_per_pod": 1.5, "x_watch_events_per_pod": 4.0}
+    assert breakdown(before, after, 20, top=2) == "WATCH-EVENT Pod 4.00, POST pods/binding 1.00"
