@@ -9,7 +9,8 @@ flight; sustained pods/s and p50 / p99 per call. Each phase starts warm: `warmup
 the same way first, untimed, so the connections a steady state keeps open (the binder's to the API server,
 the benchmark's to the extender) are open, as in a running cluster. An idle window before both phases
 measures the system's background CPU, and `*_background_cpu_ms_per_pod_*` say how much of each phase's CPU
-per pod that is. `*_api_requests_per_pod` and `*_watch_events_per_pod` are kube-apiserver's own counts.
+per pod that is. `*_api_requests_per_pod` and `*_watch_events_per_pod` are kube-apiserver's own counts,
+`*_db_transactions_per_pod` and `*_db_rows_written_per_pod` PostgreSQL's for the ledger's database.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
-from bench import api_requests
+from bench import api_requests, db_counts
 from bench.api_requests import read_counts
 from bench.common import BenchResult, Context, Target, gather_limited, latency_summary
-from bench.cpu import CpuWindow, background_ms_per_item, product_ms_per_pod
+from bench.cpu import CENTRAL_GROUPS, CpuWindow, background_ms_per_item, product_ms_per_pod
 from bench.http_client import LeanClient
 from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, whole_stack
 from bench.pyspy import phase_profiles
@@ -137,23 +138,30 @@ async def run(ctx: Context) -> BenchResult:
             with CpuWindow(ctx.server_ports()) as idle_cpu:
                 await asyncio.sleep(ctx.pick(0.5, 3.0, 5.0))
             await raw_bindings(api, raw_ns, raw_pods[:warmup], node_names, concurrency)
+            raw_db_before = await db_counts.read_counts(stack.database_url)
             raw_before = await settled_counts(api)
             with CpuWindow(ctx.server_ports()) as raw_cpu:
                 raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods[warmup:], node_names, concurrency)
             raw_after = await read_counts(api)
+            raw_db_after = await db_counts.read_counts(stack.database_url)
             _, _, warm_errors = await pipeline_bindings(http, gpu_ns, gpu_pods[:warmup], node_names, concurrency)
+            pipeline_db_before = await db_counts.read_counts(stack.database_url)
             pipeline_before = await settled_counts(api)
             with CpuWindow(ctx.server_ports()) as pipeline_cpu, phase_profiles("bind-pipeline"):
                 rate, lat, errors = await pipeline_bindings(http, gpu_ns, gpu_pods[warmup:], node_names, concurrency)
             pipeline_after = await read_counts(api)
+            pipeline_db_after = await db_counts.read_counts(stack.database_url)
     m = result.metrics
     m.update(raw_cpu.per_item_ms(pods, "raw"))
     m.update(pipeline_cpu.per_item_ms(pods, "pipeline"))
     m["pipeline_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "pipeline")  # gpushare's own share of the total
+    m["pipeline_product_cpu_ms_per_pod_without_node_agents"] = product_ms_per_pod(m, "pipeline", CENTRAL_GROUPS)
     for prefix, phase in (("raw", raw_cpu), ("pipeline", pipeline_cpu)):
         m.update(background_ms_per_item(idle_cpu.spent(), idle_cpu.seconds, phase.seconds, pods, prefix))
     m.update(api_requests.per_pod(raw_before, raw_after, pods, "raw"))
     m.update(api_requests.per_pod(pipeline_before, pipeline_after, pods, "pipeline"))
+    m.update(db_counts.per_pod(raw_db_before, raw_db_after, pods, "raw"))
+    m.update(db_counts.per_pod(pipeline_db_before, pipeline_db_after, pods, "pipeline"))
     result.notes.append("raw phase, kube-apiserver per pod: " + api_requests.breakdown(raw_before, raw_after, pods))
     result.notes.append(
         "pipeline phase, kube-apiserver per pod: " + api_requests.breakdown(pipeline_before, pipeline_after, pods)

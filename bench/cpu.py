@@ -31,6 +31,8 @@ GROUPS = (
 # the servers they use); the product's CPU per pod is the sum of the second
 CONTROL_PLANE_GROUPS = ("kube-apiserver", "etcd", "kube-scheduler", "kube-controller-manager")
 PRODUCT_GROUPS = ("extender", "binder", "accounting", "node-agent", "postgres", "nats-server")
+# the part of the product that runs beside the control plane: the node agents run on the GPU nodes, one each
+CENTRAL_GROUPS = tuple(g for g in PRODUCT_GROUPS if g != "node-agent")
 
 
 @dataclass(frozen=True)
@@ -174,9 +176,10 @@ def background_ms_per_item(
     return {f"{prefix}_background_cpu_ms_per_pod_{k}": round(v * scale, 2) for k, v in parts.items()}
 
 
-def product_ms_per_pod(metrics: dict[str, float], prefix: str) -> float:
-    """gpushare's own CPU per pod: the sum of the `PRODUCT_GROUPS`' `{prefix}_cpu_ms_per_pod_*` figures."""
-    keys = (f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}" for g in PRODUCT_GROUPS)
+def product_ms_per_pod(metrics: dict[str, float], prefix: str, groups: tuple[str, ...] = PRODUCT_GROUPS) -> float:
+    """gpushare's own CPU per pod: the sum of the groups' `{prefix}_cpu_ms_per_pod_*` figures (by default every
+    part of the product; `CENTRAL_GROUPS` leaves out the node agents)."""
+    keys = (f"{prefix}_cpu_ms_per_pod_{g.replace('-', '_')}" for g in groups)
     return round(sum(metrics.get(k, 0.0) for k in keys), 2)
 
 

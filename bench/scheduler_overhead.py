@@ -29,7 +29,7 @@ from kubernetes_asyncio import client
 
 from bench.affinity import Pinning, deployment_plan, pinned
 from bench.common import BenchResult, Context, Target, median
-from bench.cpu import CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
+from bench.cpu import CENTRAL_GROUPS, CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
 from bench.kube_stack import create_namespace, create_pods, pause_kubelets, pod_body, wait_all_bound, whole_stack
 from bench.pyspy import phase_profiles
 from shared.ledger.models import LIVE_SQL
@@ -92,6 +92,7 @@ class Variant:
         for kind in ("plain", "gpu"):
             m.update(ms_per_item(self.cpu[kind], pods * len(self.rounds[kind]), kind))
         m["gpu_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "gpu")
+        m["gpu_product_cpu_ms_per_pod_without_node_agents"] = product_ms_per_pod(m, "gpu", CENTRAL_GROUPS)
         if len(ratios) > 1:
             for i, (p, g, ratio) in enumerate(zip(plain, gpu, ratios, strict=True), 1):
                 m[f"plain_pods_per_s_round{i}"] = round(p["pods_per_s"], 2)

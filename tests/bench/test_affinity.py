@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.affinity import deployment_plan, pinned, threads, usable_cpus
-from bench.cpu import CONTROL_PLANE_GROUPS, PRODUCT_GROUPS, group_of, product_ms_per_pod, tree
+from bench.cpu import CENTRAL_GROUPS, CONTROL_PLANE_GROUPS, PRODUCT_GROUPS, group_of, product_ms_per_pod, tree
 
 # three idle threads; on a line from stdin one more thread and a child process (as a postmaster forks a backend)
 CHILD = """
@@ -123,3 +123,4 @@ def test_product_cpu_is_the_sum_of_the_gpushare_groups() -> None:
     assert product_ms_per_pod(metrics, "gpu") == 11.5
     assert product_ms_per_pod(metrics, "pinned_gpu") == 100.0
     assert product_ms_per_pod({}, "gpu") == 0.0
+    assert product_ms_per_pod(metrics, "gpu", CENTRAL_GROUPS) == 11.25  # the node agents run on the GPU nodes

@@ -33,3 +33,11 @@ def test_per_pod_figures_are_the_differences_over_the_phase() -> None:
     after = Counter({"POST pods/binding": 30, "GET pods": 5, "PATCH pods": 10, "WATCH-EVENT Pod": 180})
     assert per_pod(before, after, 20, "x") == {"x_api_requests_per_pod": 1.5, "x_watch_events_per_pod": 4.0}
     assert breakdown(before, after, 20, top=2) == "WATCH-EVENT Pod 4.00, POST pods/binding 1.00"
+
+
+def test_ledger_counts_per_pod_are_the_differences_over_the_phase() -> None:
+    from bench.db_counts import per_pod as db_per_pod
+
+    before = {"xact_commit": 100, "xact_rollback": 0, "tup_inserted": 10, "tup_updated": 5, "tup_deleted": 0}
+    after = {"xact_commit": 130, "xact_rollback": 1, "tup_inserted": 70, "tup_updated": 45, "tup_deleted": 20}
+    assert db_per_pod(before, after, 20, "p") == {"p_db_transactions_per_pod": 1.5, "p_db_rows_written_per_pod": 6.0}
