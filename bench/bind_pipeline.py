@@ -9,7 +9,9 @@ flight; sustained pods/s and p50 / p99 per call. Each phase starts warm: `warmup
 the same way first, untimed, so the connections a steady state keeps open (the binder's to the API server,
 the benchmark's to the extender) are open, as in a running cluster. An idle window before both phases
 measures the system's background CPU, and `*_background_cpu_ms_per_pod_*` say how much of each phase's CPU
-per pod that is. `*_api_requests_per_pod` and `*_watch_events_per_pod` are kube-apiserver's own counts,
+per pod that is. A third phase, `paced_raw_*`, binds raw again, started at the pipeline's measured rate: it
+tells how much of the control plane's CPU per pod in the pipeline phase comes with the slower pace alone.
+`*_api_requests_per_pod` and `*_watch_events_per_pod` are kube-apiserver's own counts,
 `*_db_transactions_per_pod` and `*_db_rows_written_per_pod` PostgreSQL's for the ledger's database.
 """
 
@@ -42,10 +44,18 @@ async def _timed(coro: Any, lat: list[float]) -> Any:
     return out
 
 
-async def raw_bindings(api: Any, ns: str, pods: list[Any], nodes: list[str], concurrency: int) -> tuple[float, list]:
-    """POST Bindings directly; (pods/s, latencies)."""
+async def raw_bindings(
+    api: Any, ns: str, pods: list[Any], nodes: list[str], concurrency: int, *, paced_per_s: float | None = None
+) -> tuple[float, list]:
+    """POST Bindings directly; (pods/s, latencies). `paced_per_s`: start them at that rate, no faster."""
     core = client.CoreV1Api(api)
     lat: list[float] = []
+    start = time.perf_counter()
+
+    async def at(i: int, coro: Any) -> Any:
+        if paced_per_s:
+            await asyncio.sleep(max(0.0, start + i / paced_per_s - time.perf_counter()))
+        return await coro
 
     def binding(i: int, p: Any) -> Any:
         body = {
@@ -56,9 +66,8 @@ async def raw_bindings(api: Any, ns: str, pods: list[Any], nodes: list[str], con
         }
         return core.create_namespaced_binding(ns, body, _preload_content=False)
 
-    t0 = time.perf_counter()
-    await gather_limited(concurrency, [_timed(binding(i, p), lat) for i, p in enumerate(pods)])
-    return len(pods) / (time.perf_counter() - t0), lat
+    await gather_limited(concurrency, [at(i, _timed(binding(i, p), lat)) for i, p in enumerate(pods)])
+    return len(pods) / (time.perf_counter() - start), lat
 
 
 async def announce(api: Any, http: LeanClient, pods: list[Any], nodes: list[str]) -> None:
@@ -125,10 +134,12 @@ async def run(ctx: Context) -> BenchResult:
         await pause_kubelets(stack)
         node_names = list(stack.node_names)
         raw_ns, gpu_ns = f"bench-raw-{uuid.uuid4().hex[:5]}", f"bench-bind-{uuid.uuid4().hex[:5]}"
-        for ns in (raw_ns, gpu_ns):
+        paced_ns = f"bench-paced-{uuid.uuid4().hex[:5]}"
+        for ns in (raw_ns, gpu_ns, paced_ns):
             await create_namespace(api, ns)
         total = warmup + pods
         raw_pods = await create_pods(api, raw_ns, [pod_body(f"r-{i}", scheduler=NOBODY) for i in range(total)], 20)
+        paced_pods = await create_pods(api, paced_ns, [pod_body(f"s-{i}", scheduler=NOBODY) for i in range(pods)], 20)
         gpu_pods = await create_pods(
             api, gpu_ns, [pod_body(f"g-{i}", gpu_gib=1, scheduler=NOBODY) for i in range(total)], 20
         )
@@ -151,9 +162,14 @@ async def run(ctx: Context) -> BenchResult:
                 rate, lat, errors = await pipeline_bindings(http, gpu_ns, gpu_pods[warmup:], node_names, concurrency)
             pipeline_after = await read_counts(api)
             pipeline_db_after = await db_counts.read_counts(stack.database_url)
+            # raw Bindings again, started at the pipeline's rate: what the API server's CPU per pod is at that rate
+            await settled_counts(api)
+            with CpuWindow(ctx.server_ports()) as paced_cpu:
+                await raw_bindings(api, paced_ns, paced_pods, node_names, concurrency, paced_per_s=rate)
     m = result.metrics
     m.update(raw_cpu.per_item_ms(pods, "raw"))
     m.update(pipeline_cpu.per_item_ms(pods, "pipeline"))
+    m.update(paced_cpu.per_item_ms(pods, "paced_raw"))
     m["pipeline_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "pipeline")  # gpushare's own share of the total
     m["pipeline_product_cpu_ms_per_pod_without_node_agents"] = product_ms_per_pod(m, "pipeline", CENTRAL_GROUPS)
     for prefix, phase in (("raw", raw_cpu), ("pipeline", pipeline_cpu)):
@@ -165,6 +181,10 @@ async def run(ctx: Context) -> BenchResult:
     result.notes.append("raw phase, kube-apiserver per pod: " + api_requests.breakdown(raw_before, raw_after, pods))
     result.notes.append(
         "pipeline phase, kube-apiserver per pod: " + api_requests.breakdown(pipeline_before, pipeline_after, pods)
+    )
+    result.notes.append(
+        "pipeline phase, rows written per pod by table: "
+        + db_counts.tables_breakdown(pipeline_db_before, pipeline_db_after, pods)
     )
     m["raw_bindings_per_s"] = round(raw_rate, 2)
     m["pipeline_pods_per_s"] = round(rate, 2)

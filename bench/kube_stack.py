@@ -18,10 +18,13 @@ GPUS = "8x16GiB:Tesla-T4"
 
 
 @contextlib.asynccontextmanager
-async def whole_stack(ctx: Context, nodes: int, *, fleet: bool = False, max_pods: int = 110) -> AsyncIterator[Any]:
+async def whole_stack(
+    ctx: Context, nodes: int, *, fleet: bool = False, max_pods: int = 110, scheduler_qps: int | None = None
+) -> AsyncIterator[Any]:
     """A started Stack (control plane, services, simulated nodes) on a private database and private streams;
     `fleet`: every node's agent and kubelet stand-in in one process, admitting no pods (hundreds of nodes);
-    `max_pods`: each node's pod capacity.
+    `max_pods`: each node's pod capacity; `scheduler_qps`: kube-scheduler's API client rate and burst (its
+    defaults are 50 and 100 requests per second, and every plain pod's Binding is one of its requests).
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
@@ -46,7 +49,11 @@ async def whole_stack(ctx: Context, nodes: int, *, fleet: bool = False, max_pods
             stream_name=names.stream,
             subject_prefix=names.prefix,
             log_level="WARNING",
-            scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
+            scheduler_extra={
+                "podInitialBackoffSeconds": 1,
+                "podMaxBackoffSeconds": 2,
+                **({"clientConnection": {"qps": scheduler_qps, "burst": scheduler_qps}} if scheduler_qps else {}),
+            },
             control_plane_paths=paths,
             progress=lambda m: None,
             fleet=fleet,

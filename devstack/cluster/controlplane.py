@@ -101,7 +101,8 @@ def scheduler_config(
     """Build the KubeSchedulerConfiguration `release` reads (v1 from 1.25, v1beta1 for 1.20).
 
     `healthz_address` only applies to releases whose configuration still has `healthzBindAddress` (before
-    v1); later ones serve /healthz on `--secure-port`.
+    v1); later ones serve /healthz on `--secure-port`. `extra` adds top-level fields; a mapping given for one
+    that is already a mapping (`clientConnection`, say) is merged into it.
     """
     cfg: dict[str, Any] = {
         "apiVersion": release.scheduler_api_version,
@@ -116,7 +117,11 @@ def scheduler_config(
     ext = _as_extender(extender)
     if ext is not None:
         cfg["extenders"] = [ext.to_dict()]
-    cfg.update(extra or {})
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
     return cfg
 
 

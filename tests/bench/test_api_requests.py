@@ -41,3 +41,11 @@ def test_ledger_counts_per_pod_are_the_differences_over_the_phase() -> None:
     before = {"xact_commit": 100, "xact_rollback": 0, "tup_inserted": 10, "tup_updated": 5, "tup_deleted": 0}
     after = {"xact_commit": 130, "xact_rollback": 1, "tup_inserted": 70, "tup_updated": 45, "tup_deleted": 20}
     assert db_per_pod(before, after, 20, "p") == {"p_db_transactions_per_pod": 1.5, "p_db_rows_written_per_pod": 6.0}
+
+
+def test_rows_written_by_table_are_listed_largest_first() -> None:
+    from bench.db_counts import tables_breakdown
+
+    before = {"xact_commit": 1, "rows:outbox": 10, "rows:gpus": 5}
+    after = {"xact_commit": 9, "rows:outbox": 50, "rows:gpus": 5, "rows:allocations": 20}
+    assert tables_breakdown(before, after, 10) == "outbox 4.00, allocations 2.00"

@@ -208,3 +208,14 @@ def test_current_kube_scheduler_loads_the_mutual_tls_config(k8s_binaries: Paths,
     tls = _extender(loaded)["tlsConfig"]
     assert tls["certFile"].endswith("scheduler-client.crt") and tls["caFile"].endswith("extender-ca.crt")
     assert _extender(loaded)["enableHTTPS"] is True
+
+
+def test_devstack_scheduler_config_merges_extra_connection_settings(tmp_path: Path) -> None:
+    from devstack.cluster.controlplane import scheduler_config
+
+    kubeconfig = tmp_path / "kubeconfig"
+    cfg = scheduler_config(
+        kubeconfig, extra={"clientConnection": {"qps": 500, "burst": 500}, "podMaxBackoffSeconds": 2}
+    )
+    assert cfg["clientConnection"] == {"kubeconfig": str(kubeconfig), "qps": 500, "burst": 500}
+    assert cfg["podMaxBackoffSeconds"] == 2
