@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import asyncpg
 from kubernetes_asyncio import client
 
+from bench import extender_calls
 from bench.affinity import Pinning, deployment_plan, pinned
 from bench.common import BenchResult, Context, Target, median
 from bench.cpu import CENTRAL_GROUPS, CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
@@ -61,15 +62,21 @@ class Variant:
     prefix: str
     rounds: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {"plain": [], "gpu": []})
     cpu: dict[str, Counter[str]] = field(default_factory=lambda: {"plain": Counter(), "gpu": Counter()})
+    calls: dict[str, Counter[str]] = field(default_factory=lambda: {"plain": Counter(), "gpu": Counter()})
 
-    async def run_round(self, api: object, pods: int, timeout_s: float, listeners: list[int | str]) -> list[str]:
+    async def run_round(
+        self, api: object, pods: int, timeout_s: float, listeners: list[int | str], extender_url: str
+    ) -> list[str]:
         """A plain phase, then a GPU phase (20 creates in flight); returns their namespaces."""
         namespaces = []
         for kind, gpu_gib in (("plain", 0), ("gpu", 1)):
             ns = "-".join(filter(None, ("bench", self.prefix.strip("_"), kind, uuid.uuid4().hex[:5])))
+            calls_before = await extender_calls.read_calls(extender_url)
             with CpuWindow(listeners) as window, phase_profiles(f"overhead-{self.prefix}{kind}"):
                 self.rounds[kind].append(await phase(api, gpu_gib, pods, 20, timeout_s, ns))
             self.cpu[kind].update(window.spent())
+            calls_after = await extender_calls.read_calls(extender_url)
+            self.calls[kind].update({v: calls_after[v] - calls_before[v] for v in calls_after})
             namespaces.append(ns)
         return namespaces
 
@@ -91,6 +98,14 @@ class Variant:
         }
         for kind in ("plain", "gpu"):
             m.update(ms_per_item(self.cpu[kind], pods * len(self.rounds[kind]), kind))
+            m.update(
+                extender_calls.per_pod(
+                    dict.fromkeys(extender_calls.VERBS, 0),
+                    {v: self.calls[kind][v] for v in extender_calls.VERBS},
+                    pods * len(self.rounds[kind]),
+                    kind,
+                )
+            )
         m["gpu_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "gpu")
         m["gpu_product_cpu_ms_per_pod_without_node_agents"] = product_ms_per_pod(m, "gpu", CENTRAL_GROUPS)
         if len(ratios) > 1:
@@ -196,7 +211,7 @@ async def run(ctx: Context) -> BenchResult:
                     pinned(plan, roots) if plan and variant.prefix else contextlib.nullcontext()
                 )
                 with pinning as pins:
-                    previous = await variant.run_round(api, pods, timeout, listeners)
+                    previous = await variant.run_round(api, pods, timeout, listeners, stack.extender_url)
                     if pins is not None:
                         placement = pins.placement()
                         off_cpu = max(off_cpu, placement.off)

@@ -127,8 +127,9 @@ def install_common(
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> StreamingResponse:
-        # `?name[]=a&name[]=b` keeps only those families, as prometheus_client's own exporters do (families
-        # of custom collectors, which declare no names up front, are left out of a filtered page).
+        # `?name[]=a&name[]=b` keeps only those samples, as prometheus_client's own exporters do: names are
+        # sample names (`x_count` of a histogram `x`, `y_total` of a counter `y`); families of custom
+        # collectors, which declare no names up front, are left out of a filtered page.
         names = request.query_params.getlist("name[]")
         chosen = registry.restricted_registry(names) if names else registry
         return StreamingResponse(exposition(chosen), media_type=CONTENT_TYPE_LATEST)

@@ -49,3 +49,26 @@ def test_rows_written_by_table_are_listed_largest_first() -> None:
     before = {"xact_commit": 1, "rows:outbox": 10, "rows:gpus": 5}
     after = {"xact_commit": 9, "rows:outbox": 50, "rows:gpus": 5, "rows:allocations": 20}
     assert tables_breakdown(before, after, 10) == "outbox 4.00, allocations 2.00"
+
+
+def test_extender_calls_are_counted_by_verb() -> None:
+    from bench.extender_calls import parse_calls
+    from bench.extender_calls import per_pod as calls_per_pod
+
+    exposition = (
+        "# TYPE gpushare_extender_filter_seconds histogram\n"
+        'gpushare_extender_filter_seconds_bucket{le="+Inf"} 30.0\n'
+        "gpushare_extender_filter_seconds_count 30.0\n"
+        "gpushare_extender_filter_seconds_sum 0.5\n"
+        "# TYPE gpushare_extender_bind_seconds histogram\n"
+        'gpushare_extender_bind_seconds_bucket{le="+Inf"} 10.0\n'
+        "gpushare_extender_bind_seconds_count 10.0\n"
+        "gpushare_extender_bind_seconds_sum 1.5\n"
+    )
+    calls = parse_calls(exposition)
+    assert calls == {"filter": 30, "prioritize": 0, "bind": 10, "preempt": 0}
+    before = {"filter": 10, "prioritize": 0, "bind": 0, "preempt": 0}
+    assert calls_per_pod(before, calls, 10, "gpu") == {
+        "gpu_extender_filter_calls_per_pod": 2.0,
+        "gpu_extender_bind_calls_per_pod": 1.0,
+    }

@@ -1,0 +1,44 @@
+"""How many calls kube-scheduler made to the extender during a benchmark phase, by verb, from the extender's own
+histograms (`gpushare_extender_<verb>_seconds_count`); per pod, more than one filter call means pods were
+retried."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+VERBS = ("filter", "prioritize", "bind", "preempt")
+
+
+def parse_calls(exposition: str) -> dict[str, int]:
+    """{verb: calls answered so far} (pure)."""
+    calls = dict.fromkeys(VERBS, 0)
+    for family in text_string_to_metric_families(exposition):
+        for verb in VERBS:
+            if family.name == f"gpushare_extender_{verb}_seconds":
+                calls[verb] = int(sum(s.value for s in family.samples if s.name.endswith("_count")))
+    return calls
+
+
+async def read_calls(extender_url: str) -> dict[str, int]:
+    """The extender's calls by verb so far (only its verbs' families are asked for)."""
+    parts = urlsplit(extender_url)
+    # prometheus_client restricts a page by sample names, so the `_count` samples are what is asked for
+    params = [("name[]", f"gpushare_extender_{v}_seconds_count") for v in VERBS]
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{parts.scheme}://{parts.netloc}/metrics", params=params) as resp:
+            body = await resp.text()
+            if resp.status != 200:
+                raise RuntimeError(f"extender /metrics answered {resp.status}: {body[:200]}")
+    return parse_calls(body)
+
+
+def per_pod(before: dict[str, int], after: dict[str, int], pods: int, prefix: str) -> dict[str, float]:
+    """`{prefix}_extender_<verb>_calls_per_pod` for the verbs called (pure)."""
+    return {
+        f"{prefix}_extender_{v}_calls_per_pod": round((after[v] - before[v]) / pods, 2)
+        for v in VERBS
+        if after[v] > before[v]
+    }
