@@ -112,8 +112,8 @@ async def settled_counts(api: Any, settle_s: float = 1.5) -> Any:
 
 async def run(ctx: Context) -> BenchResult:
     """Raw phase, then pipeline phase, on one stack."""
-    # phases long enough to be stable: 200 raw Bindings took 0.3 s, and one pause of the API server moved the
-    # rate by a third; every GPU pod takes 1 GiB of the nodes' 8 x 16 GiB
+    # longer phases than the 200 pods of before (200 raw Bindings took 0.3 s, too short to hold one of the API
+    # server's garbage collections); every GPU pod takes 1 GiB of the nodes' 8 x 16 GiB
     pods = ctx.pick(20, 500, 1000)
     nodes = ctx.pick(1, 5, 10)
     concurrency = 16
