@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import json
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -96,9 +97,28 @@ async def run_one(name: str, ctx: Context) -> BenchResult:
     return result.finish()
 
 
+@contextlib.contextmanager
+def cancelled_by_sigterm() -> Iterator[None]:
+    """SIGTERM cancels the running benchmarks, so every server and stack they started is stopped on the way out
+    (by default it would end this process at once and leave them running, and their load in later runs)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    try:
+        if task is None:
+            raise RuntimeError("no task to cancel")
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 async def run_all(args: argparse.Namespace, work_dir: Path) -> list[BenchResult]:
     """Run the selected benchmarks one after the other."""
-    with servers(work_dir) as (db_url, nats_url):
+    with cancelled_by_sigterm(), servers(work_dir) as (db_url, nats_url):
         ctx = Context(args.profile, args.database_url or db_url, args.nats_url or nats_url, work_dir)
         results = []
         async with ctx.resources:
@@ -130,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     # reconnect chatter when closing, kubelet stand-ins refusing benchmark pods: quiet while the benchmarks run
     # (and only then: `main` is also called in-process, by the benchmark smoke test)
     with quieter("shared.events.bus", "devstack.stack"), tempfile.TemporaryDirectory(prefix="gpushare-bench-") as tmp:
-        results = asyncio.run(run_all(args, Path(tmp)))
+        try:
+            results = asyncio.run(run_all(args, Path(tmp)))
+        except asyncio.CancelledError:
+            print("stopped by SIGTERM; the servers and stacks the benchmarks started are stopped", file=sys.stderr)
+            return 128 + signal.SIGTERM
     machine["load_average_after"] = machine_info()["load_average"]
     print(
         f"machine: {machine['cpu_model']}, {machine['nproc']} CPUs, {machine['memory_gib']} GiB, "

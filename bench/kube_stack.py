@@ -61,8 +61,8 @@ async def whole_stack(
             ready_timeout=90.0 + (nodes if fleet else 0),
         )
         stack = Stack(config)
-        await stack.start()
-        try:
+        try:  # stopped also when starting fails or is cancelled half-way
+            await stack.start()
             if stack.mode != MODE_LOCAL:
                 raise RuntimeError(f"the stack did not get the local control plane: {stack.mode_reason}")
             yield stack

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import main, table
-from bench.common import BenchResult, Context, Target, percentile
+from bench.common import MACHINE_DATABASE_URL, MACHINE_NATS_URL, BenchResult, Context, Target, percentile, reachable
 from bench.packing import workload
 
 FAST = ("packing", "replay", "ledger")
@@ -90,3 +90,93 @@ def test_scheduler_overhead_nodes_hold_both_phases_of_a_round(profile: str, tmp_
 
     pods, nodes, _ = sizes(Context(profile, "postgresql://unused", "nats://unused", tmp_path))
     assert nodes * max_pods_per_node(pods, nodes) >= 2 * pods
+
+
+def _children(pid: int) -> set[int]:
+    """The process's children now (from /proc)."""
+    found: set[int] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(
+    reachable(MACHINE_DATABASE_URL) or reachable(MACHINE_NATS_URL),
+    reason="this machine runs its own PostgreSQL or NATS, which the benchmarks use instead of starting theirs",
+)
+def test_sigterm_stops_the_servers_the_benchmarks_started(tmp_path: Path) -> None:
+    """A benchmark run ended with SIGTERM stops the embedded PostgreSQL and NATS it started, instead of leaving
+    them running (and loading the machine) after it is gone."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {
+        **os.environ,
+        # servers nobody listens on: the run starts its own embedded ones
+        "GPUSHARE_BENCH_DATABASE_URL": "",
+        "GPUSHARE_BENCH_NATS_URL": "",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--profile", "tiny", "--only", "replay", "--out", str(tmp_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children: set[int] = set()
+    work_dir = ""
+    try:
+        deadline = time.monotonic() + 60
+        # NATS starts after PostgreSQL: once it runs, both do
+        while not any("nats-server" in _cmdline(c) for c in children) and time.monotonic() < deadline:
+            assert proc.poll() is None, "the run ended before its servers were up"
+            children |= _children(proc.pid)
+            time.sleep(0.1)
+        nats = next((c for c in children if "nats-server" in _cmdline(c)), None)
+        assert nats is not None, "the run did not start its servers"
+        # PostgreSQL runs detached (pg_ctl), so it is found by the run's work folder in its command line
+        work_dir = _cmdline(nats).split("/nats/")[0].split()[-1]
+        assert "gpushare-bench-" in work_dir, _cmdline(nats)
+        children |= {int(d.name) for d in Path("/proc").glob("[0-9]*") if work_dir in _cmdline(int(d.name))}
+        assert any("postgres" in _cmdline(c) for c in children), "no PostgreSQL of the run's own was found"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+        assert "stopped by SIGTERM" in stderr
+        deadline = time.monotonic() + 20
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)], "servers left running after the run ended"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if work_dir:  # whatever of the run is still up (the run's own cleanup failed): gone before the next test
+            children |= {int(d.name) for d in Path("/proc").glob("[0-9]*") if work_dir in _cmdline(int(d.name))}
+        for child in children:
+            if _alive(child):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
