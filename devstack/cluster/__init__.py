@@ -1,4 +1,4 @@
-"""Local Kubernetes 1.20 control plane for development and end-to-end tests.
+"""A local Kubernetes control plane (the current release, or 1.20) for development and end-to-end tests.
 
 ``ControlPlane`` runs etcd, kube-apiserver, kube-controller-manager and
 kube-scheduler (optionally with a scheduler extender); ``nodes`` simulates GPU

@@ -10,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+from devstack.cluster.releases import CURRENT_VERSION, VERSION_ENV
 from devstack.stack import spec
 from devstack.stack.stack import MODE_SIMULATOR, Stack, StackConfig
 from shared.settings import Settings
@@ -24,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         parents=[common],
         help="run everything locally: control plane, Postgres, NATS, the four services, simulated GPU nodes, a demo",
         description="Start a complete local gpushare: embedded PostgreSQL and NATS (unless GPUSHARE_DATABASE_URL / "
-        "GPUSHARE_NATS_URL name servers), a local Kubernetes 1.20 control plane whose kube-scheduler calls the "
+        f"GPUSHARE_NATS_URL name servers), a local Kubernetes {CURRENT_VERSION} control plane (another release "
+        f"with {VERSION_ENV}=1.20 or =v1.N.P) whose kube-scheduler calls the "
         "extender (or the cluster in KUBECONFIG), the extender, binder, accounting, one node agent and kubelet "
         "stand-in per simulated GPU node, and a demo workload. Runs until Ctrl-C, then stops everything. Where "
         "no control plane can be had it says why and schedules the demo with a kube-scheduler simulator.",

@@ -155,3 +155,17 @@ def test_the_fleet_gets_simulated_usage_only_when_there_are_rules() -> None:
     flags = dict(zip(simulated.argv, simulated.argv[1:], strict=False))
     assert flags["--simulate-usage"] == "*=steady:0.5" and flags["--usage-interval"] == "2"
     assert flags["--overuse-grace"] == "10"
+
+
+def test_up_help_names_the_release_the_local_control_plane_runs() -> None:
+    """`gpushare up --help` said "Kubernetes 1.20" after the default moved to the current release."""
+    import argparse
+
+    from devstack.cluster.releases import CURRENT_VERSION, VERSION_ENV
+    from services.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    description = sub.choices["up"].description or ""
+    assert CURRENT_VERSION in description and VERSION_ENV in description
+    assert "Kubernetes 1.20" not in description
