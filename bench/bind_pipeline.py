@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 from kubernetes_asyncio import client
 
 from bench import api_requests, db_counts
-from bench.api_requests import read_counts
 from bench.common import BenchResult, Context, Target, gather_limited, latency_summary
 from bench.cpu import CENTRAL_GROUPS, CpuWindow, background_ms_per_item, product_ms_per_pod
 from bench.http_client import LeanClient
@@ -101,13 +101,12 @@ async def pipeline_bindings(http: LeanClient, ns: str, pods: list[Any], nodes: l
     return len(pods) / (time.perf_counter() - t0), lat, errors
 
 
-async def settled_counts(api: Any, settle_s: float = 1.5) -> Any:
-    """kube-apiserver's counters, then a pause: its `/metrics` page is megabytes, and the garbage collection
-    that follows rendering it landed in the next phase's CPU window in some runs (raw Bindings then cost the
-    API server 2.2 ms instead of 1.0)."""
-    counts = await read_counts(api)
-    await asyncio.sleep(settle_s)
-    return counts
+async def server_counts(api: Any, database_url: str) -> tuple[Counter[str], dict[str, int]]:
+    """kube-apiserver's counters, then PostgreSQL's for the ledger's database. The database's reading starts
+    with `db_counts`' pause, which also lets the API server's garbage collection after rendering its
+    multi-megabyte `/metrics` page end before the next phase (it landed in the raw window in some runs: raw
+    Bindings then cost the API server 2.2 ms instead of 1.0)."""
+    return await api_requests.read_counts(api), await db_counts.read_counts(database_url)
 
 
 async def run(ctx: Context) -> BenchResult:
@@ -149,21 +148,16 @@ async def run(ctx: Context) -> BenchResult:
             with CpuWindow(ctx.server_ports()) as idle_cpu:
                 await asyncio.sleep(ctx.pick(0.5, 3.0, 5.0))
             await raw_bindings(api, raw_ns, raw_pods[:warmup], node_names, concurrency)
-            raw_db_before = await db_counts.read_counts(stack.database_url)
-            raw_before = await settled_counts(api)
+            raw_before, raw_db_before = await server_counts(api, stack.database_url)
             with CpuWindow(ctx.server_ports()) as raw_cpu:
                 raw_rate, raw_lat = await raw_bindings(api, raw_ns, raw_pods[warmup:], node_names, concurrency)
-            raw_after = await read_counts(api)
-            raw_db_after = await db_counts.read_counts(stack.database_url)
+            raw_after, raw_db_after = await server_counts(api, stack.database_url)
             _, _, warm_errors = await pipeline_bindings(http, gpu_ns, gpu_pods[:warmup], node_names, concurrency)
-            pipeline_db_before = await db_counts.read_counts(stack.database_url)
-            pipeline_before = await settled_counts(api)
+            pipeline_before, pipeline_db_before = await server_counts(api, stack.database_url)
             with CpuWindow(ctx.server_ports()) as pipeline_cpu, phase_profiles("bind-pipeline"):
                 rate, lat, errors = await pipeline_bindings(http, gpu_ns, gpu_pods[warmup:], node_names, concurrency)
-            pipeline_after = await read_counts(api)
-            pipeline_db_after = await db_counts.read_counts(stack.database_url)
+            pipeline_after, pipeline_db_after = await server_counts(api, stack.database_url)
             # raw Bindings again, started at the pipeline's rate: what the API server's CPU per pod is at that rate
-            await settled_counts(api)
             with CpuWindow(ctx.server_ports()) as paced_cpu:
                 await raw_bindings(api, paced_ns, paced_pods, node_names, concurrency, paced_per_s=rate)
     m = result.metrics

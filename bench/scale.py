@@ -25,10 +25,9 @@ TITLE = "8. Node agents at scale: DB connections, CPU per GPU pod and GPU/plain 
 async def one_size(ctx: Context, nodes: int, pods: int) -> dict[str, float]:
     """One stack of `nodes` simulated nodes: plain phase, then GPU phase; the figures of this size."""
     from bench.kube_stack import whole_stack
-    from bench.scheduler_overhead import SCHEDULER_QPS
 
     out: dict[str, float] = {}
-    async with whole_stack(ctx, nodes, fleet=True, scheduler_qps=SCHEDULER_QPS) as stack:
+    async with whole_stack(ctx, nodes, fleet=True) as stack:
         api = await stack.api_client()
         timeout = max(120.0, pods * 0.6)
         with CpuWindow(ctx.server_ports()) as plain_cpu:

@@ -98,14 +98,7 @@ class Variant:
         }
         for kind in ("plain", "gpu"):
             m.update(ms_per_item(self.cpu[kind], pods * len(self.rounds[kind]), kind))
-            m.update(
-                extender_calls.per_pod(
-                    dict.fromkeys(extender_calls.VERBS, 0),
-                    {v: self.calls[kind][v] for v in extender_calls.VERBS},
-                    pods * len(self.rounds[kind]),
-                    kind,
-                )
-            )
+            m.update(extender_calls.per_pod(Counter(), self.calls[kind], pods * len(self.rounds[kind]), kind))
         m["gpu_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "gpu")
         m["gpu_product_cpu_ms_per_pod_without_node_agents"] = product_ms_per_pod(m, "gpu", CENTRAL_GROUPS)
         if len(ratios) > 1:
@@ -161,12 +154,6 @@ async def settle(roots: list[int], busy_below: float = 0.3, most_s: float = 30.0
         before = after
 
 
-# kube-scheduler's API client is left at 50 requests/s (burst 100) by default, and it makes each plain pod's
-# Binding itself, while a GPU pod's is the binder's: at 1,000 pods that default alone held plain pods to ~54/s,
-# below the GPU pods. Raised, the plain phase measures the control plane, not the client's rate limit.
-SCHEDULER_QPS = 1000
-
-
 def sizes(ctx: Context) -> tuple[int, int, int]:
     """(pods per phase, nodes, rounds) of this run's profile."""
     return ctx.pick(20, 200, 1000), ctx.pick(1, 4, 10), ctx.pick(1, 1, 3)
@@ -198,7 +185,7 @@ async def run(ctx: Context) -> BenchResult:
     listeners = ctx.server_ports()
     timeout = ctx.pick(60.0, 300.0, 900.0)
     off_cpu = 0
-    async with whole_stack(ctx, nodes, max_pods=max_pods_per_node(pods, nodes), scheduler_qps=SCHEDULER_QPS) as stack:
+    async with whole_stack(ctx, nodes, max_pods=max_pods_per_node(pods, nodes)) as stack:
         api = await stack.api_client()
         await pause_kubelets(stack)
         roots = benchmark_roots(listeners)
