@@ -9,11 +9,12 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import Select, Text, and_, any_, bindparam, select
-from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot, ShareRecord
 from shared.events.catalogue import AllocationPart
+from shared.ledger import driver
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row
 from shared.ledger.rules import LIVE_STATE_VALUES
 
@@ -52,11 +53,9 @@ async def bind_facts_many(engine: AsyncEngine, asks: list[tuple[uuid.UUID, list[
     them for the reservations it handles together, as it commits their `bound` writes together)."""
     ids = [a for a, _ in asks]
     uuids = sorted({u for _, us in asks for u in us})
-    async with engine.connect() as conn:
-        states = dict((await conn.execute(_states_of(), {"ids": ids})).all())
-        memory = (
-            {r.uuid: int(r.memory_mib) for r in await conn.execute(_memory_of(), {"uuids": uuids})} if uuids else {}
-        )
+    async with engine.connect() as conn:  # on asyncpg directly: it runs for every batch of bindings
+        states = {r["id"]: r["state"] for r in await driver.fetch(conn, _STATES, ids)}
+        memory = {r["uuid"]: int(r["memory_mib"]) for r in await driver.fetch(conn, _MEMORY, uuids)} if uuids else {}
     out = []
     for allocation_id, wanted in asks:
         state = states.get(allocation_id)
@@ -64,18 +63,14 @@ async def bind_facts_many(engine: AsyncEngine, asks: list[tuple[uuid.UUID, list[
     return out
 
 
-@cache
-def _states_of() -> Select:
-    """State of each allocation in `:ids`, one statement whatever their number (`= ANY(array)`: an IN list
-    would be re-rendered for every length)."""
-    return select(allocations.c.id, allocations.c.state).where(
-        allocations.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
-    )
+_STATES = "SELECT id, state FROM allocations WHERE id = ANY($1::uuid[])"
+_MEMORY = "SELECT uuid, memory_mib FROM gpus WHERE uuid = ANY($1::text[])"
 
 
 @cache
 def _memory_of() -> Select:
-    """Schedulable memory of each GPU in `:uuids` (`= ANY(array)`, as `_states_of`)."""
+    """Schedulable memory of each GPU in `:uuids` (`= ANY(array)`: an IN list would be re-rendered for every
+    length)."""
     return select(gpus.c.uuid, gpus.c.memory_mib).where(gpus.c.uuid == any_(bindparam("uuids", type_=ARRAY(Text))))
 
 

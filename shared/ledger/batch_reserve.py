@@ -11,15 +11,15 @@ no namespace in the batch has a GPU quota, and every GPU has room for the sum of
 Anything else raises `Irregular` before the caller commits; the caller rolls back and reserves the batch one
 pod at a time (`reservations.reserve` under a savepoint each, after `lock_in_order`), which names the conflict
 and fails only the pods it concerns. The CHECK constraints on `gpus` back both paths: no code path can commit
-an overcommitted GPU.
+an overcommitted GPU. The statements go to asyncpg directly (`driver`): they run for every batch of binds.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import ReservedEvent
+from shared.ledger import driver
 from shared.ledger.models import LIVE_SQL
 from shared.ledger.quotas import lock_quota
 from shared.ledger.reservations import Reservation
@@ -30,40 +30,35 @@ class Irregular(Exception):
     """The batch needs the one-by-one path (an existing reservation, a quota, a GPU without room, ...)."""
 
 
-_QUOTAS = text(
-    "SELECT namespace FROM quotas WHERE namespace = ANY(CAST(:namespaces AS text[])) "
+_QUOTAS = (
+    "SELECT namespace FROM quotas WHERE namespace = ANY($1::text[]) "
     "AND (memory_mib IS NOT NULL OR compute IS NOT NULL) LIMIT 1"
 )
-_INSERT_ALLOCATIONS = text(
+_INSERT_ALLOCATIONS = (
     "INSERT INTO allocations (id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, state, memory_mib,"
     " compute, reserved_at, pod_created_at) "
-    "SELECT u.id, u.pod_uid, u.namespace, u.pod_name, u.owner_kind, u.owner_name, u.node, :state, u.memory_mib,"
+    "SELECT u.id, u.pod_uid, u.namespace, u.pod_name, u.owner_kind, u.owner_name, u.node, $1, u.memory_mib,"
     " u.compute, u.reserved_at, u.pod_created_at "
-    "FROM unnest(CAST(:ids AS uuid[]), CAST(:pod_uids AS text[]), CAST(:namespaces AS text[]),"
-    " CAST(:pod_names AS text[]), CAST(:owner_kinds AS text[]), CAST(:owner_names AS text[]),"
-    " CAST(:nodes AS text[]), CAST(:memory AS integer[]), CAST(:compute AS integer[]),"
-    " CAST(:reserved_at AS timestamptz[]), CAST(:pod_created_at AS timestamptz[])) "
+    "FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],"
+    " $9::integer[], $10::integer[], $11::timestamptz[], $12::timestamptz[]) "
     "AS u(id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, memory_mib, compute, reserved_at,"
     " pod_created_at) "
     f"ON CONFLICT (pod_uid) WHERE {LIVE_SQL} DO NOTHING RETURNING id"
 )
-_LOCK_GPUS = text("SELECT uuid FROM gpus WHERE uuid = ANY(CAST(:uuids AS text[])) ORDER BY uuid FOR UPDATE")
-_CHARGE_GPUS = text(
+_LOCK_GPUS = "SELECT uuid FROM gpus WHERE uuid = ANY($1::text[]) ORDER BY uuid FOR UPDATE"
+_CHARGE_GPUS = (
     "UPDATE gpus AS g SET allocated_memory_mib = g.allocated_memory_mib + w.memory,"
-    " allocated_compute = g.allocated_compute + w.compute, updated_at = :at "
-    "FROM unnest(CAST(:uuids AS text[]), CAST(:nodes AS text[]), CAST(:memory AS integer[]),"
-    " CAST(:compute AS integer[])) AS w(uuid, node, memory, compute) "
+    " allocated_compute = g.allocated_compute + w.compute, updated_at = $1 "
+    "FROM unnest($2::text[], $3::text[], $4::integer[], $5::integer[]) AS w(uuid, node, memory, compute) "
     "WHERE g.uuid = w.uuid AND g.node = w.node AND g.healthy AND g.retired_at IS NULL"
     " AND g.allocated_memory_mib + w.memory <= g.memory_mib AND g.allocated_compute + w.compute <= g.compute_units "
     "RETURNING g.uuid"
 )
-_INSERT_PARTS = text(
+_INSERT_PARTS = (
     "INSERT INTO allocation_parts (allocation_id, container, container_index, init, sidecar, gpu_uuid, gpu_index,"
     " memory_mib, compute) "
-    "SELECT * FROM unnest(CAST(:allocation_ids AS uuid[]), CAST(:containers AS text[]),"
-    " CAST(:container_indexes AS integer[]), CAST(:inits AS boolean[]), CAST(:sidecars AS boolean[]),"
-    " CAST(:gpu_uuids AS text[]), CAST(:gpu_indexes AS integer[]), CAST(:memory AS integer[]),"
-    " CAST(:compute AS integer[]))"
+    "SELECT * FROM unnest($1::uuid[], $2::text[], $3::integer[], $4::boolean[], $5::boolean[], $6::text[],"
+    " $7::integer[], $8::integer[], $9::integer[])"
 )
 
 
@@ -75,7 +70,7 @@ async def lock_in_order(conn: AsyncConnection, events: list[ReservedEvent]) -> N
         await lock_quota(conn, namespace)
     uuids = sorted({p.gpu_uuid for e in events for p in e.parts})
     if uuids:
-        await conn.execute(_LOCK_GPUS, {"uuids": uuids})
+        await driver.fetch(conn, _LOCK_GPUS, uuids)
 
 
 def batch_charges(
@@ -101,57 +96,54 @@ async def reserve_fast(conn: AsyncConnection, events: list[ReservedEvent]) -> li
     per_pod = [gpu_charges(e.parts) for e in events]  # {GPU: (memory, compute)} of each pod
     charges = batch_charges(events, per_pod)
     namespaces = sorted({e.namespace for e in events})
-    if (await conn.execute(_QUOTAS, {"namespaces": namespaces})).first() is not None:
+    if await driver.fetch(conn, _QUOTAS, namespaces):
         raise Irregular("a namespace in the batch has a GPU quota")
-    inserted = await conn.execute(
+    inserted = await driver.fetch(
+        conn,
         _INSERT_ALLOCATIONS,
-        {
-            "state": AllocationState.RESERVED.value,
-            "ids": [e.allocation_id for e in events],
-            "pod_uids": [e.pod_uid for e in events],
-            "namespaces": [e.namespace for e in events],
-            "pod_names": [e.pod_name for e in events],
-            "owner_kinds": [e.owner_kind for e in events],
-            "owner_names": [e.owner_name for e in events],
-            "nodes": [e.node for e in events],
-            "memory": [sum(m for m, _ in c.values()) for c in per_pod],
-            "compute": [sum(x for _, x in c.values()) for c in per_pod],
-            "reserved_at": [e.occurred_at for e in events],
-            "pod_created_at": [e.pod_created_at for e in events],
-        },
+        AllocationState.RESERVED.value,
+        [e.allocation_id for e in events],
+        [e.pod_uid for e in events],
+        [e.namespace for e in events],
+        [e.pod_name for e in events],
+        [e.owner_kind for e in events],
+        [e.owner_name for e in events],
+        [e.node for e in events],
+        [sum(m for m, _ in c.values()) for c in per_pod],
+        [sum(x for _, x in c.values()) for c in per_pod],
+        [e.occurred_at for e in events],
+        [e.pod_created_at for e in events],
     )
-    if len(inserted.all()) != len(events):
+    if len(inserted) != len(events):
         raise Irregular("a pod in the batch already holds a live reservation")
     uuids = sorted(charges)
     if uuids:
-        await conn.execute(_LOCK_GPUS, {"uuids": uuids})
-        charged = await conn.execute(
+        await driver.fetch(conn, _LOCK_GPUS, uuids)
+        charged = await driver.fetch(
+            conn,
             _CHARGE_GPUS,
-            {
-                "at": max(e.occurred_at for e in events),
-                "uuids": uuids,
-                "nodes": [charges[u][0] for u in uuids],
-                "memory": [charges[u][1] for u in uuids],
-                "compute": [charges[u][2] for u in uuids],
-            },
+            max(e.occurred_at for e in events),
+            uuids,
+            [charges[u][0] for u in uuids],
+            [charges[u][1] for u in uuids],
+            [charges[u][2] for u in uuids],
         )
-        if len(charged.all()) != len(uuids):
+        if len(charged) != len(uuids):
             raise Irregular("a GPU has no room for what the batch puts on it")
     parts = [(e.allocation_id, p) for e in events for p in e.parts]
     if parts:
-        await conn.execute(
+        await driver.fetch(
+            conn,
             _INSERT_PARTS,
-            {
-                "allocation_ids": [a for a, _ in parts],
-                "containers": [p.container for _, p in parts],
-                "container_indexes": [p.container_index for _, p in parts],
-                "inits": [p.init for _, p in parts],
-                "sidecars": [p.sidecar for _, p in parts],
-                "gpu_uuids": [p.gpu_uuid for _, p in parts],
-                "gpu_indexes": [p.gpu_index for _, p in parts],
-                "memory": [p.memory_mib for _, p in parts],
-                "compute": [p.compute for _, p in parts],
-            },
+            [a for a, _ in parts],
+            [p.container for _, p in parts],
+            [p.container_index for _, p in parts],
+            [p.init for _, p in parts],
+            [p.sidecar for _, p in parts],
+            [p.gpu_uuid for _, p in parts],
+            [p.gpu_index for _, p in parts],
+            [p.memory_mib for _, p in parts],
+            [p.compute for _, p in parts],
         )
     return [
         Reservation(e.allocation_id, e.pod_uid, e.node, AllocationState.RESERVED, tuple(e.parts), created=True)

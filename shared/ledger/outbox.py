@@ -7,33 +7,35 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sqlalchemy import delete, insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import encode_event, subject_for
-from shared.ledger.models import outbox
+from shared.ledger import driver
 
 log = logging.getLogger(__name__)
 
 RELAY_LOCK_KEY = 0x67707573686172  # "gpushar": one relay publishes at a time, in staging order
+
+_STAGE = "INSERT INTO outbox (event_id, subject, payload) VALUES ($1, $2, $3)"
+_RELAY_LOCK = "SELECT pg_advisory_xact_lock($1)"
+# no row lock: the advisory lock already lets one relay at a time take rows (and a row lock would need UPDATE
+# on the outbox, which no service is granted)
+_TAKE = (
+    "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT $1) "
+    "RETURNING seq, event_id, subject, payload"
+)
 
 
 async def stage(conn: AsyncConnection, prefix: str, *events: object) -> None:
     """Add events to the outbox inside the caller's transaction."""
     if not events:
         return
-    await conn.execute(
-        insert(outbox),
-        [
-            {
-                "event_id": e.event_id,  # type: ignore[attr-defined]
-                "subject": subject_for(prefix, e),  # type: ignore[arg-type]
-                "payload": encode_event(e),  # type: ignore[arg-type]
-            }
-            for e in events
-        ],
+    await driver.execute_many(
+        conn,
+        _STAGE,
+        [(e.event_id, subject_for(prefix, e), encode_event(e)) for e in events],  # type: ignore[attr-defined, arg-type]
     )
 
 
@@ -70,22 +72,15 @@ class OutboxRelay:
         """
         total = 0
         while True:
-            # no row lock: the advisory lock below already lets one relay at a time take rows (and a row lock
-            # would need UPDATE on the outbox, which no service is granted)
-            taken = select(outbox.c.seq).order_by(outbox.c.seq).limit(self.batch).scalar_subquery()
             async with self.engine.begin() as conn:
-                await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": RELAY_LOCK_KEY})
-                rows = (
-                    await conn.execute(
-                        delete(outbox)
-                        .where(outbox.c.seq.in_(taken))
-                        .returning(outbox.c.seq, outbox.c.event_id, outbox.c.subject, outbox.c.payload)
-                    )
-                ).all()
+                await driver.fetch(conn, _RELAY_LOCK, RELAY_LOCK_KEY)
+                rows = await driver.fetch(conn, _TAKE, self.batch)
                 if not rows:
                     return total
-                rows.sort(key=lambda r: r.seq)
-                await asyncio.gather(*(self.bus.publish_raw(r.subject, r.payload, str(r.event_id)) for r in rows))
+                rows.sort(key=lambda r: r["seq"])
+                await asyncio.gather(
+                    *(self.bus.publish_raw(r["subject"], r["payload"], str(r["event_id"])) for r in rows)
+                )
             total += len(rows)
             self.published += len(rows)
             if len(rows) < self.batch:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 
-from sqlalchemy import and_, func, select, text, update
+from sqlalchemy import and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import (
@@ -17,6 +17,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     TerminatingEvent,
 )
+from shared.ledger import driver
 from shared.ledger.models import allocation_parts, allocations, gpus, part_from_row
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
@@ -77,12 +78,13 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
     return changed
 
 
-_BIND_MANY = text(
-    "WITH old AS (SELECT id, state FROM allocations WHERE id = ANY(CAST(:ids AS uuid[])) ORDER BY id FOR UPDATE) "
-    "UPDATE allocations AS a SET state = CASE WHEN old.state = :reserved THEN :bound ELSE a.state END,"
+# on asyncpg directly (`driver`): it runs for every batch of bindings
+_BIND_MANY = (
+    "WITH old AS (SELECT id, state FROM allocations WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE) "
+    "UPDATE allocations AS a SET state = CASE WHEN old.state = $3 THEN $4 ELSE a.state END,"
     " bound_at = COALESCE(a.bound_at, u.at) "
-    "FROM old, unnest(CAST(:ids AS uuid[]), CAST(:ats AS timestamptz[])) AS u(id, at) "
-    "WHERE a.id = old.id AND a.id = u.id AND (old.state = :reserved OR a.bound_at IS NULL) "
+    "FROM old, unnest($1::uuid[], $2::timestamptz[]) AS u(id, at) "
+    "WHERE a.id = old.id AND a.id = u.id AND (old.state = $3 OR a.bound_at IS NULL) "
     "RETURNING a.id, old.state"
 )
 
@@ -94,18 +96,15 @@ async def apply_bound_many(conn: AsyncConnection, events: list[BoundEvent]) -> l
     allocation, or the same allocation named again in the batch, is a no-op (False)."""
     if not events:
         return []
-    rows = (
-        await conn.execute(
-            _BIND_MANY,
-            {
-                "ids": [e.allocation_id for e in events],
-                "ats": [e.occurred_at for e in events],
-                "reserved": AllocationState.RESERVED.value,
-                "bound": AllocationState.BOUND.value,
-            },
-        )
-    ).all()
-    moved = {r.id for r in rows if advances(r.state, AllocationState.BOUND)}
+    rows = await driver.fetch(
+        conn,
+        _BIND_MANY,
+        [e.allocation_id for e in events],
+        [e.occurred_at for e in events],
+        AllocationState.RESERVED.value,
+        AllocationState.BOUND.value,
+    )
+    moved = {r["id"] for r in rows if advances(r["state"], AllocationState.BOUND)}
     out = []
     for event in events:
         out.append(event.allocation_id in moved)

@@ -1,0 +1,79 @@
+"""Hot-path statements on asyncpg itself, inside a SQLAlchemy transaction.
+
+SQLAlchemy's execution machinery (greenlet hop, execution context, result object) costs its caller about
+0.2 ms of CPU per statement over asyncpg's own, which was a fifth of the extender's and binder's time per pod
+(docs/benchmarks.md, part 4). The statements that run for every pod go straight to the driver connection of
+the caller's `AsyncConnection`: same connection, same transaction (SQLAlchemy still begins, commits, rolls
+back and pools; the server-side BEGIN is sent before the first such statement, as SQLAlchemy sends it before
+its own), and asyncpg prepares each statement once per connection and reuses it.
+
+Errors look as they did through SQLAlchemy: a constraint violation is an `IntegrityError`, a lost connection
+an `OperationalError` with `connection_invalidated` (the connection is invalidated, so the pool drops it), any
+other database error a `DBAPIError` whose text is the server's. `is_transient` and the callers' handlers read
+them unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import asyncpg
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+_LOST = (
+    asyncpg.PostgresConnectionError,  # SQLSTATE class 08, and "connection does not exist"
+    asyncpg.exceptions.AdminShutdownError,  # 57P01: the server is shutting down, or the session was terminated
+    asyncpg.exceptions.CrashShutdownError,  # 57P02
+    asyncpg.exceptions.CannotConnectNowError,  # 57P03
+    OSError,  # includes ConnectionError and TimeoutError
+)
+
+
+async def fetch(conn: AsyncConnection, sql: str, *args: Any) -> list[asyncpg.Record]:
+    """Run `sql` (`$1`-style parameters) in `conn`'s transaction; its rows."""
+    driver = await _driver(conn)
+    try:
+        return await driver.fetch(sql, *args)
+    except Exception as exc:
+        raise await _translated(conn, driver, exc, sql, args) from exc
+
+
+async def execute_many(conn: AsyncConnection, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    """Run `sql` once per row of arguments, in order, in one round trip, in `conn`'s transaction."""
+    driver = await _driver(conn)
+    rows = list(rows)
+    try:
+        await driver.executemany(sql, rows)
+    except Exception as exc:
+        raise await _translated(conn, driver, exc, sql, rows) from exc
+
+
+async def _driver(conn: AsyncConnection) -> asyncpg.Connection:
+    """The asyncpg connection under `conn`, inside `conn`'s transaction when it has one.
+
+    SQLAlchemy's asyncpg adapter sends BEGIN lazily, with its first statement: a transaction whose statements
+    all come through here would otherwise run them in autocommit, and its rollback would undo nothing. So the
+    adapter is asked to begin first, as it would before a statement of its own (`tests/foundation/test_driver.py`
+    holds it to that).
+    """
+    raw = await conn.get_raw_connection()
+    adapted: Any = raw.dbapi_connection
+    if conn.in_transaction() and adapted._transaction is None:
+        await adapted._start_transaction()
+    return raw.driver_connection  # type: ignore[return-value]
+
+
+async def _translated(
+    conn: AsyncConnection, driver: asyncpg.Connection, exc: Exception, sql: str, args: Any
+) -> Exception:
+    """`exc` as SQLAlchemy would have raised it; a lost connection is invalidated first."""
+    if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
+        return IntegrityError(sql, args, exc)
+    if isinstance(exc, _LOST) or driver.is_closed():
+        await conn.invalidate(exc)
+        return OperationalError(sql, args, exc, connection_invalidated=True)
+    if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):  # a statement error, a bad argument, ...
+        return DBAPIError(sql, args, exc)
+    return exc  # not the database's: raised as it came
