@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import shutil
@@ -124,6 +123,8 @@ def simulated_proc_root(args: argparse.Namespace) -> Path | None:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run until SIGTERM / SIGINT."""
+    from shared.runtime import run_main
+
     if not args.node:
         raise SystemExit("no node name: pass --node or set NODE_NAME (the downward API's spec.nodeName)")
     made = args.simulate_usage and args.proc_root is None
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         backend = make_backend(args)
         try:
-            return asyncio.run(_serve(args, settings, backend))
+            return run_main(_serve(args, settings, backend))
         finally:
             backend.close()
     finally:
