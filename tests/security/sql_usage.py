@@ -1,7 +1,8 @@
 """What PostgreSQL privileges a service's code needs, read from its sources with `ast` (no database involved).
 
 The code reaches the database through SQLAlchemy Core over the tables of `shared/ledger/models.py` and
-`services/accounting/tables.py` (and a few `text()` statements). Starting from a service's command
+`services/accounting/tables.py` (and a few `text()` statements), and on the hot path through raw SQL constants
+handed to `shared/ledger/driver.py`. Starting from a service's command
 (`services/<svc>/cli.py`), every function it can reach is followed by name (calls and callbacks alike, through
 `shared/` and its own package; never another service's), and each statement becomes privileges as PostgreSQL
 checks them:
@@ -14,6 +15,11 @@ checks them:
 | `T.c.x` read anywhere (select list, WHERE, RETURNING, SET expressions), `select(T)` | SELECT on T |
 | `.with_for_update()` over T | LOCK: UPDATE on at least one column of T (PostgreSQL's rule for row locks) |
 | `text("... FROM t JOIN u ...")`, `text("TRUNCATE ...")` | SELECT on t, u; TRUNCATE |
+| `driver.fetch(conn, SQL, ...)`, `driver.execute_many(conn, SQL, rows)`, SQL a module constant | as it reads: |
+| `INSERT INTO t` | INSERT on t (and SELECT with `ON CONFLICT (...)` or `RETURNING`) |
+| `UPDATE t SET c = ...` | UPDATE on those columns of t (and SELECT with `WHERE` or `RETURNING`) |
+| `DELETE FROM t` | DELETE on t (and SELECT with `WHERE` or `RETURNING`) |
+| `FROM t`, `JOIN t`; `... FOR UPDATE` | SELECT on t; LOCK on the tables read |
 
 A ledger event recorded through `Ledger.record` / `record_once` / `apply_event` needs what `apply_event`'s
 branch for that event class does; the event classes are the ones the recording function constructs or names
@@ -36,6 +42,8 @@ SA_VERBS = {"insert", "update", "delete", "select", "text"}
 RECORDERS = {"record", "record_once", "apply_event"}
 ENTRY_METHODS = ("__init__", "__aenter__", "__aexit__", "__call__")
 _SQL_TABLES = re.compile(r"(?i)\b(?:FROM|JOIN)\s+([a-z_][a-z0-9_]*)")
+DRIVER_MODULE = REPO / "shared" / "ledger" / "driver.py"
+DRIVER_CALLS = {"fetch", "execute_many"}
 
 Need = tuple[str, str]  # (table, "SELECT" | "INSERT" | "DELETE" | "TRUNCATE" | "LOCK" | "UPDATE:<column>")
 
@@ -71,6 +79,7 @@ class Index:
     functions: dict[str, list[Function]]
     classes: dict[str, list[str]]  # class name -> method names
     dispatch: dict[str, set[str]]  # event class -> names of the functions apply_event calls for it
+    sql_constants: dict[tuple[Path, str], str]  # (module, constant) -> its SQL text (f-string parts left out)
 
 
 def _files(package: str) -> list[Path]:
@@ -91,7 +100,7 @@ def index(package: str) -> Index:
     """Index `shared/` and `services/<package>/`."""
     modules: dict[Path, Module] = {}
     tables: dict[str, str] = {}
-    assigns: list[tuple[str, ast.AST]] = []
+    assigns: list[tuple[Path, str, ast.AST]] = []
     functions: dict[str, list[Function]] = {}
     classes: dict[str, list[str]] = {}
     dispatch: dict[str, set[str]] = {}
@@ -114,7 +123,7 @@ def index(package: str) -> Index:
                 if (table := _is_table_call(value)) is not None:
                     tables[name] = table
                 else:
-                    assigns.append((name, value))
+                    assigns.append((path, name, value))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 functions.setdefault(node.name, []).append(Function(node.name, path, node, None))
             if isinstance(node, ast.ClassDef):
@@ -131,7 +140,10 @@ def index(package: str) -> Index:
     table_tuples: dict[str, list[str]] = {}
     event_tuples: dict[str, list[str]] = {}
     string_dicts: dict[str, list[str]] = {}
-    for name, value in assigns:
+    sql_constants: dict[tuple[Path, str], str] = {}
+    for path, name, value in assigns:
+        if (sql := _literal_sql(value)) is not None:
+            sql_constants[(path, name)] = sql
         if isinstance(value, ast.Tuple | ast.List):
             names = [e.id for e in value.elts if isinstance(e, ast.Name)]
             if names and all(n in tables for n in names):
@@ -142,7 +154,59 @@ def index(package: str) -> Index:
             strings = [v.value for v in value.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
             if len(strings) == len(value.values):
                 string_dicts[name] = strings
-    return Index(modules, tables, table_tuples, event_tuples, string_dicts, functions, classes, dispatch)
+    return Index(modules, tables, table_tuples, event_tuples, string_dicts, functions, classes, dispatch, sql_constants)
+
+
+def _literal_sql(value: ast.AST) -> str | None:
+    """The text of a string constant (an f-string's literal parts: what it interpolates is a condition such as
+    LIVE_SQL, never a table)."""
+    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+        return value.value
+    if isinstance(value, ast.JoinedStr):
+        return "".join(v.value for v in value.values if isinstance(v, ast.Constant))
+    return None
+
+
+def _top_level_split(text: str) -> list[str]:
+    """`text` split at the commas outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def raw_sql_needs(sql: str, known: set[str]) -> set[Need]:
+    """The privileges one raw SQL statement needs, as PostgreSQL checks them (see the module's table)."""
+    needs: set[Need] = set()
+    reads = re.search(r"(?is)\b(WHERE|RETURNING)\b", sql) is not None
+    body = sql
+    if m := re.search(r"(?is)\bINSERT\s+INTO\s+([a-z_][a-z0-9_]*)", sql):
+        needs.add((m.group(1), "INSERT"))
+        if re.search(r"(?is)\bON\s+CONFLICT\s*\(|\bRETURNING\b", sql):
+            needs.add((m.group(1), "SELECT"))
+    if m := re.search(
+        r"(?is)\bUPDATE\s+([a-z_][a-z0-9_]*)(?:\s+AS\s+[a-z_]+)?\s+SET\s+(.*?)(?:\bFROM\b|\bWHERE\b|\bRETURNING\b|$)",
+        sql,
+    ):
+        columns = [re.match(r"\s*([a-z_][a-z0-9_]*)\s*=", part) for part in _top_level_split(m.group(2))]
+        if not all(columns):
+            raise AnalysisError(f"cannot tell which columns this UPDATE sets: {sql!r}")
+        needs |= {(m.group(1), f"UPDATE:{c.group(1)}") for c in columns if c}
+        if reads:
+            needs.add((m.group(1), "SELECT"))
+    if m := re.search(r"(?is)\bDELETE\s+FROM\s+([a-z_][a-z0-9_]*)", sql):
+        needs.add((m.group(1), "DELETE"))
+        if reads:
+            needs.add((m.group(1), "SELECT"))
+        body = sql[: m.start()] + sql[m.end() :]  # DELETE FROM t is not a read of t
+    read = {t for t in _SQL_TABLES.findall(body) if t in known}
+    needs |= {(t, "SELECT") for t in read}
+    if re.search(r"(?is)\bFOR\s+UPDATE\b", sql):
+        needs |= {(t, "LOCK") for t in read}
+    return needs
 
 
 def _callee(call: ast.Call) -> str | None:
@@ -298,6 +362,8 @@ class _Reader:
             elif verb == "text" and node.args:
                 self.text(node.args[0])
             callee = _callee(node)
+            if callee in DRIVER_CALLS and self.fn.path != DRIVER_MODULE and self.is_driver(node.func):
+                self.driver_sql(node)
             if callee == "on_conflict_do_update":
                 table = self.base_table(node.func.value)  # type: ignore[attr-defined]
                 setter = next((k.value for k in node.keywords if k.arg == "set_"), None)
@@ -318,6 +384,21 @@ class _Reader:
                     elif isinstance(sub, ast.Call) and self.verb(sub) == "select":
                         self.needs |= {(t, "LOCK") for a in sub.args if (t := self.table_of(a))}
         return self.needs
+
+    def is_driver(self, func: ast.AST) -> bool:
+        """`driver.fetch` / `driver.execute_many`, with `driver` the module `shared/ledger/driver.py`."""
+        return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "driver"
+
+    def driver_sql(self, call: ast.Call) -> None:
+        """The needs of the statement a driver call runs: its second argument, a module constant."""
+        arg = call.args[1] if len(call.args) > 1 else None
+        sql = self.idx.sql_constants.get((self.fn.path, arg.id)) if isinstance(arg, ast.Name) else None
+        if sql is None:
+            raise AnalysisError(f"{self.where(call)}: driver SQL that is not a module constant")
+        try:
+            self.needs |= raw_sql_needs(sql, set(self.idx.tables.values()))
+        except AnalysisError as exc:
+            raise AnalysisError(f"{self.where(call)}: {exc}") from None
 
     def values_columns(self, call: ast.Call) -> list[str]:
         cols = [k.arg for k in call.keywords if k.arg is not None]

@@ -34,7 +34,7 @@ from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.reservations import ReservationRequest
-from tests.security.sql_usage import service_needs
+from tests.security.sql_usage import raw_sql_needs, service_needs
 
 SERVICES = {"gpushare_extender": "extender", "gpushare_binder": "binder", "gpushare_accounting": "accounting"}
 TABLE_PRIVILEGES = {"SELECT", "INSERT", "DELETE", "TRUNCATE"}
@@ -85,6 +85,31 @@ async def test_each_role_holds_exactly_what_its_code_needs(database_url: str, ro
     assert have_updates == want_updates, f"{role}: UPDATE columns granted {have_updates}, used {want_updates}"
     locked = {t for t, p in needs if p == "LOCK"}
     assert all(have_updates.get(t) for t in locked), f"{role} locks rows of {locked} without UPDATE on them"
+
+
+@pytest.mark.parametrize(
+    ("sql", "needs"),
+    [
+        ("INSERT INTO t (a) VALUES ($1)", {("t", "INSERT")}),
+        (
+            "INSERT INTO t (a) SELECT * FROM unnest($1::int[]) ON CONFLICT (a) DO NOTHING",
+            {("t", "INSERT"), ("t", "SELECT")},
+        ),
+        (
+            "UPDATE t AS x SET a = COALESCE(x.a, $1), b = CASE WHEN x.c = 1 THEN 2 ELSE x.b END FROM u WHERE x.i = u.i",
+            {("t", "UPDATE:a"), ("t", "UPDATE:b"), ("t", "SELECT"), ("u", "SELECT")},
+        ),
+        ("DELETE FROM t", {("t", "DELETE")}),
+        ("DELETE FROM t WHERE seq IN (SELECT seq FROM t LIMIT 1) RETURNING seq", {("t", "DELETE"), ("t", "SELECT")}),
+        (
+            "SELECT a FROM t JOIN u ON t.a = u.a WHERE t.a = ANY($1) FOR UPDATE",
+            {(x, p) for x in "tu" for p in ("SELECT", "LOCK")},
+        ),
+        ("SELECT pg_advisory_xact_lock($1)", set()),
+    ],
+)
+def test_raw_driver_sql_reads_as_postgresql_checks_it(sql: str, needs: set[tuple[str, str]]) -> None:
+    assert raw_sql_needs(sql, {"t", "u"}) == needs
 
 
 def test_the_node_agent_reaches_no_sql_and_has_no_role() -> None:
