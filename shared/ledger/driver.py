@@ -8,7 +8,8 @@ back and pools; the server-side BEGIN is sent before the first such statement, a
 its own), and asyncpg prepares each statement once per connection and reuses it.
 
 Errors look as they did through SQLAlchemy: a constraint violation is an `IntegrityError`, a lost connection
-an `OperationalError` with `connection_invalidated` (the connection is invalidated, so the pool drops it), any
+an `OperationalError` with `connection_invalidated` (the connection is invalidated, and the pool's older ones
+with it), any
 other database error a `DBAPIError` whose text is the server's. `is_transient` and the callers' handlers read
 them unchanged.
 """
@@ -60,9 +61,16 @@ async def _driver(conn: AsyncConnection) -> asyncpg.Connection:
     """
     raw = await conn.get_raw_connection()
     adapted: Any = raw.dbapi_connection
+    driver: asyncpg.Connection = raw.driver_connection  # type: ignore[assignment]
     if conn.in_transaction() and adapted._transaction is None:
-        await adapted._start_transaction()
-    return raw.driver_connection  # type: ignore[return-value]
+        try:
+            await adapted._start_transaction()
+        except Exception as exc:  # the adapter's own error type, which nothing else reads
+            # a connection that cannot begin is of no further use (asyncpg may even report a lost one as an
+            # internal state error): dropped from the pool, and the failure reads as transient
+            await _drop(conn, exc)
+            raise OperationalError("BEGIN", (), exc.__cause__ or exc, connection_invalidated=True) from exc
+    return driver
 
 
 async def _translated(
@@ -72,8 +80,17 @@ async def _translated(
     if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
         return IntegrityError(sql, args, exc)
     if isinstance(exc, _LOST) or driver.is_closed():
-        await conn.invalidate(exc)
+        await _drop(conn, exc)
         return OperationalError(sql, args, exc, connection_invalidated=True)
     if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):  # a statement error, a bad argument, ...
         return DBAPIError(sql, args, exc)
     return exc  # not the database's: raised as it came
+
+
+async def _drop(conn: AsyncConnection, exc: BaseException) -> None:
+    """Invalidate `conn` and, as SQLAlchemy does on a disconnect, every connection the pool holds from before:
+    when the server restarted they are all dead, and each would otherwise fail one more transaction."""
+    sync = conn.sync_connection
+    if sync is not None and not sync.invalidated and sync._dbapi_connection is not None:
+        sync.engine.pool._invalidate(sync._dbapi_connection, exc)  # type: ignore[arg-type]
+    await conn.invalidate(exc)

@@ -94,3 +94,44 @@ async def test_a_lost_connection_is_transient_and_leaves_the_pool(engine: AsyncE
     async with engine.begin() as conn:
         await outbox.stage(conn, "t", event)
     assert await _staged(engine, event.event_id) == 1
+
+
+async def test_a_connection_lost_before_begin_is_transient(engine: AsyncEngine, database_url: str) -> None:
+    """The BEGIN sent for the driver fails like a statement would: the adapter's own error type (which
+    `is_transient` does not know) came out unconverted, and the dead connection stayed in the pool."""
+    admin = await asyncpg.connect(database_url)
+    try:
+        with pytest.raises(OperationalError) as caught:
+            async with engine.connect() as conn:
+                pid = (await driver.fetch(conn, "SELECT pg_backend_pid() AS pid"))[0]["pid"]
+                await admin.execute("SELECT pg_terminate_backend($1)", pid)
+                async with conn.begin():
+                    await outbox.stage(conn, "t", _event())  # the BEGIN goes first, on a dead connection
+        assert caught.value.connection_invalidated
+        assert is_transient(caught.value)
+    finally:
+        await admin.close()
+    event = _event()
+    async with engine.begin() as conn:
+        await outbox.stage(conn, "t", event)
+    assert await _staged(engine, event.event_id) == 1
+
+
+async def test_a_lost_connection_retires_the_pools_older_connections(engine: AsyncEngine, database_url: str) -> None:
+    """After a server restart every pooled connection is dead: the first failure drops them all (as SQLAlchemy
+    does on a disconnect), so the next transaction does not meet another dead one."""
+    async with engine.connect() as a, engine.connect() as b:
+        pids = [(await driver.fetch(c, "SELECT pg_backend_pid() AS pid"))[0]["pid"] for c in (a, b)]
+    admin = await asyncpg.connect(database_url)
+    try:
+        for pid in pids:
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+    finally:
+        await admin.close()
+    with pytest.raises(OperationalError):
+        async with engine.begin() as conn:
+            await outbox.stage(conn, "t", _event())
+    event = _event()
+    async with engine.begin() as conn:
+        await outbox.stage(conn, "t", event)
+    assert await _staged(engine, event.event_id) == 1
