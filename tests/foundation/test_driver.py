@@ -9,7 +9,7 @@ import asyncpg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.events.catalogue import BoundEvent
 from shared.ledger import driver, outbox
@@ -76,62 +76,59 @@ async def test_a_statement_error_is_not_transient(engine: AsyncEngine) -> None:
     assert not is_transient(caught.value)
 
 
-async def test_a_lost_connection_is_transient_and_leaves_the_pool(engine: AsyncEngine, database_url: str) -> None:
-    """A connection the server ended is invalidated: the error reads as transient, and the next transaction
-    gets a working connection instead of the dead one."""
-    admin = await asyncpg.connect(database_url)
-    try:
-        with pytest.raises(OperationalError) as caught:
-            async with engine.begin() as conn:
-                pid = (await driver.fetch(conn, "SELECT pg_backend_pid() AS pid"))[0]["pid"]
-                await admin.execute("SELECT pg_terminate_backend($1)", pid)
-                await driver.fetch(conn, "SELECT 1")
-        assert caught.value.connection_invalidated
-        assert is_transient(caught.value)
-    finally:
-        await admin.close()
-    event = _event()
-    async with engine.begin() as conn:
-        await outbox.stage(conn, "t", event)
-    assert await _staged(engine, event.event_id) == 1
+async def _pid(conn: AsyncConnection) -> int:
+    return int((await driver.fetch(conn, "SELECT pg_backend_pid() AS pid"))[0]["pid"])
 
 
-async def test_a_connection_lost_before_begin_is_transient(engine: AsyncEngine, database_url: str) -> None:
-    """The BEGIN sent for the driver fails like a statement would: the adapter's own error type (which
-    `is_transient` does not know) came out unconverted, and the dead connection stayed in the pool."""
-    admin = await asyncpg.connect(database_url)
-    try:
-        with pytest.raises(OperationalError) as caught:
-            async with engine.connect() as conn:
-                pid = (await driver.fetch(conn, "SELECT pg_backend_pid() AS pid"))[0]["pid"]
-                await admin.execute("SELECT pg_terminate_backend($1)", pid)
-                async with conn.begin():
-                    await outbox.stage(conn, "t", _event())  # the BEGIN goes first, on a dead connection
-        assert caught.value.connection_invalidated
-        assert is_transient(caught.value)
-    finally:
-        await admin.close()
-    event = _event()
-    async with engine.begin() as conn:
-        await outbox.stage(conn, "t", event)
-    assert await _staged(engine, event.event_id) == 1
-
-
-async def test_a_lost_connection_retires_the_pools_older_connections(engine: AsyncEngine, database_url: str) -> None:
-    """After a server restart every pooled connection is dead: the first failure drops them all (as SQLAlchemy
-    does on a disconnect), so the next transaction does not meet another dead one."""
-    async with engine.connect() as a, engine.connect() as b:
-        pids = [(await driver.fetch(c, "SELECT pg_backend_pid() AS pid"))[0]["pid"] for c in (a, b)]
+async def _terminate(database_url: str, *pids: int) -> None:
     admin = await asyncpg.connect(database_url)
     try:
         for pid in pids:
             await admin.execute("SELECT pg_terminate_backend($1)", pid)
     finally:
         await admin.close()
-    with pytest.raises(OperationalError):
-        async with engine.begin() as conn:
-            await outbox.stage(conn, "t", _event())
+
+
+async def _stages_once_more(engine: AsyncEngine) -> None:
+    """The next transaction works, on its first try."""
     event = _event()
     async with engine.begin() as conn:
         await outbox.stage(conn, "t", event)
     assert await _staged(engine, event.event_id) == 1
+
+
+async def test_a_lost_connection_is_transient_and_leaves_the_pool(engine: AsyncEngine, database_url: str) -> None:
+    """A connection the server ended is invalidated: the error reads as transient, and the next transaction
+    gets a working connection instead of the dead one."""
+    with pytest.raises(OperationalError) as caught:
+        async with engine.begin() as conn:
+            await _terminate(database_url, await _pid(conn))
+            await driver.fetch(conn, "SELECT 1")
+    assert caught.value.connection_invalidated
+    assert is_transient(caught.value)
+    await _stages_once_more(engine)
+
+
+async def test_a_connection_lost_before_begin_is_transient(engine: AsyncEngine, database_url: str) -> None:
+    """The BEGIN sent for the driver fails like a statement would: the adapter's own error type (which
+    `is_transient` does not know) came out unconverted, and the dead connection stayed in the pool."""
+    with pytest.raises(OperationalError) as caught:
+        async with engine.connect() as conn:
+            await _terminate(database_url, await _pid(conn))
+            async with conn.begin():
+                await outbox.stage(conn, "t", _event())  # the BEGIN goes first, on a dead connection
+    assert caught.value.connection_invalidated
+    assert is_transient(caught.value)
+    await _stages_once_more(engine)
+
+
+async def test_a_lost_connection_retires_the_pools_older_connections(engine: AsyncEngine, database_url: str) -> None:
+    """After a server restart every pooled connection is dead: the first failure drops them all (as SQLAlchemy
+    does on a disconnect), so the next transaction does not meet another dead one."""
+    async with engine.connect() as a, engine.connect() as b:
+        pids = [await _pid(a), await _pid(b)]
+    await _terminate(database_url, *pids)
+    with pytest.raises(OperationalError):
+        async with engine.begin() as conn:
+            await outbox.stage(conn, "t", _event())
+    await _stages_once_more(engine)
