@@ -33,7 +33,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,6 +80,11 @@ class Index:
     classes: dict[str, list[str]]  # class name -> method names
     dispatch: dict[str, set[str]]  # event class -> names of the functions apply_event calls for it
     sql_constants: dict[tuple[Path, str], str]  # (module, constant) -> its SQL text (f-string parts left out)
+
+    @cached_property
+    def table_names(self) -> set[str]:
+        """Every table the code defines."""
+        return set(self.tables.values())
 
 
 def _files(package: str) -> list[Path]:
@@ -396,7 +401,7 @@ class _Reader:
         if sql is None:
             raise AnalysisError(f"{self.where(call)}: driver SQL that is not a module constant")
         try:
-            self.needs |= raw_sql_needs(sql, set(self.idx.tables.values()))
+            self.needs |= raw_sql_needs(sql, self.idx.table_names)
         except AnalysisError as exc:
             raise AnalysisError(f"{self.where(call)}: {exc}") from None
 
@@ -410,22 +415,18 @@ class _Reader:
         return cols
 
     def text(self, arg: ast.AST) -> None:
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            sql = arg.value
-        elif isinstance(arg, ast.JoinedStr):
-            sql = "".join(v.value for v in arg.values if isinstance(v, ast.Constant))
-            if sql.lstrip().upper().startswith("TRUNCATE"):
-                names = {n.id for n in ast.walk(arg) if isinstance(n, ast.Name)}
-                truncated = [t for n in names for t in self.idx.table_tuples.get(n, [])]
-                if not truncated:
-                    raise AnalysisError(f"{self.where(arg)}: TRUNCATE of tables that cannot be told")
-                self.needs |= {(t, "TRUNCATE") for t in truncated}
-        elif isinstance(arg, ast.Name) and arg.id.isupper():
+        if isinstance(arg, ast.Name) and arg.id.isupper():
             return  # a constant condition such as LIVE_SQL (`state IN (...)`): no table of its own
-        else:
+        sql = _literal_sql(arg)
+        if sql is None:
             raise AnalysisError(f"{self.where(arg)}: text() of SQL built at run time")
-        known = set(self.idx.tables.values())
-        self.needs |= {(t, "SELECT") for t in _SQL_TABLES.findall(sql) if t in known}
+        if isinstance(arg, ast.JoinedStr) and sql.lstrip().upper().startswith("TRUNCATE"):
+            names = {n.id for n in ast.walk(arg) if isinstance(n, ast.Name)}
+            truncated = [t for n in names for t in self.idx.table_tuples.get(n, [])]
+            if not truncated:
+                raise AnalysisError(f"{self.where(arg)}: TRUNCATE of tables that cannot be told")
+            self.needs |= {(t, "TRUNCATE") for t in truncated}
+        self.needs |= {(t, "SELECT") for t in _SQL_TABLES.findall(sql) if t in self.idx.table_names}
         if re.match(r"(?is)\s*(insert|update|delete)\b", sql):
             raise AnalysisError(f"{self.where(arg)}: a write in text(); use insert()/update()/delete()")
 
