@@ -385,13 +385,12 @@ class NodeAgent:
             m.gpu_total.labels(*labels).set(mib_to_bytes(schedulable_mib(g.memory_total_mib, self.config.unit)))
             m.gpu_allocated.labels(*labels).set(mib_to_bytes(allocated.get(g.uuid, 0)))
             m.gpu_healthy.labels(*labels).set(1 if self.health.get(g.uuid, True) else 0)
-        pods: dict[tuple[str, str], int] = {}
+        pods: dict[tuple[str, str, str], int] = {}
         for c in view:
             if c.long_running:
-                key = (c.namespace, c.pod_name)
+                key = (node, c.namespace, c.pod_name)
                 pods[key] = pods.get(key, 0) + sum(s.memory_mib for s in c.shares)
-        for (ns, pod), mib in pods.items():
-            m.pod_allocated.labels(node, ns, pod).set(mib_to_bytes(mib))
+        m.pod_allocated.publish({key: mib_to_bytes(mib) for key, mib in pods.items()})
 
     async def sample_usage(self) -> UsageEvent:
         """Sample processes, publish a UsageEvent on the bus, update metrics, track over-use."""
@@ -404,17 +403,17 @@ class NodeAgent:
         self.last_usage = event
         m, node = self.metrics, self.config.node
         used_gpu: dict[str, int] = {}
-        used_pod: dict[tuple[str, str], int] = {}
+        used_pod = {(node, c.namespace, c.pod_name): 0 for c in view}  # a live pod without processes uses 0
         for s in samples:
             used_gpu[s.gpu_uuid] = used_gpu.get(s.gpu_uuid, 0) + s.used_memory_mib
             if s.pod_uid:
-                used_pod[(s.namespace, s.pod_name)] = used_pod.get((s.namespace, s.pod_name), 0) + s.used_memory_mib
+                key = (node, s.namespace, s.pod_name)
+                used_pod[key] = used_pod.get(key, 0) + s.used_memory_mib
         for g in self.gpus:
             labels = gpu_labels(node, g.index, g.uuid, g.model)
             m.gpu_used.labels(*labels).set(mib_to_bytes(used_gpu.get(g.uuid, 0)))
             m.gpu_util.labels(*labels).set(percent_to_ratio(utilization.get(g.uuid, 0.0)))
-        for (ns, pod), mib in used_pod.items():
-            m.pod_used.labels(node, ns, pod).set(mib_to_bytes(mib))
+        m.pod_used.publish({key: mib_to_bytes(mib) for key, mib in used_pod.items()})
         self._update_gpu_metrics()
         allocated = allocated_by_pod_gpu(view)
         for sample, limit in self.overuse.update(samples, allocated, time.monotonic()):
@@ -424,8 +423,7 @@ class NodeAgent:
                 await self._overuse(sample, limit)
         over = self.overuse.over()
         over_pods = {p for p, g in over if (p, g) in allocated}
-        for c in view:
-            m.pod_overuse.labels(node, c.namespace, c.pod_name).set(1 if c.pod_uid in over_pods else 0)
+        m.pod_overuse.publish({(node, c.namespace, c.pod_name): 1 if c.pod_uid in over_pods else 0 for c in view})
         unallocated = {(p, g) for p, g in over if (p, g) not in allocated}
         for key, labels in list(self._unallocated_labels.items()):
             m.pod_unallocated.labels(*labels).set(1 if key in unallocated else 0)

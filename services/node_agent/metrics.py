@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from shared.metrics import GPU_LABELS
+from shared.metrics import GPU_LABELS, SeriesSet
 
 POD_LABELS = ("node", "namespace", "pod")
 
 
 class AgentMetrics:
-    """Per GPU total / allocated / used memory, utilisation and health; per pod allocated vs used; outcomes."""
+    """Per GPU total / allocated / used memory, utilisation and health; per pod allocated vs used (only the node's
+    live pods: `SeriesSet`); outcomes."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -30,17 +31,21 @@ class AgentMetrics:
             "gpushare_node_agent_gpu_utilization_ratio", "GPU utilisation, 0 to 1 (NVML)", gpu, registry=r
         )
         self.gpu_healthy = Gauge("gpushare_node_agent_gpu_healthy", "1 when the GPU is healthy", gpu, registry=r)
-        self.pod_allocated = Gauge(
-            "gpushare_node_agent_pod_gpu_memory_allocated_bytes", "GPU memory allocated to a pod", pod, registry=r
+        self.pod_allocated = SeriesSet(
+            Gauge(
+                "gpushare_node_agent_pod_gpu_memory_allocated_bytes", "GPU memory allocated to a pod", pod, registry=r
+            )
         )
-        self.pod_used = Gauge(
-            "gpushare_node_agent_pod_gpu_memory_used_bytes", "GPU memory a pod's processes use", pod, registry=r
+        self.pod_used = SeriesSet(
+            Gauge("gpushare_node_agent_pod_gpu_memory_used_bytes", "GPU memory a pod's processes use", pod, registry=r)
         )
-        self.pod_overuse = Gauge(
-            "gpushare_node_agent_pod_gpu_memory_overuse",
-            "1 while a pod uses more GPU memory than allocated past the grace period",
-            pod,
-            registry=r,
+        self.pod_overuse = SeriesSet(
+            Gauge(
+                "gpushare_node_agent_pod_gpu_memory_overuse",
+                "1 while a pod uses more GPU memory than allocated past the grace period",
+                pod,
+                registry=r,
+            )
         )
         self.overuse_events = Counter(
             "gpushare_node_agent_pod_gpu_memory_overuse_episodes_total",

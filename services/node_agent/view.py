@@ -9,14 +9,13 @@ forward, and an exchange moves shares only when it is newer than the allocation'
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from dataclasses import replace
 from datetime import datetime
 
 from services.node_agent.assignment import PendingContainer, Share
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot
 from shared.events.catalogue import (
-    AllocationPart,
     AssignedEvent,
     BoundEvent,
     Event,
@@ -25,7 +24,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.rules import gpu_charges, long_running, moved_to
+from shared.ledger.rules import ChargeablePart, gpu_charges, long_running, moved_to
 
 ENDED_REMEMBERED = 4096
 
@@ -180,16 +179,24 @@ class _SharePart:
         self.container, self.gpu_uuid, self.gpu_index = container, gpu_uuid, gpu_index
 
 
+_Charge = namedtuple("_Charge", ChargeablePart.__annotations__)  # type: ignore[misc]
+"""A share as `gpu_charges` reads it: a plain tuple, since the gauges' refresh builds one per share on the node."""
+
+
 def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
     """MiB charged on each GPU by these containers (init and sidecar shares count as Kubernetes counts them)."""
-    per_alloc: dict = {}
+    with_init = {c.allocation_id for c in containers if c.init}
+    total: dict[str, int] = {}
+    per_alloc: dict[uuid.UUID, list[ChargeablePart]] = {}
     for c in containers:
+        if c.allocation_id not in with_init:  # app containers only: their shares simply add up
+            for s in c.shares:
+                total[s.gpu_uuid] = total.get(s.gpu_uuid, 0) + s.memory_mib
+            continue
         per_alloc.setdefault(c.allocation_id, []).extend(
-            AllocationPart(
-                container=c.container,
-                container_index=c.container_index,
+            _Charge(
                 gpu_uuid=s.gpu_uuid,
-                gpu_index=s.gpu_index,
+                container_index=c.container_index,
                 memory_mib=s.memory_mib,
                 compute=s.compute,
                 init=c.init,
@@ -197,7 +204,6 @@ def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
             )
             for s in c.shares
         )
-    total: dict[str, int] = {}
     for parts in per_alloc.values():
         for gpu, (memory, _) in gpu_charges(parts).items():
             total[gpu] = total.get(gpu, 0) + memory

@@ -21,7 +21,7 @@ from services.accounting.metrics import AccountingMetrics, Snapshot
 from services.binder.metrics import BinderMetrics
 from services.extender import metrics as extender_metrics
 from services.node_agent.metrics import AgentMetrics
-from shared.metrics import GPU_LABELS, NODE_LABELS
+from shared.metrics import GPU_LABELS, NODE_LABELS, SeriesSet
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS_DOC = ROOT / "docs" / "metrics.md"
@@ -50,6 +50,8 @@ Exported = dict[str, tuple[str, frozenset[str]]]  # documented name -> (type, la
 def _give_values(holder: object, registry: CollectorRegistry | None = None) -> None:
     """One series per metric of `holder` (its attributes, or a module's globals), registered in `registry`."""
     for metric in vars(holder).values():
+        if isinstance(metric, SeriesSet):
+            metric = metric.gauge
         if not isinstance(metric, Counter | Gauge | Histogram):
             continue
         if registry is not None:
@@ -209,3 +211,15 @@ def test_every_metric_the_docs_mention_is_exported() -> None:
         mentioned = {n for n in re.findall(r"\bgpushare_[a-z0-9_]*[a-z0-9]\b", text)}  # `gpushare_extender_*`: a prefix
         unknown = sorted(n for n in mentioned - DATABASE_ROLES if _stem(n) not in have)
         assert not unknown, f"{path.relative_to(ROOT)} mentions metrics no service exports: {unknown}"
+
+
+def test_a_series_set_keeps_only_the_series_of_its_last_publish() -> None:
+    registry = CollectorRegistry()
+    series = SeriesSet(Gauge("demo_pod_bytes", "demo", ["pod"], registry=registry))
+    series.publish({("a",): 1.0, ("b",): 2.0})
+    series.publish({("b",): 3.0})
+    assert registry.get_sample_value("demo_pod_bytes", {"pod": "a"}) is None
+    assert registry.get_sample_value("demo_pod_bytes", {"pod": "b"}) == 3.0
+    series.publish({("a",): 4.0})  # a pod name used again comes back as a fresh series
+    assert registry.get_sample_value("demo_pod_bytes", {"pod": "a"}) == 4.0
+    assert registry.get_sample_value("demo_pod_bytes", {"pod": "b"}) is None

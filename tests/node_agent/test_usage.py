@@ -118,3 +118,33 @@ async def test_a_burst_of_ledger_events_refreshes_the_gpu_gauges_a_few_times_not
     )
     events = 2 * pods  # reserved and bound per pod
     assert refreshes < events / 2, f"{refreshes} refreshes for {events} events"
+
+
+async def test_an_ended_pods_gauges_are_removed_not_left_at_their_last_value(harness: Harness) -> None:
+    """Before, every pod ever placed on the node kept its per-pod series: a released pod still reported its
+    allocated bytes (a dashboard summing them per node overcounted) and the series grew without bound."""
+    pod, alloc = await harness.reserve("short-lived", [("main", [(0, 2)])])
+    uid = pod["metadata"]["uid"]
+    await harness.reserve("long-lived", [("main", [(1, 1)])])
+    proc = harness.root / "proc"
+    (proc / "4343").mkdir(parents=True)
+    (proc / "4343" / "cgroup").write_text(f"0::/kubepods/besteffort/pod{uid}/cri-x\n")
+    harness.backend.set_processes([ProcessUsage(4343, harness.gpu(0), 3000)])  # over its 2 GiB
+    await harness.agent.sample_usage()
+    reg = harness.agent.metrics.registry
+    node = harness.agent.config.node
+    gone = {"node": node, "namespace": "default", "pod": "short-lived"}
+    kept = {"node": node, "namespace": "default", "pod": "long-lived"}
+    per_pod = ("allocated_bytes", "used_bytes", "overuse")
+    for suffix in per_pod:
+        assert reg.get_sample_value(f"gpushare_node_agent_pod_gpu_memory_{suffix}", gone) is not None, suffix
+
+    await harness.ledger.release(alloc, uid, "gpu-node-1", "deleted")
+    view = harness.agent.view
+    await eventually(lambda: view.version(alloc) is None, what="the release in the agent's view")
+    harness.backend.set_processes([])  # its processes are gone with it
+    await harness.agent.sample_usage()
+    for suffix in per_pod:
+        assert reg.get_sample_value(f"gpushare_node_agent_pod_gpu_memory_{suffix}", gone) is None, suffix
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_allocated_bytes", kept) == 1024**3
+    assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_overuse", kept) == 0
