@@ -25,11 +25,34 @@ from urllib.parse import urlsplit, urlunsplit
 log = logging.getLogger(__name__)
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process has handed out: the kernel may give a port it just gave again once the probing socket is
+closed, before the first taker listens on it, so a stack's services could otherwise share one."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on right now, and that this process has not handed out before."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def port_or_free(preferred: int, host: str = "127.0.0.1") -> int:
+    """`preferred` when nobody listens there and this process has not handed it out (0: any), else a free one."""
+    if preferred and preferred not in _HANDED_OUT:
+        with socket.socket() as s:
+            try:
+                s.bind((host, preferred))
+            except OSError:
+                pass
+            else:
+                _HANDED_OUT.add(preferred)
+                return preferred
+    return free_port(host)
 
 
 def with_database(url: str, database: str) -> str:

@@ -17,7 +17,6 @@ import functools
 import importlib.util
 import logging
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -28,7 +27,7 @@ from typing import Any
 
 import asyncpg
 
-from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, with_database, with_user
+from devstack.embedded import EmbeddedNats, EmbeddedPostgres, free_port, port_or_free, with_database, with_user
 from devstack.stack import spec
 from devstack.stack.processes import ServiceProcess
 
@@ -43,18 +42,6 @@ MODE_SIMULATOR = "scheduler simulator"
 
 def _print_progress(msg: str) -> None:
     print(f"==> {msg}", flush=True)
-
-
-def port_or_free(preferred: int) -> int:
-    """`preferred` when nobody listens there (0: any free port), else a free one."""
-    if preferred:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", preferred))
-                return preferred
-            except OSError:
-                pass
-    return free_port()
 
 
 @dataclass

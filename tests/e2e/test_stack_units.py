@@ -169,3 +169,38 @@ def test_up_help_names_the_release_the_local_control_plane_runs() -> None:
     description = sub.choices["up"].description or ""
     assert CURRENT_VERSION in description and VERSION_ENV in description
     assert "Kubernetes 1.20" not in description
+
+
+class _ScriptedSocket:
+    """A socket whose port-0 bind gets the next port of a script, as the kernel may hand out a port it just gave."""
+
+    script: list[int] = []
+
+    def __init__(self, *args: object) -> None:
+        self.port = 0
+
+    def __enter__(self) -> _ScriptedSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def bind(self, address: tuple[str, int]) -> None:
+        self.port = address[1] or _ScriptedSocket.script.pop(0)
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+
+def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI once read `gpushare up` list the extender and accounting on one port: both picks bound port 0 and let
+    it go, the kernel gave the same port twice, accounting could not listen, and its readiness probe got its
+    answer from the extender. Ports handed out by this process are now never handed out again."""
+    import devstack.embedded as embedded
+    from devstack.embedded import port_or_free
+
+    monkeypatch.setattr(embedded.socket, "socket", _ScriptedSocket)
+    _ScriptedSocket.script = [40423, 40423, 40425, 40425, 40427]
+    first, second = embedded.free_port(), port_or_free(0)
+    assert first == 40423 and second == 40425
+    assert port_or_free(40425) == 40427  # a preferred port this process already gave out is not given again
