@@ -122,8 +122,10 @@ class Cluster:
         node_name: str | None = None,
         annotations: dict[str, str] | None = None,
         name: str | None = None,
+        limits: dict[str, str] | None = None,
     ) -> client.V1Pod:
-        """Create a pod asking for `gib` of aliyun.com/gpu-mem that no scheduler will place."""
+        """Create a pod asking for `gib` of aliyun.com/gpu-mem (or for `limits`, when given) that no scheduler
+        will place."""
         name = name or f"p-{uuid.uuid4().hex[:8]}"
         spec: dict[str, Any] = {
             "schedulerName": SCHEDULER_NONE,
@@ -132,7 +134,7 @@ class Cluster:
                     "name": "main",
                     "image": "busybox:1.36",
                     "command": ["sleep", "3600"],
-                    "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)}},
+                    "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)} if limits is None else limits},
                 }
             ],
         }
