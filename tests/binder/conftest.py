@@ -197,15 +197,15 @@ def request_for(
 async def start_binder(
     engine: AsyncEngine, bus: EventBus, relay: OutboxRelay, kube: ApiClient
 ) -> AsyncIterator[Callable[..., Awaitable[Binder]]]:
-    """Start in-process binders (stopped at teardown)."""
+    """Start in-process binders (stopped at teardown); `api`: another client than the admin's for it."""
     running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
-    async def _start(**overrides: Any) -> Binder:
+    async def _start(api: ApiClient | None = None, **overrides: Any) -> Binder:
         config = BinderConfig(
             concurrency=4, reconcile_interval_s=3600, retry=RetryPolicy(attempts=4, base_s=0.1, max_s=1.0), **overrides
         )
         ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
-        binder = Binder(ledger, bus, kube, config)
+        binder = Binder(ledger, bus, api or kube, config)
         stop = asyncio.Event()
         running.append((stop, asyncio.create_task(binder.run(stop))))
         await eventually(binder.ready, what="binder ready", within=30)
