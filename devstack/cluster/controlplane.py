@@ -54,6 +54,7 @@ class ExtenderConfig:
     node_cache_capable: bool = True
     managed_resources: Sequence[str] = RESOURCES
     ignored_by_scheduler: bool = True
+    counted_by_scheduler: Sequence[str] = ()  # managed resources kube-scheduler counts itself all the same
     ignorable: bool = False
     tls_config: Mapping[str, Any] | None = None  # for https: kube-scheduler's tlsConfig (default: insecure)
 
@@ -67,7 +68,8 @@ class ExtenderConfig:
             "enableHTTPS": self.url_prefix.startswith("https://"),
             "ignorable": self.ignorable,
             "managedResources": [
-                {"name": n, "ignoredByScheduler": self.ignored_by_scheduler} for n in self.managed_resources
+                {"name": n, "ignoredByScheduler": self.ignored_by_scheduler and n not in self.counted_by_scheduler}
+                for n in self.managed_resources
             ],
         }
         for key, verb in (

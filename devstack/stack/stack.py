@@ -75,6 +75,7 @@ class StackConfig:
     fleet_admit: bool = True  # the fleet admits pods (off: scheduling benchmarks)
     usage: spec.AgentUsage = field(default_factory=spec.AgentUsage)  # simulated usage of the node agents
     controller_manager_extra: list[str] = field(default_factory=list)  # e.g. a short HPA sync period for tests
+    scheduler_counts: tuple[str, ...] = ()  # resources kube-scheduler counts per node too (ignoredByScheduler: false)
     monitoring: bool = False  # Prometheus scraping the services, prometheus-adapter serving custom.metrics.k8s.io
     scrape_interval: float = 5.0
     progress: Progress = _print_progress
@@ -311,7 +312,11 @@ class Stack:
         from devstack.cluster import ControlPlane, ControlPlaneUnavailable, ExtenderConfig
 
         cp = ControlPlane(
-            extender=ExtenderConfig(url_prefix=self.extender_url, http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s"),
+            extender=ExtenderConfig(
+                url_prefix=self.extender_url,
+                http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s",
+                counted_by_scheduler=c.scheduler_counts,
+            ),
             scheduler_extra=c.scheduler_extra,
             controller_manager_extra=c.controller_manager_extra,
             work_dir=self.data_dir / "cluster",

@@ -7,9 +7,15 @@ A `reserved` allocation younger than the grace period is never released (its Bin
 an older one whose pod lives is handed to the bind handler (its event may sit unacked with a crashed binder).
 
 Adoption is also the migration path from Aliyun gpushare: a bound pod with `ALIYUN_COM_GPU_MEM_IDX` (and
-no `gpushare.io/allocation`) is charged on the GPU with that index on its node, for its containers'
-`aliyun.com/gpu-mem` in the configured unit. If the ledger cannot hold what the pods claim, that is a
-conflict: logged as an error and counted, never dropped silently, and tried again next pass.
+no `gpushare.io/allocation`) is charged on the GPU with that index on its node. What a pod is charged always
+comes from its own request (`shared.placement.demand.parse_pod`: each container's `aliyun.com/gpu-mem`,
+`aliyun.com/gpu-core` and `aliyun.com/gpu-count`, as the extender reads them); the annotations only say where:
+which GPU(s). A pod that requests no `aliyun.com/gpu-mem` in its limits is never adopted, whatever it carries,
+and an annotation that records another shape than the pod requests (more memory, another compute share,
+another number of GPUs, other containers) is refused. Adoption reserves like the extender (`Ledger.reserve`),
+so the namespace's quota and each GPU's capacity hold. Whatever the ledger cannot hold is a conflict: logged as
+an error and counted, never dropped silently, and tried again next pass. docs/security.md says what adoption
+trusts.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ from services.binder import reads
 from services.binder.lifecycle import is_gpu_pod
 from services.binder.metrics import BinderMetrics
 from services.binder.reads import LiveAllocation
-from shared.annotations import ALLOCATION, GPU_MEM_IDX, GPU_MEM_POD, RESOURCE_MEM, parse_allocation, record_version
+from shared.annotations import ALLOCATION, GPU_MEM_IDX, RESOURCE_MEM, parse_allocation, record_version
 from shared.events.catalogue import AllocationPart, ReservedEvent
 from shared.kube import pods
 from shared.kube.pods import Pod, list_pods
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, ReservationError, ReservationRequest
 from shared.ledger.rules import AllocationState
+from shared.placement.demand import ContainerDemand, DemandError, PodDemand, parse_pod, parse_quantity
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -148,8 +155,59 @@ def adoption_candidates(all_pods: list[Pod], live_uids: set[str]) -> list[Pod]:
     return sorted(out, key=lambda p: (str(pods.metadata(p).get("creationTimestamp") or ""), pods.pod_key(p)))
 
 
+def limits_gpu_memory(pod: Pod) -> bool:
+    """True when a container or init container of the pod limits `aliyun.com/gpu-mem` to more than zero (pure).
+
+    Kubernetes requires a limit for every extended resource a container requests, so a pod that asks for GPU
+    memory at all has it here; one that does not is no GPU pod, whatever its annotations say.
+    """
+    spec = pod.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        for container in spec.get(key) or []:
+            limit = ((container.get("resources") or {}).get("limits") or {}).get(RESOURCE_MEM)
+            try:
+                if limit is not None and parse_quantity(limit, RESOURCE_MEM) > 0:
+                    return True
+            except DemandError:
+                continue  # unreadable: `parse_pod` names the problem if another container asks for memory
+    return False
+
+
+def _requested(demand: PodDemand) -> tuple[ContainerDemand, ...]:
+    return (*demand.init_containers, *demand.containers)
+
+
+def _describe(c: ContainerDemand) -> str:
+    gpus = f" on each of {c.count} GPUs" if c.count > 1 else ""
+    return f"{c.kind} {c.name}: {c.memory_mib} MiB and {c.compute}% compute{gpus}"
+
+
+def _check_shape(demand: PodDemand, parts: list[AllocationPart]) -> None:
+    """Refuse a recorded allocation whose parts are not exactly what the pod requests (pure): per container, as
+    many parts as it asks GPUs, on distinct GPUs, each with its memory and compute per GPU, and nothing else."""
+    for c in _requested(demand):
+        mine = [p for p in parts if (p.container, p.container_index, p.init) == (c.name, c.index, c.init)]
+        if (
+            len(mine) != c.count
+            or len({p.gpu_uuid for p in mine}) != c.count
+            or any((p.memory_mib, p.compute, p.sidecar) != (c.memory_mib, c.compute, c.sidecar) for p in mine)
+        ):
+            held = ", ".join(f"{p.memory_mib} MiB/{p.compute}% on GPU {p.gpu_index}" for p in mine) or "nothing"
+            raise AdoptionError(
+                "shape", f"its {ALLOCATION} annotation records {held} for what it requests ({_describe(c)})"
+            )
+    known = {(c.name, c.index, c.init) for c in _requested(demand)}
+    extra = sorted({p.container for p in parts if (p.container, p.container_index, p.init) not in known})
+    if extra:
+        raise AdoptionError(
+            "shape", f"its {ALLOCATION} annotation records shares for {', '.join(extra)}, which request none"
+        )
+
+
 def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: MemoryUnit) -> ReservationRequest:
-    """The reservation that records what a bound pod's annotations claim (pure). Raises `AdoptionError`."""
+    """The reservation that records a bound pod's share: what the pod requests, on the GPU(s) its annotations
+    name (pure). Raises `AdoptionError` when the pod requests no GPU memory, its request cannot be read, or the
+    annotations name GPUs the node does not have or another shape than the request."""
     meta = pods.metadata(pod)
     node = pods.node_name(pod)
     kind, owner_name = pods.owner(pod)
@@ -162,6 +220,16 @@ def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: M
         "owner_kind": kind,
         "owner_name": owner_name,
     }
+    if not limits_gpu_memory(pod):
+        raise AdoptionError(
+            "no_request",
+            f"it carries gpushare's allocation annotations but limits no {RESOURCE_MEM}: "
+            "gpushare records only shares a pod requests",
+        )
+    try:
+        demand = parse_pod(pod, unit)
+    except DemandError as exc:
+        raise AdoptionError("unreadable", f"its GPU request cannot be read: {exc}") from None
     if ALLOCATION in ann:
         try:
             allocation_id, annotated_node, parts = parse_allocation(ann[ALLOCATION])
@@ -173,6 +241,7 @@ def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: M
         unknown = sorted({p.gpu_uuid for p in parts} - known)
         if unknown:
             raise AdoptionError("unknown_gpu", f"GPU(s) {', '.join(unknown)} are not on {node} in the ledger")
+        _check_shape(demand, parts)
         return ReservationRequest(parts=tuple(parts), allocation_id=allocation_id, **base)
 
     raw_index = ann[GPU_MEM_IDX].strip()
@@ -182,28 +251,24 @@ def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: M
         raise AdoptionError("unreadable", f"{GPU_MEM_IDX}={raw_index!r} is not one GPU index") from None
     if index not in gpus_on_node:
         raise AdoptionError("unknown_gpu", f"no GPU with index {index} on {node} in the ledger")
+    spanning = [c for c in _requested(demand) if c.count > 1]
+    if spanning:
+        raise AdoptionError(
+            "shape", f"{GPU_MEM_IDX}={index} names one GPU but the pod requests {_describe(spanning[0])}"
+        )
     gpu_uuid = gpus_on_node[index][0]
-    amounts = pods.container_amounts(pod, RESOURCE_MEM)
-    if not amounts:
-        try:
-            total = int(ann.get(GPU_MEM_POD, "0"))
-        except ValueError:
-            total = 0
-        if total <= 0:
-            raise AdoptionError("unreadable", f"no {RESOURCE_MEM} request and no {GPU_MEM_POD} annotation")
-        first = ((pod.get("spec") or {}).get("containers") or [{}])[0]
-        amounts = [pods.ContainerAmount(str(first.get("name") or "c0"), 0, False, total)]
     parts = tuple(
         AllocationPart(
-            container=a.name,
-            container_index=a.index,
+            container=c.name,
+            container_index=c.index,
             gpu_uuid=gpu_uuid,
             gpu_index=index,
-            memory_mib=a.amount * unit.mib,
-            init=a.init,
-            sidecar=a.sidecar,
+            memory_mib=c.memory_mib,
+            compute=c.compute,
+            init=c.init,
+            sidecar=c.sidecar,
         )
-        for a in amounts
+        for c in _requested(demand)
     )
     return ReservationRequest(parts=parts, **base)
 

@@ -130,7 +130,7 @@ def verbs(service: ExtenderService, prefix: str) -> dict[str, Handler]:
         return dump_json({"Error": error})
 
     async def preempt(args: Any) -> bytes:
-        return dump_json(service.preempt(args))
+        return dump_json(await service.preempt(args))
 
     def invalid_bind() -> None:
         metrics.BIND_OUTCOMES.labels(reason="invalid").inc()

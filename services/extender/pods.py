@@ -111,6 +111,10 @@ class PodCache:
         self._kube: Any = None
         self._opening = asyncio.Lock()
 
+    async def api(self) -> Any:
+        """The Kubernetes API client (opened on first use)."""
+        return await self._api()
+
     async def _api(self) -> Any:
         from shared.kube.client import api_client
 

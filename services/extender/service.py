@@ -8,6 +8,7 @@
 | preempt | `services.extender.preempt` |
 | inspect | `services.extender.inspection` |
 | pod specs for bind (from the Kubernetes API: a watch of unbound pods, else a GET) | `services.extender.pods` |
+| the pods and PodDisruptionBudgets preempt needs (from the Kubernetes API) | `services.extender.victims` |
 | bus events, reloads | `services.extender.resync` |
 | refused events | `services.extender.refusals` |
 """
@@ -25,11 +26,12 @@ from services.extender.filter import Filter
 from services.extender.inspection import inspect
 from services.extender.outcomes import OutcomeWaiter
 from services.extender.pods import DEFAULT_MAX_BYTES, PodCache
-from services.extender.preempt import preempt
+from services.extender.preempt import nodes_to_read, preempt
 from services.extender.prioritize import prioritize
 from services.extender.refusals import RefusalPublisher
 from services.extender.resync import ViewSync
 from services.extender.scores import ScoreCache
+from services.extender.victims import read_facts
 from services.extender.view import ClusterView
 from services.extender.wire import BindingArgs, ExtenderArgs, PreemptionArgs
 from shared.events.bus import EventBus
@@ -126,9 +128,12 @@ class ExtenderService:
         """Answer a bind call: "" once bound, else the error text (`services.extender.bind`)."""
         return await self._bind(args)
 
-    def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
-        """Answer a preempt call (`services.extender.preempt`)."""
-        return preempt(self.view, args, unit=self.unit, policy=self.policy)
+    async def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
+        """Answer a preempt call (`services.extender.preempt`) with the candidate nodes' pods and the
+        PodDisruptionBudgets read from the API (`services.extender.victims`)."""
+        api = None if self.pods.trust_filter else self.pods.api
+        facts = await read_facts(api, nodes_to_read(args))
+        return preempt(self.view, args, facts, unit=self.unit, policy=self.policy)
 
     def inspect(self, node_name: str | None = None) -> dict[str, Any]:
         """gpushare's inspect JSON (`services.extender.inspection`)."""

@@ -3,15 +3,18 @@
 The fast path of group commit (`Ledger.reserve_many`). It handles the regular case, in which every pod is new,
 no namespace in the batch has a GPU quota, and every GPU has room for the sum of what the batch puts on it:
 
-1. one INSERT of every allocation (`unnest` of arrays; the partial unique index on live allocations per pod);
-2. one SELECT ... FOR UPDATE of the GPUs concerned, in UUID order (concurrent writers cannot deadlock);
+1. one SELECT ... FOR UPDATE of the GPUs concerned, in UUID order;
+2. one INSERT of every allocation, in pod UID order (`unnest` of arrays; the partial unique index on live
+   allocations per pod);
 3. one conditional UPDATE that raises each GPU's counters by the batch's sum, only where it fits;
 4. one INSERT of every allocation part.
 
-Anything else raises `Irregular` before the caller commits; the caller rolls back and reserves the batch one
-pod at a time (`reservations.reserve` under a savepoint each, after `lock_in_order`), which names the conflict
-and fails only the pods it concerns. The CHECK constraints on `gpus` back both paths: no code path can commit
-an overcommitted GPU. The statements go to asyncpg directly (`driver`): they run for every batch of binds.
+GPUs before allocations, each in its order: the ledger's one lock order (`locks`), which every other writer
+follows too. Anything else raises `Irregular` before the caller commits; the caller rolls back and reserves the
+batch one pod at a time (`reservations.reserve` under a savepoint each, after `locks.lock_for_reservations`),
+which names the conflict and fails only the pods it concerns. The CHECK constraints on `gpus` back both paths:
+no code path can commit an overcommitted GPU. The statements go to asyncpg directly (`driver`): they run for
+every batch of binds.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import ReservedEvent
-from shared.ledger import driver
+from shared.ledger import driver, locks
 from shared.ledger.models import LIVE_SQL
-from shared.ledger.quotas import lock_quota
 from shared.ledger.reservations import Reservation
 from shared.ledger.rules import AllocationState, gpu_charges
 
@@ -45,7 +47,6 @@ _INSERT_ALLOCATIONS = (
     " pod_created_at) "
     f"ON CONFLICT (pod_uid) WHERE {LIVE_SQL} DO NOTHING RETURNING id"
 )
-_LOCK_GPUS = "SELECT uuid FROM gpus WHERE uuid = ANY($1::text[]) ORDER BY uuid FOR UPDATE"
 _CHARGE_GPUS = (
     "UPDATE gpus AS g SET allocated_memory_mib = g.allocated_memory_mib + w.memory,"
     " allocated_compute = g.allocated_compute + w.compute, updated_at = $1 "
@@ -60,17 +61,6 @@ _INSERT_PARTS = (
     "SELECT * FROM unnest($1::uuid[], $2::text[], $3::integer[], $4::boolean[], $5::boolean[], $6::text[],"
     " $7::integer[], $8::integer[], $9::integer[])"
 )
-
-
-async def lock_in_order(conn: AsyncConnection, events: list[ReservedEvent]) -> None:
-    """Take, up front and in one global order, every lock the one-by-one path will need: the namespaces' quota
-    locks by name, then the GPUs' rows by UUID. Reserving pod after pod would otherwise take them in the pods'
-    order, and two such transactions (or one and a single reservation) could wait on each other."""
-    for namespace in sorted({e.namespace for e in events}):
-        await lock_quota(conn, namespace)
-    uuids = sorted({p.gpu_uuid for e in events for p in e.parts})
-    if uuids:
-        await driver.fetch(conn, _LOCK_GPUS, uuids)
 
 
 def batch_charges(
@@ -98,27 +88,29 @@ async def reserve_fast(conn: AsyncConnection, events: list[ReservedEvent]) -> li
     namespaces = sorted({e.namespace for e in events})
     if await driver.fetch(conn, _QUOTAS, namespaces):
         raise Irregular("a namespace in the batch has a GPU quota")
+    uuids = sorted(charges)
+    await locks.lock_gpus(conn, uuids)  # GPUs before allocations (`locks`)
+    order = locks.by_pod(events)
+    pods = [events[i] for i in order]
     inserted = await driver.fetch(
         conn,
         _INSERT_ALLOCATIONS,
         AllocationState.RESERVED.value,
-        [e.allocation_id for e in events],
-        [e.pod_uid for e in events],
-        [e.namespace for e in events],
-        [e.pod_name for e in events],
-        [e.owner_kind for e in events],
-        [e.owner_name for e in events],
-        [e.node for e in events],
-        [sum(m for m, _ in c.values()) for c in per_pod],
-        [sum(x for _, x in c.values()) for c in per_pod],
-        [e.occurred_at for e in events],
-        [e.pod_created_at for e in events],
+        [e.allocation_id for e in pods],
+        [e.pod_uid for e in pods],
+        [e.namespace for e in pods],
+        [e.pod_name for e in pods],
+        [e.owner_kind for e in pods],
+        [e.owner_name for e in pods],
+        [e.node for e in pods],
+        [sum(m for m, _ in per_pod[i].values()) for i in order],
+        [sum(x for _, x in per_pod[i].values()) for i in order],
+        [e.occurred_at for e in pods],
+        [e.pod_created_at for e in pods],
     )
     if len(inserted) != len(events):
         raise Irregular("a pod in the batch already holds a live reservation")
-    uuids = sorted(charges)
     if uuids:
-        await driver.fetch(conn, _LOCK_GPUS, uuids)
         charged = await driver.fetch(
             conn,
             _CHARGE_GPUS,

@@ -111,6 +111,8 @@ async def apply_node_retired(conn: AsyncConnection, event: NodeRetiredEvent) -> 
     """Retire a node and its GPUs (its allocations are released by separate events)."""
     at = event.occurred_at
     await conn.execute(update(nodes).where(nodes.c.name == event.node).values(retired_at=at, updated_at=at))
+    # the GPU rows in UUID order, as every writer takes them (`locks`), before the UPDATE takes them in its own
+    await conn.execute(select(gpus.c.uuid).where(gpus.c.node == event.node).order_by(gpus.c.uuid).with_for_update())
     await conn.execute(
         update(gpus).where(and_(gpus.c.node == event.node, gpus.c.retired_at.is_(None))).values(retired_at=at)
     )

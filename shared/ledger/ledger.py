@@ -26,7 +26,7 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger import batch_reserve, idempotency, inventory, outbox, quotas, reservations, transitions
+from shared.ledger import batch_reserve, idempotency, inventory, locks, outbox, quotas, reservations, transitions
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
     """Apply any ledger event to the tables inside the caller's transaction."""
     match event:
         case ReservedEvent():
+            await locks.lock_for_reservations(conn, [event])  # quota and GPUs before the allocation (`locks`)
             return await reservations.reserve(conn, event)
         case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
             return await transitions.apply_transition(conn, event)
@@ -137,8 +138,8 @@ class Ledger:
         except batch_reserve.Irregular:
             answers = []
             async with self.engine.begin() as conn:
-                await batch_reserve.lock_in_order(conn, events)
-                for event in events:
+                await locks.lock_for_reservations(conn, events)  # quotas, then GPUs, then each pod's allocation
+                for event in events:  # in arrival order: the pod kube-scheduler placed first gets the room first
                     try:
                         async with conn.begin_nested():
                             result = await reservations.reserve(conn, event)

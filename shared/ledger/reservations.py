@@ -1,10 +1,11 @@
 """Reserving GPU shares for a pod: the statements that keep the no-overcommit invariant.
 
-One transaction per pod: insert the allocation (the partial unique index on live allocations per pod
-UID makes a retried or concurrent reserve for the same pod find the existing one), check the namespace
-quota under the quota row's lock, then raise each GPU's counters with a conditional UPDATE, in GPU UUID
-order so that concurrent multi-GPU reservations cannot deadlock. The CHECK constraints on `gpus` back
-this up: no code path can commit an overcommitted GPU.
+Inside the caller's transaction, after it took the quota and GPU locks the pod needs
+(`locks.lock_for_reservations`: the ledger's one lock order, so concurrent writers cannot deadlock): insert the
+allocation (the partial unique index on live allocations per pod UID makes a retried or concurrent reserve for
+the same pod find the existing one), check the namespace quota under its lock, then raise each GPU's counters
+with a conditional UPDATE. The CHECK constraints on `gpus` back this up: no code path can commit an
+overcommitted GPU.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ async def live_reservation(conn: AsyncConnection, pod_uid: str) -> Reservation |
 
 
 async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
-    """Apply a reservation inside the caller's transaction (which must stage `event` and commit).
+    """Apply a reservation inside the caller's transaction (which must stage `event` and commit, and took the
+    locks `locks.lock_for_reservations` names first).
 
     Returns the existing live allocation (created=False) when the pod already has one. Raises
     `InsufficientCapacity` or `QuotaExceeded`; the caller then rolls back, leaving nothing behind.

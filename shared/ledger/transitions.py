@@ -17,7 +17,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     TerminatingEvent,
 )
-from shared.ledger import driver
+from shared.ledger import driver, locks
 from shared.ledger.models import allocation_parts, allocations, gpus, part_from_row
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
@@ -38,10 +38,13 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
 
     The allocation row is locked; its timestamp for this step is recorded if not yet set; the state
     moves only forward; leaving a live state gives the GPU capacity back. Returns True when the state
-    changed. An unknown allocation is a no-op (returns False).
+    changed. An unknown allocation is a no-op (returns False). An event that may end the allocation locks
+    its GPUs before its row (the ledger's lock order, `locks`).
     """
     new_state = AllocationState(event.kind)  # a life-cycle event's kind names the state it moves to
     stamp = STAMPS[new_state]
+    if not is_live(new_state):
+        await locks.lock_gpus_of(conn, [event.allocation_id])
     row = (
         await conn.execute(
             select(allocations.c.state, getattr(allocations.c, stamp).label("stamp"))
@@ -164,6 +167,7 @@ async def apply_exchange(conn: AsyncConnection, event: ExchangedEvent) -> Exchan
     if (event.first_allocation_id, event.first_container) == (event.second_allocation_id, event.second_container):
         raise ExchangeRefused("a container cannot exchange its share with itself")
     ids = sorted({event.first_allocation_id, event.second_allocation_id}, key=str)
+    await locks.lock_gpus_of(conn, ids)  # GPUs before allocation rows (`locks`): the two give back and charge
     rows = {
         r.id: r
         for r in (

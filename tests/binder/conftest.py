@@ -122,8 +122,10 @@ class Cluster:
         node_name: str | None = None,
         annotations: dict[str, str] | None = None,
         name: str | None = None,
+        limits: dict[str, str] | None = None,
     ) -> client.V1Pod:
-        """Create a pod asking for `gib` of aliyun.com/gpu-mem that no scheduler will place."""
+        """Create a pod asking for `gib` of aliyun.com/gpu-mem (or for `limits`, when given) that no scheduler
+        will place."""
         name = name or f"p-{uuid.uuid4().hex[:8]}"
         spec: dict[str, Any] = {
             "schedulerName": SCHEDULER_NONE,
@@ -132,7 +134,7 @@ class Cluster:
                     "name": "main",
                     "image": "busybox:1.36",
                     "command": ["sleep", "3600"],
-                    "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)}},
+                    "resources": {"limits": {"aliyun.com/gpu-mem": str(gib)} if limits is None else limits},
                 }
             ],
         }
@@ -195,15 +197,15 @@ def request_for(
 async def start_binder(
     engine: AsyncEngine, bus: EventBus, relay: OutboxRelay, kube: ApiClient
 ) -> AsyncIterator[Callable[..., Awaitable[Binder]]]:
-    """Start in-process binders (stopped at teardown)."""
+    """Start in-process binders (stopped at teardown); `api`: another client than the admin's for it."""
     running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
-    async def _start(**overrides: Any) -> Binder:
+    async def _start(api: ApiClient | None = None, **overrides: Any) -> Binder:
         config = BinderConfig(
             concurrency=4, reconcile_interval_s=3600, retry=RetryPolicy(attempts=4, base_s=0.1, max_s=1.0), **overrides
         )
         ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
-        binder = Binder(ledger, bus, kube, config)
+        binder = Binder(ledger, bus, api or kube, config)
         stop = asyncio.Event()
         running.append((stop, asyncio.create_task(binder.run(stop))))
         await eventually(binder.ready, what="binder ready", within=30)

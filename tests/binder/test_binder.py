@@ -6,20 +6,23 @@ import json
 import uuid
 
 import pytest
+from sqlalchemy import select
 
 from services.binder.metrics import BinderMetrics
 from services.binder.reconcile import Reconciler
 from shared.annotations import (
     ALLOCATION,
     GPU_MEM_ASSIGNED,
+    GPU_MEM_ASSUME_TIME,
     GPU_MEM_DEV,
     GPU_MEM_IDX,
     GPU_MEM_POD,
     binding_annotations,
     parse_allocation,
 )
-from shared.events.catalogue import AllocationPart, encode_event, subject_for
+from shared.events.catalogue import AllocationPart, QuotaEvent, encode_event, subject_for
 from shared.ledger.ledger import Ledger
+from shared.ledger.models import allocations
 from shared.settings import MemoryUnit
 from tests.binder.conftest import (
     GIB,
@@ -289,3 +292,65 @@ async def test_reconciliation_adopts_gpushare_and_own_pods(cluster, ledger, engi
     assert again.adopted == 0 and again.released == 0 and len(again.conflicts) == 1
     assert rec.metrics.value("gpushare_binder_open_conflicts") == 1
     assert json.loads(own.metadata.annotations[ALLOCATION])["id"] == str(own_id)
+
+
+def _hostile_annotations(gib: int, index: int = 0) -> dict[str, str]:
+    """The five annotations gpushare's extender writes at bind, naming GPU `index` and `gib` GiB."""
+    return {
+        GPU_MEM_IDX: str(index),
+        GPU_MEM_POD: str(gib),
+        GPU_MEM_DEV: "16",
+        GPU_MEM_ASSIGNED: "true",
+        GPU_MEM_ASSUME_TIME: "1767225600000000000",
+    }
+
+
+async def test_a_hostile_pod_obtains_no_share_by_annotating_itself(cluster, ledger, engine, kube) -> None:
+    """Anyone who may create pods can set `spec.nodeName` and gpushare's annotations: reconciliation charges only
+    what a pod requests, in the shape it requests, within its namespace's quota (issue 33, item 2)."""
+    node = await cluster.node(ledger)
+    # no GPU request at all, the whole of GPU 0 claimed (before: adopted, 16 GiB charged)
+    thief = await cluster.pod(node_name=node.name, annotations=_hostile_annotations(16), limits={})
+    # asks for 2 GiB, its own record claims the whole GPU (before: adopted as recorded)
+    whole = AllocationPart(container="main", container_index=0, gpu_uuid=node.gpus[0], gpu_index=0, memory_mib=16 * GIB)
+    record = binding_annotations(uuid.uuid4(), node.name, [whole], {node.gpus[0]: 16 * GIB}, MemoryUnit.GIB)
+    inflated = await cluster.pod(gib=2, node_name=node.name, annotations=record)
+    # two GPUs of 4 GiB asked for, one index annotated (before: 8 GiB charged on GPU 0)
+    spread = await cluster.pod(
+        node_name=node.name,
+        annotations=_hostile_annotations(8),
+        limits={"aliyun.com/gpu-mem": "8", "aliyun.com/gpu-count": "2"},
+    )
+    # an honest gpushare pod, with a compute share (before: adopted with 0 % compute)
+    honest = await cluster.pod(
+        node_name=node.name,
+        annotations=_hostile_annotations(3, index=1),
+        limits={"aliyun.com/gpu-mem": "3", "aliyun.com/gpu-core": "30"},
+    )
+
+    rec = _reconciler(ledger, kube)
+    report = await rec.run_once()
+    assert report.adopted == 1, report
+    assert sorted(c.split(":")[0] for c in report.conflicts) == sorted(
+        f"default/{p.metadata.name}" for p in (thief, inflated, spread)
+    ), report.conflicts
+    assert rec.metrics.value("gpushare_binder_conflicts_total", reason="no_request") == 1
+    assert rec.metrics.value("gpushare_binder_conflicts_total", reason="shape") == 2
+    assert await gpu_usage(engine, node) == {node.gpus[0]: 0, node.gpus[1]: 3 * GIB}
+    async with engine.connect() as conn:
+        held = select(allocations.c.pod_uid, allocations.c.memory_mib, allocations.c.compute)
+        assert [tuple(r) for r in (await conn.execute(held)).all()] == [(honest.metadata.uid, 3 * GIB, 30)]
+
+
+async def test_adoption_counts_against_the_namespace_quota(cluster, ledger, engine, kube) -> None:
+    node = await cluster.node(ledger)
+    await ledger.record(QuotaEvent(namespace=cluster.namespace, memory_mib=6 * GIB))
+    first = await cluster.pod(gib=4, node_name=node.name, annotations=_hostile_annotations(4), name="a-first")
+    second = await cluster.pod(gib=4, node_name=node.name, annotations=_hostile_annotations(4, 1), name="b-second")
+    rec = _reconciler(ledger, kube)
+    report = await rec.run_once()
+    assert report.adopted == 1 and len(report.conflicts) == 1 and second.metadata.name in report.conflicts[0]
+    assert "quota" in report.conflicts[0] and rec.metrics.value("gpushare_binder_conflicts_total", reason="quota") == 1
+    assert await gpu_usage(engine, node) == {node.gpus[0]: 4 * GIB, node.gpus[1]: 0}
+    async with engine.connect() as conn:
+        assert (await conn.execute(select(allocations.c.pod_uid))).scalars().all() == [first.metadata.uid]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -21,7 +22,8 @@ from services.binder.reconcile import (
     stale_reservations,
     unmarked_terminating,
 )
-from shared.annotations import GPU_MEM_IDX, GPU_MEM_POD
+from shared.annotations import ALLOCATION, GPU_MEM_IDX, GPU_MEM_POD, allocation_record
+from shared.events.catalogue import AllocationPart
 from shared.kube import pods
 from shared.kube.binding import binding_body
 from shared.kube.retry import RetryPolicy, call_with_retry, describe_failure, is_retryable
@@ -236,6 +238,56 @@ def test_adoption_records_sidecars_and_never_takes_a_gated_pod() -> None:
     gated = pod(uid="g", ann={GPU_MEM_IDX: "0", "gpushare.io/allocation": "{}"})
     gated["spec"]["schedulingGates"] = [{"name": "example.com/hold"}]
     assert adoption_candidates([gated], set()) == []
+
+
+def test_adoption_charges_the_pods_request_in_its_shape_never_the_annotations() -> None:
+    gpus = {0: ("GPU-a", 16 * 1024), 1: ("GPU-b", 16 * 1024)}
+    claim = {GPU_MEM_IDX: "0", GPU_MEM_POD: "16"}
+    hostile = pod(uid="h", node="n1", phase="Running", ann=claim)
+    hostile["spec"]["containers"] = [{"name": "main"}]  # no GPU request at all
+    with pytest.raises(AdoptionError, match=r"limits no aliyun\.com/gpu-mem") as refused:
+        adoption_request(hostile, gpus, MemoryUnit.GIB)
+    assert refused.value.kind == "no_request"
+    only_core = pod(uid="c", node="n1", ann=claim)
+    only_core["spec"]["containers"][1]["resources"] = {"limits": {"aliyun.com/gpu-core": "50"}}
+    with pytest.raises(AdoptionError, match=r"limits no aliyun\.com/gpu-mem"):
+        adoption_request(only_core, gpus, MemoryUnit.GIB)
+
+    # what it requests, not what ALIYUN_COM_GPU_MEM_POD says; its compute share too
+    shared = pod(uid="s", node="n1", ann=claim, gib=2)
+    shared["spec"]["containers"][1]["resources"]["limits"]["aliyun.com/gpu-core"] = "30"
+    (part,) = adoption_request(shared, gpus, MemoryUnit.GIB).parts
+    assert (part.gpu_uuid, part.memory_mib, part.compute) == ("GPU-a", 2048, 30)
+    # one annotated index cannot hold a pod that asks for two GPUs
+    spread = pod(uid="t", node="n1", ann=claim, gib=8)
+    spread["spec"]["containers"][1]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
+    with pytest.raises(AdoptionError, match="names one GPU but the pod requests container main") as refused:
+        adoption_request(spread, gpus, MemoryUnit.GIB)
+    assert refused.value.kind == "shape"
+
+    # gpushare's own record: exactly the request, on the GPUs it names
+    def record(*parts: AllocationPart) -> dict[str, str]:
+        return {ALLOCATION: json.dumps(allocation_record(uuid.uuid4(), "n1", list(parts)))}
+
+    def share(gpu: int, mib: int, container: str = "main", index: int = 1) -> AllocationPart:
+        uuid_, _ = gpus[gpu]
+        return AllocationPart(container=container, container_index=index, gpu_uuid=uuid_, gpu_index=gpu, memory_mib=mib)
+
+    spread["metadata"]["annotations"] = record(share(0, 4096), share(1, 4096))
+    assert [(p.gpu_uuid, p.memory_mib) for p in adoption_request(spread, gpus, MemoryUnit.GIB).parts] == [
+        ("GPU-a", 4096),
+        ("GPU-b", 4096),
+    ]
+    for parts, problem in (
+        ((share(0, 8192),), "records 8192 MiB/0% on GPU 0 for what it requests"),  # all on one GPU
+        ((share(0, 4096), share(0, 4096)), "on each of 2 GPUs"),  # twice the same GPU
+        ((share(0, 8192), share(1, 8192)), "records 8192 MiB/0% on GPU 0, 8192 MiB/0% on GPU 1"),  # more memory
+        ((share(0, 4096), share(1, 4096), share(0, 4096, "side", 0)), "shares for side, which request none"),
+    ):
+        spread["metadata"]["annotations"] = record(*parts)
+        with pytest.raises(AdoptionError, match=re.escape(problem)) as refused:
+            adoption_request(spread, gpus, MemoryUnit.GIB)
+        assert refused.value.kind == "shape"
 
 
 async def test_capacity_nudger_coalesces_stamps_per_node(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ CRD_KINDS = {"ServiceMonitor"}
 # leaves them out for such clusters).
 NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
 POLICY = "gpushare-device-env"
+ANNOTATION_POLICY = "gpushare-annotations"
 EXEMPT = "gpushare.io/allow-device-env"
 # Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
 SCHEMA_VERSIONS = ("1.25.0", "latest")
@@ -296,15 +297,22 @@ def test_nats_config_is_accepted_by_nats_server(rendered: dict[str, list[dict[st
     assert proc.returncode != 0, "nats-server -t accepts a broken file: the check above proves nothing"
 
 
+def _admission_policy(objects: list[dict[str, Any]], name: str) -> tuple[dict[str, Any], ...]:
+    """A ValidatingAdmissionPolicy, its binding (cluster-scoped, denying) and its one resource rule."""
+    policy = find(objects, "ValidatingAdmissionPolicy", name)
+    binding = find(objects, "ValidatingAdmissionPolicyBinding", name)
+    assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert "namespace" not in policy["metadata"] and "namespace" not in binding["metadata"]
+    assert binding["spec"]["policyName"] == name and binding["spec"]["validationActions"] == ["Deny"]
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    return policy, binding, rule
+
+
 def test_device_env_policy_is_bound_and_gpushares_own_namespace_is_allow_listed(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     objects = rendered["base"]
-    policy = find(objects, "ValidatingAdmissionPolicy", POLICY)
-    binding = find(objects, "ValidatingAdmissionPolicyBinding", POLICY)
-    assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
-    assert binding["spec"]["policyName"] == POLICY and binding["spec"]["validationActions"] == ["Deny"]
-    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    policy, binding, rule = _admission_policy(objects, POLICY)
     assert rule["resources"] == ["pods"] and rule["operations"] == ["CREATE"]
     (selector,) = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
     assert selector == {"key": EXEMPT, "operator": "NotIn", "values": ["true"]}
@@ -317,12 +325,38 @@ def test_device_env_policy_is_bound_and_gpushares_own_namespace_is_allow_listed(
     assert find(objects, "Namespace", NAMESPACE)["metadata"]["labels"][EXEMPT] == "true"
 
 
-def test_before_1_30_overlay_is_the_base_without_the_admission_policy(
+def test_annotation_policy_is_bound_cluster_wide_and_exempts_exactly_gpushares_writers(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objects = rendered["base"]
+    policy, binding, rule = _admission_policy(objects, ANNOTATION_POLICY)
+    assert set(binding["spec"]) == {"policyName", "validationActions"}  # no selector: every namespace
+    assert rule["resources"] == ["pods", "pods/*"] and rule["operations"] == ["CREATE", "UPDATE"]
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    # the ServiceAccounts the binder and the node agent really run as, in the namespace they are installed in
+    writers = {
+        f"system:serviceaccount:{o['metadata']['namespace']}:{pod_spec(o)['serviceAccountName']}"  # type: ignore[index]
+        for o in (find(objects, "Deployment", "gpushare-binder"), find(objects, "DaemonSet", "gpushare-node-agent"))
+    }
+    assert set(re.findall(r"'([^']+)'", conditions["not-gpushare"])) == writers
+    assert set(re.findall(r"'([^']+)'", conditions["not-a-migration-writer"])) == {
+        "system:serviceaccount:kube-system:gpushare-schd-extender",
+        "system:serviceaccount:kube-system:gpushare-device-plugin",
+    }
+    variables = " ".join(v["expression"] for v in policy["spec"]["variables"])
+    assert "'ALIYUN_COM_GPU_MEM_'" in variables and "'gpushare.io/allocation'" in variables
+
+
+def test_before_1_30_overlay_is_the_base_without_the_admission_policies(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     base = {key(o) for o in rendered["base"]}
     older = {key(o) for o in rendered["overlays/before-1.30"]}
-    assert base - older == {("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)}
+    assert base - older == {
+        (kind, name)
+        for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+        for name in (POLICY, ANNOTATION_POLICY)
+    }
     assert older < base
 
 

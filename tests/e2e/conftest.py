@@ -37,7 +37,8 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # to run on another Kubernetes release than the current one, STACK_USAGE_RULES to give the node agents
 # simulated usage (the rules go to `<data dir>/usage.rules`, which the test may rewrite; samples every second,
 # over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags and
-# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it.
+# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, and
+# STACK_SCHEDULER_COUNTS for managed resources kube-scheduler counts per node itself (ignoredByScheduler: false).
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,7 @@ async def stack(
         control_plane_paths=control_plane_binaries,
         usage=usage,
         controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),
+        scheduler_counts=tuple(getattr(request.module, "STACK_SCHEDULER_COUNTS", ())),
         monitoring=getattr(request.module, "STACK_MONITORING", False),
         scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),

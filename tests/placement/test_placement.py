@@ -11,14 +11,12 @@ from shared.placement import (
     NodeView,
     NoFit,
     Policy,
-    Victim,
     evaluate,
     filter_nodes,
     parse_pod,
     pick,
     quota_refusal,
     score_node,
-    select_victims,
 )
 from shared.settings import MemoryUnit
 
@@ -202,21 +200,6 @@ def test_quota_refusal_names_the_quota() -> None:
     assert quota_refusal(d, (0, 0), None) is None
     reason = quota_refusal(d, (8192, 0), (10240, None))
     assert reason is not None and "quota 10240 MiB" in reason
-
-
-def test_preemption_picks_the_minimal_victims_on_the_right_gpu() -> None:
-    n = NodeView("n1", (GpuView("g0", 0, 16000, 12000), GpuView("g1", 1, 16000, 14000)))
-    d = parse_pod(pod(container("m", 8000)), MIB)
-    victims = [
-        Victim("small-on-g0", {"g0": (2000, 0)}),
-        Victim("big-on-g0", {"g0": (6000, 0)}),
-        Victim("on-g1", {"g1": (14000, 0)}),
-        Victim("cpu-only", {}),
-    ]
-    chosen = select_victims(n, d, victims)
-    assert chosen is not None and len(chosen) == 1 and chosen[0] in {"big-on-g0", "on-g1"}
-    assert select_victims(n, parse_pod(pod(container("m", 1000)), MIB), victims) == ()
-    assert select_victims(n, parse_pod(pod(container("m", 17000)), MIB), victims) is None
 
 
 def test_pick_raises_nofit_with_a_reason() -> None:
