@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.catalogue import (
@@ -34,6 +34,7 @@ from shared.events.catalogue import (
     ReservedEvent,
 )
 from shared.events.streams import LEDGER_KINDS
+from shared.ledger.gpu_rules import health_applies, recorded
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import (
     LIVE_STATE_VALUES,
@@ -180,6 +181,7 @@ class _Gpu:
         "healthy",
         "index",
         "memory_mib",
+        "memory_total_mib",
         "model",
         "node",
         "uuid",
@@ -196,6 +198,7 @@ class _Gpu:
         allocated_memory_mib: int = 0,
         allocated_compute: int = 0,
         healthy: bool = True,
+        memory_total_mib: int = 0,
     ) -> None:
         self.uuid = uuid
         self.node = node
@@ -206,6 +209,7 @@ class _Gpu:
         self.allocated_memory_mib = allocated_memory_mib
         self.allocated_compute = allocated_compute
         self.healthy = healthy
+        self.memory_total_mib = memory_total_mib
 
 
 class _State:
@@ -217,6 +221,7 @@ class _State:
         self.quotas: dict[str, tuple[int | None, int | None]] = {}
         self.cuda: dict[str, str] = {}
         self.gpus: dict[str, _Gpu] = {}  # uuid -> GPU
+        self.retired: dict[str, _Gpu] = {}  # uuid -> a GPU the ledger retired (its counters kept until allocations end)
         self.node_gpus: dict[str, dict[str, _Gpu]] = {}  # node -> uuid -> GPU
         self.node_allocs: dict[str, set[str]] = {}  # node -> pod UIDs of live allocations there
         self.ns_usage: dict[str, list[int]] = {}  # namespace -> [MiB, compute] of live allocations
@@ -240,6 +245,7 @@ class ClusterView:
         self.quotas = state.quotas
         self._cuda = state.cuda
         self._gpus = state.gpus
+        self._retired = state.retired
         self._node_gpus = state.node_gpus
         self._node_allocs = state.node_allocs
         self._ns_usage = state.ns_usage
@@ -280,15 +286,15 @@ class ClusterView:
                 gpus.c.index,
                 gpus.c.model,
                 gpus.c.memory_mib,
+                gpus.c.memory_total_mib,
                 gpus.c.compute_units,
                 gpus.c.allocated_memory_mib,
                 gpus.c.allocated_compute,
                 gpus.c.healthy,
-            ).where(gpus.c.retired_at.is_(None))
+                gpus.c.retired_at,
+            ).where(or_(gpus.c.retired_at.is_(None), gpus.c.allocated_memory_mib > 0, gpus.c.allocated_compute > 0))
             models: dict[str, str] = {}
             async for r in await conn.stream(gpu_query.execution_options(yield_per=_STREAM_ROWS)):
-                if r.node not in new.cuda:
-                    continue
                 node = intern(r.node)
                 g = _Gpu(
                     r.uuid,
@@ -300,7 +306,11 @@ class ClusterView:
                     r.allocated_memory_mib,
                     r.allocated_compute,
                     r.healthy,
+                    r.memory_total_mib,
                 )
+                if r.retired_at is not None or node not in new.cuda:  # kept for its counters only
+                    new.retired[r.uuid] = g
+                    continue
                 new.gpus[r.uuid] = g
                 new.node_gpus.setdefault(node, {})[r.uuid] = g
             # one row per part (or one with no part), grouped by allocation: only one group is held at a time
@@ -416,9 +426,12 @@ class ClusterView:
             _unindex(self._node_allocs, self._ns_usage, alloc)
         for gpu_uuid, m, c in alloc._charges:
             g = self._gpus.get(gpu_uuid)
-            if g is not None:
-                g.allocated_memory_mib = max(0, g.allocated_memory_mib + sign * m)
-                g.allocated_compute = max(0, g.allocated_compute + sign * c)
+            if g is None:
+                g = self._retired.get(gpu_uuid)
+                if g is None:
+                    continue
+            g.allocated_memory_mib = max(0, g.allocated_memory_mib + sign * m)
+            g.allocated_compute = max(0, g.allocated_compute + sign * c)
 
     def _exchange(self, event: ExchangedEvent) -> None:
         """Move two containers' shares as the ledger did: by the event's result when it carries one (only
@@ -467,6 +480,43 @@ class ClusterView:
             self._count(alloc, +1)
         self._rebuild(event.node)
 
+    def _retire(self, gpu_uuid: str, g: _Gpu) -> None:
+        if self._gpus.get(gpu_uuid) is g:
+            del self._gpus[gpu_uuid]
+            self._retired[gpu_uuid] = g
+
+    def _inventory(self, event: InventoryEvent) -> None:
+        """A node's GPUs as it reports them, recorded as the ledger records them (`gpu_rules.recorded`); the GPUs
+        it no longer reports are retired with their counters (a GPU reported again finds what it holds)."""
+        node = sys.intern(event.node)
+        self._cuda[node] = event.cuda_version
+        on_node = self._node_gpus.setdefault(node, {})
+        reported = {g.uuid for g in event.gpus}
+        for old in [u for u in on_node if u not in reported]:
+            self._retire(old, on_node.pop(old))
+        for info in event.gpus:
+            prev = self._gpus.get(info.uuid)
+            if prev is None:
+                prev = self._retired.pop(info.uuid, None)
+            elif prev.node != node and self._node_gpus.get(prev.node, {}).pop(info.uuid, None) is not None:
+                self._rebuild(prev.node)  # the GPU moved: forget it on its old node
+            rec = recorded(info, prev)
+            g = _Gpu(
+                info.uuid,
+                node,
+                info.index,
+                info.model,
+                rec.memory_mib,
+                rec.compute_units,
+                prev.allocated_memory_mib if prev else 0,
+                prev.allocated_compute if prev else 0,
+                rec.healthy,
+                rec.memory_total_mib,
+            )
+            self._gpus[info.uuid] = g
+            on_node[info.uuid] = g
+        self._rebuild(node)
+
     def apply(self, event: object) -> None:
         """Apply one ledger event to the view, once per event id: a copy the outbox relay republished after
         the stream's dedup window (an old inventory, a reservation after its release) would undo what later
@@ -496,49 +546,18 @@ class ClusterView:
                 if a is not None and a.allocation_id == event.allocation_id:
                     self._end(a)
             case InventoryEvent():
-                node = sys.intern(event.node)
-                self._cuda[node] = event.cuda_version
-                on_node = self._node_gpus.setdefault(node, {})
-                reported = {g.uuid for g in event.gpus}
-                for old in [u for u in on_node if u not in reported]:
-                    del on_node[old]
-                    if (g := self._gpus.get(old)) is not None and g.node == node:
-                        del self._gpus[old]
-                for info in event.gpus:
-                    prev = self._gpus.get(info.uuid)
-                    if prev is not None and prev.node != node:  # the GPU moved: forget it on its old node
-                        self._node_gpus.get(prev.node, {}).pop(info.uuid, None)
-                        self._rebuild(prev.node)
-                    g = _Gpu(
-                        info.uuid,
-                        node,
-                        info.index,
-                        info.model,
-                        max(info.memory_mib, prev.allocated_memory_mib if prev else 0),
-                        info.compute_units,
-                        prev.allocated_memory_mib if prev else 0,
-                        prev.allocated_compute if prev else 0,
-                        info.healthy,
-                    )
-                    self._gpus[info.uuid] = g
-                    on_node[info.uuid] = g
-                self._rebuild(node)
+                self._inventory(event)
             case HealthEvent():
                 g = self._gpus.get(event.gpu_uuid)
-                if g is not None:
+                if g is not None and health_applies(g.node, event.node):
                     g.healthy = event.healthy
                     self._rebuild(g.node)
             case NodeRetiredEvent():
+                # as the ledger does: the node's GPUs are retired with their counters, its allocations stay
+                # counted until their own release events (`Ledger.retire_node` releases them first)
                 self._cuda.pop(event.node, None)
-                for u in self._node_gpus.pop(event.node, {}):
-                    g = self._gpus.get(u)
-                    if g is not None and g.node == event.node:
-                        del self._gpus[u]
-                for uid in list(self._node_allocs.get(event.node, ())):
-                    a = self.allocations.get(uid)
-                    if a is not None and a.node == event.node:
-                        self.allocations.pop(uid, None)
-                        _unindex(self._node_allocs, self._ns_usage, a)
+                for u, g in self._node_gpus.pop(event.node, {}).items():
+                    self._retire(u, g)
                 self._rebuild(event.node)
             case QuotaEvent():
                 if event.memory_mib is None and event.compute is None:
