@@ -37,6 +37,7 @@ from shared.events.streams import LEDGER_KINDS
 from shared.ledger.gpu_rules import health_applies, recorded
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import (
+    FORWARD,
     LIVE_STATE_VALUES,
     AllocationState,
     ExchangeRefused,
@@ -265,6 +266,10 @@ class ClusterView:
             if a is not None and a.node == node and a.holds(gpu_uuid):
                 out.append(a)
         return out
+
+    def retired_counters(self) -> dict[str, tuple[int, int]]:
+        """(MiB, compute) that live allocations still hold on GPUs the ledger retired (until their release)."""
+        return {u: (g.allocated_memory_mib, g.allocated_compute) for u, g in self._retired.items()}
 
     # ---- loading -------------------------------------------------------------------------------
     async def reload(self, engine: AsyncEngine) -> None:
@@ -536,14 +541,16 @@ class ClusterView:
                 )
             case BoundEvent() | AssignedEvent():
                 a = self.allocations.get(event.pod_uid)
-                if a is not None and a.allocation_id == event.allocation_id:
-                    a.state = event.kind  # no placement input changes: `version` stays
+                if a is not None and a.allocation_id == event.allocation_id and (a.state, event.kind) in FORWARD:
+                    a.state = _STATES[event.kind]  # no placement input changes: `version` stays
             case ExchangedEvent():
                 self._exchange(event)
             case FailedEvent() | ReleasedEvent():
-                _remember(self._ended, event.allocation_id, _ENDED_KEPT)
                 a = self.allocations.get(event.pod_uid)
-                if a is not None and a.allocation_id == event.allocation_id:
+                if a is None or a.allocation_id != event.allocation_id:
+                    _remember(self._ended, event.allocation_id, _ENDED_KEPT)
+                elif (a.state, event.kind) in FORWARD:  # a failure after the Binding changes nothing
+                    _remember(self._ended, event.allocation_id, _ENDED_KEPT)
                     self._end(a)
             case InventoryEvent():
                 self._inventory(event)
