@@ -225,7 +225,8 @@ class _State:
         self.retired: dict[str, _Gpu] = {}  # uuid -> a GPU the ledger retired (its counters kept until allocations end)
         self.node_gpus: dict[str, dict[str, _Gpu]] = {}  # node -> uuid -> GPU
         self.node_allocs: dict[str, set[str]] = {}  # node -> pod UIDs of live allocations there
-        self.ns_usage: dict[str, list[int]] = {}  # namespace -> [MiB, compute] of live allocations
+        self.ns_usage: dict[str, list[int]] = {}  # namespace -> [MiB, compute] of live allocations and holds
+        self.holds: dict[uuid.UUID, LiveAllocation] = {}  # placements a bind awaits the ledger's answer for
 
 
 class ClusterView:
@@ -250,6 +251,7 @@ class ClusterView:
         self._node_gpus = state.node_gpus
         self._node_allocs = state.node_allocs
         self._ns_usage = state.ns_usage
+        self._holds = state.holds
         self.version += 1
 
     # ---- queries -------------------------------------------------------------------------------
@@ -399,24 +401,57 @@ class ClusterView:
         parts: Iterable[Any],
         state: str = AllocationState.RESERVED.value,
     ) -> None:
-        """Count a live allocation (no-op when this allocation is already counted)."""
+        """Count a live allocation (no-op when this allocation is already counted); a hold of the same id becomes it."""
         current = self.allocations.get(pod_uid)
         if current is not None and current.allocation_id == allocation_id:
             return
+        held = self._holds.pop(allocation_id, None)
+        if held is not None:
+            self._charge(held, -1)
+            _use(self._ns_usage, held, -1)
         if current is not None:
             self._end(current)
         alloc = LiveAllocation(
-            allocation_id, pod_uid, sys.intern(namespace), pod_name, sys.intern(node), state, _held(parts, self._gpus)
+            allocation_id,
+            pod_uid,
+            sys.intern(namespace),
+            pod_name,
+            sys.intern(node),
+            _STATES.get(state, state),
+            _held(parts, self._gpus),
         )
         self.allocations[pod_uid] = alloc
         self._count(alloc, +1)
         self._rebuild(node)
 
-    def drop(self, pod_uid: str, allocation_id: uuid.UUID) -> None:
-        """Uncount this allocation of the pod, if it is the one counted (a hold the ledger refused)."""
-        current = self.allocations.get(pod_uid)
-        if current is not None and current.allocation_id == allocation_id:
-            self._end(current)
+    def hold(
+        self, allocation_id: uuid.UUID, pod_uid: str, namespace: str, pod_name: str, node: str, parts: Iterable[Any]
+    ) -> None:
+        """Count shares a bind asks the ledger for, while it decides (as kube-scheduler assumes a pod), beside the
+        pod's live allocation if the view holds one: concurrent binds then pick around each other. The ledger's
+        answer settles it: `add_reservation` of this id (or its `reserved` event) makes it the pod's allocation,
+        `release_hold` takes it out (an answer with another allocation, a refusal, no answer). A reload drops it."""
+        alloc = LiveAllocation(
+            allocation_id,
+            pod_uid,
+            sys.intern(namespace),
+            pod_name,
+            sys.intern(node),
+            _STATES["reserved"],
+            _held(parts, self._gpus),
+        )
+        self._holds[allocation_id] = alloc
+        self._charge(alloc, +1)
+        _use(self._ns_usage, alloc, +1)
+        self._rebuild(alloc.node)
+
+    def release_hold(self, allocation_id: uuid.UUID) -> None:
+        """Take out a hold the ledger did not turn into this allocation (no-op when there is none)."""
+        held = self._holds.pop(allocation_id, None)
+        if held is not None:
+            self._charge(held, -1)
+            _use(self._ns_usage, held, -1)
+            self._rebuild(held.node)
 
     def _end(self, alloc: LiveAllocation) -> None:
         self.allocations.pop(alloc.pod_uid, None)
@@ -429,6 +464,10 @@ class ClusterView:
             _index(self._node_allocs, self._ns_usage, alloc)
         else:
             _unindex(self._node_allocs, self._ns_usage, alloc)
+        self._charge(alloc, sign)
+
+    def _charge(self, alloc: LiveAllocation, sign: int) -> None:
+        """Add (+1) or take out (-1) what the allocation holds on each GPU."""
         for gpu_uuid, m, c in alloc._charges:
             g = self._gpus.get(gpu_uuid)
             if g is None:
@@ -576,9 +615,7 @@ class ClusterView:
 
 def _index(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], alloc: LiveAllocation) -> None:
     node_allocs.setdefault(alloc.node, set()).add(alloc.pod_uid)
-    usage = ns_usage.setdefault(alloc.namespace, [0, 0])
-    usage[0] += alloc.memory_mib
-    usage[1] += alloc.compute
+    _use(ns_usage, alloc, +1)
 
 
 def _unindex(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], alloc: LiveAllocation) -> None:
@@ -587,12 +624,18 @@ def _unindex(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], a
         on_node.discard(alloc.pod_uid)
         if not on_node:
             del node_allocs[alloc.node]
-    usage = ns_usage.get(alloc.namespace)
-    if usage is not None:
-        usage[0] -= alloc.memory_mib
-        usage[1] -= alloc.compute
-        if usage == [0, 0]:
-            del ns_usage[alloc.namespace]
+    _use(ns_usage, alloc, -1)
+
+
+def _use(ns_usage: dict[str, list[int]], alloc: LiveAllocation, sign: int) -> None:
+    """Add (+1) or take out (-1) what the allocation holds from its namespace's running totals."""
+    usage = ns_usage.setdefault(alloc.namespace, [0, 0]) if sign > 0 else ns_usage.get(alloc.namespace)
+    if usage is None:
+        return
+    usage[0] += sign * alloc.memory_mib
+    usage[1] += sign * alloc.compute
+    if usage == [0, 0]:
+        del ns_usage[alloc.namespace]
 
 
 def _node_view(node_gpus: dict[str, dict[str, _Gpu]], cuda: dict[str, str], node: str) -> NodeView:
