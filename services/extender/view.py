@@ -405,21 +405,10 @@ class ClusterView:
         current = self.allocations.get(pod_uid)
         if current is not None and current.allocation_id == allocation_id:
             return
-        held = self._holds.pop(allocation_id, None)
-        if held is not None:
-            self._charge(held, -1)
-            _use(self._ns_usage, held, -1)
+        self._unhold(allocation_id)
         if current is not None:
             self._end(current)
-        alloc = LiveAllocation(
-            allocation_id,
-            pod_uid,
-            sys.intern(namespace),
-            pod_name,
-            sys.intern(node),
-            _STATES.get(state, state),
-            _held(parts, self._gpus),
-        )
+        alloc = self._live(allocation_id, pod_uid, namespace, pod_name, node, state, parts)
         self.allocations[pod_uid] = alloc
         self._count(alloc, +1)
         self._rebuild(node)
@@ -431,15 +420,7 @@ class ClusterView:
         pod's live allocation if the view holds one: concurrent binds then pick around each other. The ledger's
         answer settles it: `add_reservation` of this id (or its `reserved` event) makes it the pod's allocation,
         `release_hold` takes it out (an answer with another allocation, a refusal, no answer). A reload drops it."""
-        alloc = LiveAllocation(
-            allocation_id,
-            pod_uid,
-            sys.intern(namespace),
-            pod_name,
-            sys.intern(node),
-            _STATES["reserved"],
-            _held(parts, self._gpus),
-        )
+        alloc = self._live(allocation_id, pod_uid, namespace, pod_name, node, AllocationState.RESERVED.value, parts)
         self._holds[allocation_id] = alloc
         self._charge(alloc, +1)
         _use(self._ns_usage, alloc, +1)
@@ -447,11 +428,29 @@ class ClusterView:
 
     def release_hold(self, allocation_id: uuid.UUID) -> None:
         """Take out a hold the ledger did not turn into this allocation (no-op when there is none)."""
+        held = self._unhold(allocation_id)
+        if held is not None:
+            self._rebuild(held.node)
+
+    def _unhold(self, allocation_id: uuid.UUID) -> LiveAllocation | None:
         held = self._holds.pop(allocation_id, None)
         if held is not None:
             self._charge(held, -1)
             _use(self._ns_usage, held, -1)
-            self._rebuild(held.node)
+        return held
+
+    def _live(
+        self, allocation_id: uuid.UUID, pod_uid: str, namespace: str, pod_name: str, node: str, state: str, parts: Any
+    ) -> LiveAllocation:
+        return LiveAllocation(
+            allocation_id,
+            pod_uid,
+            sys.intern(namespace),
+            pod_name,
+            sys.intern(node),
+            _STATES.get(state, state),
+            _held(parts, self._gpus),
+        )
 
     def _end(self, alloc: LiveAllocation) -> None:
         self.allocations.pop(alloc.pod_uid, None)
