@@ -31,15 +31,16 @@ constraints:
 run: $(STAMP)
 	$(PY) -m services.cli up $(ARGS)
 
-# Lint, then the whole test suite against real PostgreSQL and NATS (embedded ones unless
-# GPUSHARE_TEST_DATABASE_URL / GPUSHARE_TEST_NATS_URL name servers).
+# Lint (ruff's checks, then its formatting: both fail the target), then the whole test suite against real
+# PostgreSQL and NATS (embedded ones unless GPUSHARE_TEST_DATABASE_URL / GPUSHARE_TEST_NATS_URL name servers).
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check . || true
+	$(PY) -m ruff format --check .
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)

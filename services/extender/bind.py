@@ -91,13 +91,20 @@ class Bind:
         if isinstance(got, Refused):
             return _refused(got)
         reservation = got.reservation
+        # the view holds what the ledger holds, whatever this bind picked (`reserve` took its hold out)
+        self.view.add_reservation(
+            reservation.allocation_id,
+            args.pod_uid,
+            args.pod_namespace,
+            args.pod_name,
+            reservation.node,
+            reservation.parts,
+            reservation.state.value,
+        )
         if reservation.node != args.node:
             return _refused(
                 Refused("failed", f"pod already holds a reservation on node {reservation.node}, not {args.node}")
             )
-        self.view.add_reservation(
-            reservation.allocation_id, args.pod_uid, args.pod_namespace, args.pod_name, args.node, reservation.parts
-        )
         return await self._outcome(reservation.allocation_id, args, fresh=got.fresh)
 
     async def reserve(self, args: BindingArgs, demand: PodDemand) -> Reserved | Refused:
@@ -141,7 +148,7 @@ class Bind:
             )
             # Hold the shares in the view while the ledger decides, as kube-scheduler assumes a pod: concurrent
             # binds then pick around each other instead of racing for the same GPU and reloading on conflict.
-            self.view.add_reservation(
+            self.view.hold(
                 request.allocation_id, args.pod_uid, args.pod_namespace, args.pod_name, args.node, placement.parts
             )
             try:
@@ -149,7 +156,7 @@ class Bind:
                     lambda request=request: self.reservations.submit(request), budget_s=LEDGER_BUDGET_S, what="reserve"
                 )
             except BaseException as exc:
-                self.view.drop(args.pod_uid, request.allocation_id)  # refused, or no answer: the hold goes
+                self.view.release_hold(request.allocation_id)  # refused, or no answer: the hold goes
                 if isinstance(exc, QuotaExceeded):
                     return Refused("quota", str(exc))
                 if not isinstance(exc, ReservationError):
@@ -158,6 +165,8 @@ class Bind:
                 if isinstance(exc, InsufficientCapacity):  # another replica took it, or the view missed an event
                     await self.sync.resync("conflict", settle=False)
                 continue
+            if reservation.allocation_id != request.allocation_id:  # the pod's reservation made before: not the hold
+                self.view.release_hold(request.allocation_id)
             return Reserved(reservation, fresh=reservation.created)
         # a concurrent bind for the same pod (another replica) may have reserved meanwhile
         if (found := await self._existing(args.pod_uid)) is not None:

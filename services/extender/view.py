@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.catalogue import (
@@ -34,8 +34,10 @@ from shared.events.catalogue import (
     ReservedEvent,
 )
 from shared.events.streams import LEDGER_KINDS
+from shared.ledger.gpu_rules import health_applies, recorded
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import (
+    FORWARD,
     LIVE_STATE_VALUES,
     AllocationState,
     ExchangeRefused,
@@ -180,6 +182,7 @@ class _Gpu:
         "healthy",
         "index",
         "memory_mib",
+        "memory_total_mib",
         "model",
         "node",
         "uuid",
@@ -196,6 +199,7 @@ class _Gpu:
         allocated_memory_mib: int = 0,
         allocated_compute: int = 0,
         healthy: bool = True,
+        memory_total_mib: int = 0,
     ) -> None:
         self.uuid = uuid
         self.node = node
@@ -206,6 +210,7 @@ class _Gpu:
         self.allocated_memory_mib = allocated_memory_mib
         self.allocated_compute = allocated_compute
         self.healthy = healthy
+        self.memory_total_mib = memory_total_mib
 
 
 class _State:
@@ -217,9 +222,11 @@ class _State:
         self.quotas: dict[str, tuple[int | None, int | None]] = {}
         self.cuda: dict[str, str] = {}
         self.gpus: dict[str, _Gpu] = {}  # uuid -> GPU
+        self.retired: dict[str, _Gpu] = {}  # uuid -> a GPU the ledger retired (its counters kept until allocations end)
         self.node_gpus: dict[str, dict[str, _Gpu]] = {}  # node -> uuid -> GPU
         self.node_allocs: dict[str, set[str]] = {}  # node -> pod UIDs of live allocations there
-        self.ns_usage: dict[str, list[int]] = {}  # namespace -> [MiB, compute] of live allocations
+        self.ns_usage: dict[str, list[int]] = {}  # namespace -> [MiB, compute] of live allocations and holds
+        self.holds: dict[uuid.UUID, LiveAllocation] = {}  # placements a bind awaits the ledger's answer for
 
 
 class ClusterView:
@@ -240,9 +247,11 @@ class ClusterView:
         self.quotas = state.quotas
         self._cuda = state.cuda
         self._gpus = state.gpus
+        self._retired = state.retired
         self._node_gpus = state.node_gpus
         self._node_allocs = state.node_allocs
         self._ns_usage = state.ns_usage
+        self._holds = state.holds
         self.version += 1
 
     # ---- queries -------------------------------------------------------------------------------
@@ -259,6 +268,10 @@ class ClusterView:
             if a is not None and a.node == node and a.holds(gpu_uuid):
                 out.append(a)
         return out
+
+    def retired_counters(self) -> dict[str, tuple[int, int]]:
+        """(MiB, compute) that live allocations still hold on GPUs the ledger retired (until their release)."""
+        return {u: (g.allocated_memory_mib, g.allocated_compute) for u, g in self._retired.items()}
 
     # ---- loading -------------------------------------------------------------------------------
     async def reload(self, engine: AsyncEngine) -> None:
@@ -280,15 +293,15 @@ class ClusterView:
                 gpus.c.index,
                 gpus.c.model,
                 gpus.c.memory_mib,
+                gpus.c.memory_total_mib,
                 gpus.c.compute_units,
                 gpus.c.allocated_memory_mib,
                 gpus.c.allocated_compute,
                 gpus.c.healthy,
-            ).where(gpus.c.retired_at.is_(None))
+                gpus.c.retired_at,
+            ).where(or_(gpus.c.retired_at.is_(None), gpus.c.allocated_memory_mib > 0, gpus.c.allocated_compute > 0))
             models: dict[str, str] = {}
             async for r in await conn.stream(gpu_query.execution_options(yield_per=_STREAM_ROWS)):
-                if r.node not in new.cuda:
-                    continue
                 node = intern(r.node)
                 g = _Gpu(
                     r.uuid,
@@ -300,7 +313,11 @@ class ClusterView:
                     r.allocated_memory_mib,
                     r.allocated_compute,
                     r.healthy,
+                    r.memory_total_mib,
                 )
+                if r.retired_at is not None or node not in new.cuda:  # kept for its counters only
+                    new.retired[r.uuid] = g
+                    continue
                 new.gpus[r.uuid] = g
                 new.node_gpus.setdefault(node, {})[r.uuid] = g
             # one row per part (or one with no part), grouped by allocation: only one group is held at a time
@@ -384,24 +401,56 @@ class ClusterView:
         parts: Iterable[Any],
         state: str = AllocationState.RESERVED.value,
     ) -> None:
-        """Count a live allocation (no-op when this allocation is already counted)."""
+        """Count a live allocation (no-op when this allocation is already counted); a hold of the same id becomes it."""
         current = self.allocations.get(pod_uid)
         if current is not None and current.allocation_id == allocation_id:
             return
+        self._unhold(allocation_id)
         if current is not None:
             self._end(current)
-        alloc = LiveAllocation(
-            allocation_id, pod_uid, sys.intern(namespace), pod_name, sys.intern(node), state, _held(parts, self._gpus)
-        )
+        alloc = self._live(allocation_id, pod_uid, namespace, pod_name, node, state, parts)
         self.allocations[pod_uid] = alloc
         self._count(alloc, +1)
         self._rebuild(node)
 
-    def drop(self, pod_uid: str, allocation_id: uuid.UUID) -> None:
-        """Uncount this allocation of the pod, if it is the one counted (a hold the ledger refused)."""
-        current = self.allocations.get(pod_uid)
-        if current is not None and current.allocation_id == allocation_id:
-            self._end(current)
+    def hold(
+        self, allocation_id: uuid.UUID, pod_uid: str, namespace: str, pod_name: str, node: str, parts: Iterable[Any]
+    ) -> None:
+        """Count shares a bind asks the ledger for, while it decides (as kube-scheduler assumes a pod), beside the
+        pod's live allocation if the view holds one: concurrent binds then pick around each other. The ledger's
+        answer settles it: `add_reservation` of this id (or its `reserved` event) makes it the pod's allocation,
+        `release_hold` takes it out (an answer with another allocation, a refusal, no answer). A reload drops it."""
+        alloc = self._live(allocation_id, pod_uid, namespace, pod_name, node, AllocationState.RESERVED.value, parts)
+        self._holds[allocation_id] = alloc
+        self._charge(alloc, +1)
+        _use(self._ns_usage, alloc, +1)
+        self._rebuild(alloc.node)
+
+    def release_hold(self, allocation_id: uuid.UUID) -> None:
+        """Take out a hold the ledger did not turn into this allocation (no-op when there is none)."""
+        held = self._unhold(allocation_id)
+        if held is not None:
+            self._rebuild(held.node)
+
+    def _unhold(self, allocation_id: uuid.UUID) -> LiveAllocation | None:
+        held = self._holds.pop(allocation_id, None)
+        if held is not None:
+            self._charge(held, -1)
+            _use(self._ns_usage, held, -1)
+        return held
+
+    def _live(
+        self, allocation_id: uuid.UUID, pod_uid: str, namespace: str, pod_name: str, node: str, state: str, parts: Any
+    ) -> LiveAllocation:
+        return LiveAllocation(
+            allocation_id,
+            pod_uid,
+            sys.intern(namespace),
+            pod_name,
+            sys.intern(node),
+            _STATES.get(state, state),
+            _held(parts, self._gpus),
+        )
 
     def _end(self, alloc: LiveAllocation) -> None:
         self.allocations.pop(alloc.pod_uid, None)
@@ -414,11 +463,18 @@ class ClusterView:
             _index(self._node_allocs, self._ns_usage, alloc)
         else:
             _unindex(self._node_allocs, self._ns_usage, alloc)
+        self._charge(alloc, sign)
+
+    def _charge(self, alloc: LiveAllocation, sign: int) -> None:
+        """Add (+1) or take out (-1) what the allocation holds on each GPU."""
         for gpu_uuid, m, c in alloc._charges:
             g = self._gpus.get(gpu_uuid)
-            if g is not None:
-                g.allocated_memory_mib = max(0, g.allocated_memory_mib + sign * m)
-                g.allocated_compute = max(0, g.allocated_compute + sign * c)
+            if g is None:
+                g = self._retired.get(gpu_uuid)
+                if g is None:
+                    continue
+            g.allocated_memory_mib = max(0, g.allocated_memory_mib + sign * m)
+            g.allocated_compute = max(0, g.allocated_compute + sign * c)
 
     def _exchange(self, event: ExchangedEvent) -> None:
         """Move two containers' shares as the ledger did: by the event's result when it carries one (only
@@ -467,6 +523,43 @@ class ClusterView:
             self._count(alloc, +1)
         self._rebuild(event.node)
 
+    def _retire(self, gpu_uuid: str, g: _Gpu) -> None:
+        if self._gpus.get(gpu_uuid) is g:
+            del self._gpus[gpu_uuid]
+            self._retired[gpu_uuid] = g
+
+    def _inventory(self, event: InventoryEvent) -> None:
+        """A node's GPUs as it reports them, recorded as the ledger records them (`gpu_rules.recorded`); the GPUs
+        it no longer reports are retired with their counters (a GPU reported again finds what it holds)."""
+        node = sys.intern(event.node)
+        self._cuda[node] = event.cuda_version
+        on_node = self._node_gpus.setdefault(node, {})
+        reported = {g.uuid for g in event.gpus}
+        for old in [u for u in on_node if u not in reported]:
+            self._retire(old, on_node.pop(old))
+        for info in event.gpus:
+            prev = self._gpus.get(info.uuid)
+            if prev is None:
+                prev = self._retired.pop(info.uuid, None)
+            elif prev.node != node and self._node_gpus.get(prev.node, {}).pop(info.uuid, None) is not None:
+                self._rebuild(prev.node)  # the GPU moved: forget it on its old node
+            rec = recorded(info, prev)
+            g = _Gpu(
+                info.uuid,
+                node,
+                info.index,
+                info.model,
+                rec.memory_mib,
+                rec.compute_units,
+                prev.allocated_memory_mib if prev else 0,
+                prev.allocated_compute if prev else 0,
+                rec.healthy,
+                rec.memory_total_mib,
+            )
+            self._gpus[info.uuid] = g
+            on_node[info.uuid] = g
+        self._rebuild(node)
+
     def apply(self, event: object) -> None:
         """Apply one ledger event to the view, once per event id: a copy the outbox relay republished after
         the stream's dedup window (an old inventory, a reservation after its release) would undo what later
@@ -486,59 +579,30 @@ class ClusterView:
                 )
             case BoundEvent() | AssignedEvent():
                 a = self.allocations.get(event.pod_uid)
-                if a is not None and a.allocation_id == event.allocation_id:
-                    a.state = event.kind  # no placement input changes: `version` stays
+                if a is not None and a.allocation_id == event.allocation_id and (a.state, event.kind) in FORWARD:
+                    a.state = _STATES[event.kind]  # no placement input changes: `version` stays
             case ExchangedEvent():
                 self._exchange(event)
             case FailedEvent() | ReleasedEvent():
-                _remember(self._ended, event.allocation_id, _ENDED_KEPT)
                 a = self.allocations.get(event.pod_uid)
-                if a is not None and a.allocation_id == event.allocation_id:
+                if a is None or a.allocation_id != event.allocation_id:
+                    _remember(self._ended, event.allocation_id, _ENDED_KEPT)
+                elif (a.state, event.kind) in FORWARD:  # a failure after the Binding changes nothing
+                    _remember(self._ended, event.allocation_id, _ENDED_KEPT)
                     self._end(a)
             case InventoryEvent():
-                node = sys.intern(event.node)
-                self._cuda[node] = event.cuda_version
-                on_node = self._node_gpus.setdefault(node, {})
-                reported = {g.uuid for g in event.gpus}
-                for old in [u for u in on_node if u not in reported]:
-                    del on_node[old]
-                    if (g := self._gpus.get(old)) is not None and g.node == node:
-                        del self._gpus[old]
-                for info in event.gpus:
-                    prev = self._gpus.get(info.uuid)
-                    if prev is not None and prev.node != node:  # the GPU moved: forget it on its old node
-                        self._node_gpus.get(prev.node, {}).pop(info.uuid, None)
-                        self._rebuild(prev.node)
-                    g = _Gpu(
-                        info.uuid,
-                        node,
-                        info.index,
-                        info.model,
-                        max(info.memory_mib, prev.allocated_memory_mib if prev else 0),
-                        info.compute_units,
-                        prev.allocated_memory_mib if prev else 0,
-                        prev.allocated_compute if prev else 0,
-                        info.healthy,
-                    )
-                    self._gpus[info.uuid] = g
-                    on_node[info.uuid] = g
-                self._rebuild(node)
+                self._inventory(event)
             case HealthEvent():
                 g = self._gpus.get(event.gpu_uuid)
-                if g is not None:
+                if g is not None and health_applies(g.node, event.node):
                     g.healthy = event.healthy
                     self._rebuild(g.node)
             case NodeRetiredEvent():
+                # as the ledger does: the node's GPUs are retired with their counters, its allocations stay
+                # counted until their own release events (`Ledger.retire_node` releases them first)
                 self._cuda.pop(event.node, None)
-                for u in self._node_gpus.pop(event.node, {}):
-                    g = self._gpus.get(u)
-                    if g is not None and g.node == event.node:
-                        del self._gpus[u]
-                for uid in list(self._node_allocs.get(event.node, ())):
-                    a = self.allocations.get(uid)
-                    if a is not None and a.node == event.node:
-                        self.allocations.pop(uid, None)
-                        _unindex(self._node_allocs, self._ns_usage, a)
+                for u, g in self._node_gpus.pop(event.node, {}).items():
+                    self._retire(u, g)
                 self._rebuild(event.node)
             case QuotaEvent():
                 if event.memory_mib is None and event.compute is None:
@@ -550,9 +614,7 @@ class ClusterView:
 
 def _index(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], alloc: LiveAllocation) -> None:
     node_allocs.setdefault(alloc.node, set()).add(alloc.pod_uid)
-    usage = ns_usage.setdefault(alloc.namespace, [0, 0])
-    usage[0] += alloc.memory_mib
-    usage[1] += alloc.compute
+    _use(ns_usage, alloc, +1)
 
 
 def _unindex(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], alloc: LiveAllocation) -> None:
@@ -561,12 +623,18 @@ def _unindex(node_allocs: dict[str, set[str]], ns_usage: dict[str, list[int]], a
         on_node.discard(alloc.pod_uid)
         if not on_node:
             del node_allocs[alloc.node]
-    usage = ns_usage.get(alloc.namespace)
-    if usage is not None:
-        usage[0] -= alloc.memory_mib
-        usage[1] -= alloc.compute
-        if usage == [0, 0]:
-            del ns_usage[alloc.namespace]
+    _use(ns_usage, alloc, -1)
+
+
+def _use(ns_usage: dict[str, list[int]], alloc: LiveAllocation, sign: int) -> None:
+    """Add (+1) or take out (-1) what the allocation holds from its namespace's running totals."""
+    usage = ns_usage.setdefault(alloc.namespace, [0, 0]) if sign > 0 else ns_usage.get(alloc.namespace)
+    if usage is None:
+        return
+    usage[0] += sign * alloc.memory_mib
+    usage[1] += sign * alloc.compute
+    if usage == [0, 0]:
+        del ns_usage[alloc.namespace]
 
 
 def _node_view(node_gpus: dict[str, dict[str, _Gpu]], cuda: dict[str, str], node: str) -> NodeView:

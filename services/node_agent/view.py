@@ -24,7 +24,7 @@ from shared.events.catalogue import (
     ReleasedEvent,
     ReservedEvent,
 )
-from shared.ledger.rules import ChargeablePart, gpu_charges, long_running, moved_to
+from shared.ledger.rules import FORWARD, AllocationState, ChargeablePart, gpu_charges, long_running, moved_to
 
 ENDED_REMEMBERED = 4096
 
@@ -36,6 +36,7 @@ class NodeView:
         self.node = node
         self._containers: dict[tuple[uuid.UUID, str], PendingContainer] = {}
         self._versions: dict[uuid.UUID, int] = {}
+        self._states: dict[uuid.UUID, str] = {}  # the life-cycle state of each live allocation
         self._ended: OrderedDict[uuid.UUID, None] = OrderedDict()
         self.loaded = False
         self.stream_seq = 0
@@ -44,6 +45,7 @@ class NodeView:
         """Replace the view with a snapshot (events after `snapshot.stream_seq` are applied on top)."""
         self._containers = {}
         self._versions = {}
+        self._states = {}
         for alloc_id in snapshot.ended:
             self._end(alloc_id)
         by_alloc: dict[uuid.UUID, list[ContainerRecord]] = {}
@@ -53,6 +55,7 @@ class NodeView:
             self._ended.pop(alloc_id, None)
             pod_memory = sum(s.memory_mib for r in records if not r.init or r.sidecar for s in r.shares)
             self._versions[alloc_id] = records[0].version
+            self._states[alloc_id] = _snapshot_state(records)
             for r in records:
                 self._containers[(alloc_id, r.container)] = PendingContainer(
                     allocation_id=alloc_id,
@@ -90,8 +93,10 @@ class NodeView:
             case ReservedEvent():
                 return self._reserved(event)
             case BoundEvent():
+                self._advance(event.allocation_id, event.kind)
                 return self._bound(event.allocation_id, event.occurred_at)
             case AssignedEvent():
+                self._advance(event.allocation_id, event.kind)
                 key = (event.allocation_id, event.container)
                 current = self._containers.get(key)
                 if current is None or current.assigned:
@@ -101,8 +106,16 @@ class NodeView:
             case ExchangedEvent():
                 return self._exchanged(event)
             case ReleasedEvent() | FailedEvent():
+                state = self._states.get(event.allocation_id)
+                if state is not None and (state, event.kind) not in FORWARD:  # a failure after the Binding
+                    return False
                 return self._end(event.allocation_id)
         return False
+
+    def _advance(self, allocation_id: uuid.UUID, kind: str) -> None:
+        state = self._states.get(allocation_id)
+        if state is not None and (state, kind) in FORWARD:
+            self._states[allocation_id] = kind
 
     def _reserved(self, event: ReservedEvent) -> bool:
         if event.node != self.node or event.allocation_id in self._ended or event.allocation_id in self._versions:
@@ -129,6 +142,7 @@ class NodeView:
                 pod_created_at=event.pod_created_at,
             )
         self._versions[event.allocation_id] = 1
+        self._states[event.allocation_id] = AllocationState.RESERVED.value
         return True
 
     def _bound(self, allocation_id: uuid.UUID, at: datetime) -> bool:
@@ -163,11 +177,21 @@ class NodeView:
         self._ended.move_to_end(allocation_id)
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+        self._states.pop(allocation_id, None)
         if self._versions.pop(allocation_id, None) is None:
             return False
         for key in [k for k in self._containers if k[0] == allocation_id]:
             del self._containers[key]
         return True
+
+
+def _snapshot_state(records: list[ContainerRecord]) -> str:
+    """An allocation's state from its snapshot: an assigned container makes it `assigned`, a Binding `bound`."""
+    if any(r.assigned for r in records):
+        return AllocationState.ASSIGNED.value
+    if records[0].bound_at is not None:
+        return AllocationState.BOUND.value
+    return AllocationState.RESERVED.value
 
 
 class _SharePart:
@@ -185,13 +209,20 @@ _Charge = namedtuple("_Charge", ChargeablePart.__annotations__)  # type: ignore[
 
 def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
     """MiB charged on each GPU by these containers (init and sidecar shares count as Kubernetes counts them)."""
+    return {gpu: memory for gpu, (memory, _) in charges_by_gpu(containers).items()}
+
+
+def charges_by_gpu(containers: list[PendingContainer]) -> dict[str, tuple[int, int]]:
+    """(MiB, compute) charged on each GPU by these containers: each pod's `gpu_charges`, added up (a pod of app
+    containers only simply adds its shares)."""
     with_init = {c.allocation_id for c in containers if c.init}
-    total: dict[str, int] = {}
+    total: dict[str, tuple[int, int]] = {}
     per_alloc: dict[uuid.UUID, list[ChargeablePart]] = {}
     for c in containers:
         if c.allocation_id not in with_init:  # app containers only: their shares simply add up
             for s in c.shares:
-                total[s.gpu_uuid] = total.get(s.gpu_uuid, 0) + s.memory_mib
+                m, k = total.get(s.gpu_uuid, (0, 0))
+                total[s.gpu_uuid] = (m + s.memory_mib, k + s.compute)
             continue
         per_alloc.setdefault(c.allocation_id, []).extend(
             _Charge(
@@ -205,6 +236,7 @@ def allocated_by_gpu(containers: list[PendingContainer]) -> dict[str, int]:
             for s in c.shares
         )
     for parts in per_alloc.values():
-        for gpu, (memory, _) in gpu_charges(parts).items():
-            total[gpu] = total.get(gpu, 0) + memory
+        for gpu, (memory, compute) in gpu_charges(parts).items():
+            m, k = total.get(gpu, (0, 0))
+            total[gpu] = (m + memory, k + compute)
     return total

@@ -9,6 +9,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import HealthEvent, InventoryEvent, NodeRetiredEvent
+from shared.ledger.gpu_rules import health_reason, recorded
 from shared.ledger.models import gpus, nodes
 
 log = logging.getLogger(__name__)
@@ -16,8 +17,9 @@ log = logging.getLogger(__name__)
 
 async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
     """Upsert the node and its GPUs; GPUs no longer reported are retired (their counters are kept
-    until their allocations end). A GPU whose reported memory shrank below what is allocated keeps
-    its old capacity and is marked unhealthy instead of breaking the invariant."""
+    until their allocations end). What a reported GPU's row becomes is `gpu_rules.recorded`: one whose
+    reported memory or compute shrank below what is allocated keeps its old capacity in that dimension and
+    is marked unhealthy instead of breaking the invariant."""
     at = event.occurred_at
     stmt = insert(nodes).values(
         name=event.node,
@@ -47,7 +49,15 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
         r.uuid: r
         for r in (
             await conn.execute(
-                select(gpus.c.uuid, gpus.c.node, gpus.c.allocated_memory_mib)
+                select(
+                    gpus.c.uuid,
+                    gpus.c.node,
+                    gpus.c.memory_mib,
+                    gpus.c.memory_total_mib,
+                    gpus.c.compute_units,
+                    gpus.c.allocated_memory_mib,
+                    gpus.c.allocated_compute,
+                )
                 .where(gpus.c.uuid.in_([g.uuid for g in event.gpus]) | (gpus.c.node == event.node))
                 .order_by(gpus.c.uuid)
                 .with_for_update()
@@ -55,36 +65,36 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
         ).all()
     }
     for gpu in event.gpus:
+        old = existing.get(gpu.uuid)
+        row = recorded(gpu, old)
+        if old is not None and row.below_allocated:
+            log.error(
+                "GPU %s on %s now reports %d MiB and %d compute units but %d MiB and %d are allocated (%s); "
+                "keeping its capacity and marking it unhealthy",
+                gpu.uuid,
+                event.node,
+                gpu.memory_mib,
+                gpu.compute_units,
+                old.allocated_memory_mib,
+                old.allocated_compute,
+                row.health_reason,
+            )
         values = {
             "node": event.node,
             "index": gpu.index,
             "model": gpu.model,
-            "memory_mib": gpu.memory_mib,
-            "memory_total_mib": gpu.memory_total_mib,
-            "compute_units": gpu.compute_units,
-            "healthy": gpu.healthy,
-            "health_reason": "" if gpu.healthy else "reported unhealthy by the node agent",
+            "memory_mib": row.memory_mib,
+            "memory_total_mib": row.memory_total_mib,
+            "compute_units": row.compute_units,
+            "healthy": row.healthy,
+            "health_reason": row.health_reason,
             "mig_mode": gpu.mig_mode,
             "numa_node": gpu.numa_node,
             "pci_bus_id": gpu.pci_bus_id,
             "retired_at": None,
             "updated_at": at,
         }
-        inserted = {"uuid": gpu.uuid, **values}
-        old = existing.get(gpu.uuid)
-        if old is not None and old.allocated_memory_mib > gpu.memory_mib:
-            log.error(
-                "GPU %s on %s now reports %d MiB but %d MiB are allocated; keeping it unhealthy",
-                gpu.uuid,
-                event.node,
-                gpu.memory_mib,
-                old.allocated_memory_mib,
-            )
-            values.pop("memory_mib")
-            values.pop("memory_total_mib")
-            values["healthy"] = False
-            values["health_reason"] = "reported memory below allocated memory"
-        stmt = insert(gpus).values(**inserted)
+        stmt = insert(gpus).values(uuid=gpu.uuid, **values)
         await conn.execute(stmt.on_conflict_do_update(index_elements=[gpus.c.uuid], set_=values))
     reported = {g.uuid for g in event.gpus}
     gone = [u for u, r in existing.items() if r.node == event.node and u not in reported]
@@ -100,7 +110,9 @@ async def apply_health(conn: AsyncConnection, event: HealthEvent) -> bool:
         update(gpus)
         .where(and_(gpus.c.uuid == event.gpu_uuid, gpus.c.node == event.node))
         .values(
-            healthy=event.healthy, health_reason="" if event.healthy else event.reason, updated_at=event.occurred_at
+            healthy=event.healthy,
+            health_reason=health_reason(event.healthy, event.reason),
+            updated_at=event.occurred_at,
         )
         .returning(gpus.c.uuid)
     )

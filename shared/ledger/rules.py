@@ -61,6 +61,13 @@ def advances(current: AllocationState | str, new: AllocationState | str) -> bool
     return rank(new) > rank(current)
 
 
+FORWARD: frozenset[tuple[str, str]] = frozenset(
+    (a.value, b.value) for a in AllocationState for b in AllocationState if advances(a, b)
+)
+"""Every (current, new) pair that `advances`, as plain strings: a view's set lookup on its hot path (a state
+and an event's kind both compare equal to their strings)."""
+
+
 def is_live(state: AllocationState | str) -> bool:
     """True while an allocation holds GPU capacity."""
     return AllocationState(state) in LIVE_STATES

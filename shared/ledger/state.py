@@ -27,6 +27,7 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
+from shared.ledger.gpu_rules import health_applies, health_reason, recorded
 from shared.ledger.rules import STAMPS, AllocationState, advances, exchange_plan, gpu_charges, is_live, moved_to
 
 
@@ -115,8 +116,8 @@ class LedgerState:
                 self._inventory(event)
             case HealthEvent():
                 gpu = self.gpus.get(event.gpu_uuid)
-                if gpu is not None and gpu.node == event.node:
-                    gpu.healthy, gpu.health_reason = event.healthy, "" if event.healthy else event.reason
+                if gpu is not None and health_applies(gpu.node, event.node):
+                    gpu.healthy, gpu.health_reason = event.healthy, health_reason(event.healthy, event.reason)
             case NodeRetiredEvent():
                 if event.node in self.nodes:
                     self.nodes[event.node].retired = True
@@ -147,25 +148,22 @@ class LedgerState:
         node.address = event.address
         for info in event.gpus:
             old = self.gpus.get(info.uuid)
-            row = GpuRow(
+            rec = recorded(info, old)
+            self.gpus[info.uuid] = GpuRow(
                 node=event.node,
                 index=info.index,
                 model=info.model,
-                memory_mib=info.memory_mib,
-                memory_total_mib=info.memory_total_mib,
-                compute_units=info.compute_units,
-                healthy=info.healthy,
-                health_reason="" if info.healthy else "reported unhealthy by the node agent",
+                memory_mib=rec.memory_mib,
+                memory_total_mib=rec.memory_total_mib,
+                compute_units=rec.compute_units,
+                healthy=rec.healthy,
+                health_reason=rec.health_reason,
                 mig_mode=info.mig_mode,
                 numa_node=info.numa_node,
                 pci_bus_id=info.pci_bus_id,
+                allocated_memory_mib=old.allocated_memory_mib if old is not None else 0,
+                allocated_compute=old.allocated_compute if old is not None else 0,
             )
-            if old is not None:
-                row.allocated_memory_mib, row.allocated_compute = old.allocated_memory_mib, old.allocated_compute
-                if old.allocated_memory_mib > info.memory_mib:
-                    row.memory_mib, row.memory_total_mib = old.memory_mib, old.memory_total_mib
-                    row.healthy, row.health_reason = False, "reported memory below allocated memory"
-            self.gpus[info.uuid] = row
         reported = {g.uuid for g in event.gpus}
         for gpu_uuid, gpu in self.gpus.items():
             if gpu.node == event.node and gpu_uuid not in reported:

@@ -8,6 +8,9 @@ spread: most free memory). Regular init containers run one at a time before the 
 the sidecars started before them, so on a GPU the pod is charged Kubernetes' effective request
 (`shared.ledger.rules.gpu_charges`): max(max over regular init i of (init_i + sidecars before i),
 sidecars + app shares). A regular init container is placed where it raises that charge least.
+Largest first is a heuristic: when it finds no room, `shared.placement.search` tries the other assignments of
+the app containers and sidecars (in the same order of preference), so the solver places a pod whenever some
+placement fits (within the search's budget), and says it can never fit only when none fits the empty node.
 
 Score (0..10) uses the node's memory utilisation after placing the pod,
 u = (allocated MiB on healthy GPUs + pod's effective MiB) / (memory of healthy GPUs):
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from shared.events.catalogue import AllocationPart
 from shared.placement.demand import ContainerDemand, PodDemand
 from shared.placement.hints import Policy
+from shared.placement.search import search_long_running
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
@@ -127,17 +131,55 @@ def _solve(
             free[g.uuid] = [m, k]
     orig = {u: (v[0], v[1]) for u, v in free.items()}
     spread = policy is Policy.SPREAD
+    steady = sorted(
+        [*demand.containers, *(c for c in demand.init_containers if c.sidecar)],
+        key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index),
+    )
+    parts, reason = _place(gpus, free, orig, demand, steady, spread, capacity)
+    if parts is None:  # largest first was not enough: search (`shared.placement.search`)
+        order = _by_most_free if spread else _by_least_free
+        chosen = search_long_running(gpus, {u: list(v) for u, v in orig.items()}, steady, demand.init_containers, order)
+        if chosen is not None:
+            again = {u: list(v) for u, v in orig.items()}
+            parts, _ = _place(gpus, again, orig, demand, steady, spread, capacity, chosen)
+    return parts, "" if parts is not None else reason
+
+
+def _by_least_free(g: GpuView, free: dict[str, list[int]]) -> tuple[int, ...]:
+    """Binpack's order of candidates: best fit (least free memory, then compute), ties to the lowest index."""
+    return (free[g.uuid][0], free[g.uuid][1], g.index)
+
+
+def _by_most_free(g: GpuView, free: dict[str, list[int]]) -> tuple[int, ...]:
+    """Spread's order of candidates: most free memory, then compute, ties to the lowest index."""
+    return (-free[g.uuid][0], -free[g.uuid][1], g.index)
+
+
+def _place(
+    gpus: list[GpuView],
+    free: dict[str, list[int]],
+    orig: dict[str, tuple[int, int]],
+    demand: PodDemand,
+    steady: list[ContainerDemand],
+    spread: bool,
+    capacity: bool,
+    chosen: list[tuple[ContainerDemand, tuple[GpuView, ...]]] | None = None,
+) -> tuple[list[_Part] | None, str]:
+    """Place the long-running containers (`steady`, in order) largest first by policy, or on the GPUs `chosen` for
+    them, then the regular init containers; returns (parts, "") or (None, reason). `free` is used up."""
     parts: list[_Part] = []
-    steady = [*demand.containers, *(c for c in demand.init_containers if c.sidecar)]
-    for c in sorted(steady, key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index)):
-        cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
-        if len(cands) < c.count:
-            return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
-        if spread:
-            cands.sort(key=lambda g: (-free[g.uuid][0], -free[g.uuid][1], g.index))
-        else:
-            cands.sort(key=lambda g: (free[g.uuid][0], free[g.uuid][1], g.index))
-        for g in cands[: c.count]:
+    plan: list[tuple[ContainerDemand, tuple[GpuView, ...] | None]] = [(c, None) for c in steady]
+    for c, on in chosen if chosen is not None else plan:
+        if on is None:
+            cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
+            if len(cands) < c.count:
+                return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
+            if spread:  # as `_by_most_free` / `_by_least_free` order them, inline: the first pass runs per node
+                cands.sort(key=lambda g: (-free[g.uuid][0], -free[g.uuid][1], g.index))
+            else:
+                cands.sort(key=lambda g: (free[g.uuid][0], free[g.uuid][1], g.index))
+            on = tuple(cands[: c.count])
+        for g in on:
             f = free[g.uuid]
             f[0] -= c.memory_mib
             f[1] -= c.compute

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from services.extender.service import ExtenderService
 from services.extender.view import ClusterView
 from services.extender.wire import dump_priorities, parse_extender_args
-from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, NodeRetiredEvent
+from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, NodeRetiredEvent, ReleasedEvent
 from shared.http import dump_json
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import ReservationRequest
@@ -87,7 +87,8 @@ def test_inventory_and_retirement_touch_only_their_node() -> None:
                 gpus=[GpuInfo(uuid=f"{node}-{i}", index=i, memory_mib=8192, memory_total_mib=8192) for i in range(2)],
             )
         )
-    view.add_reservation(uuid.uuid4(), "p1", "team", "p1", "a", (_part("a-1", 1, 2048),))
+    alloc = uuid.uuid4()
+    view.add_reservation(alloc, "p1", "team", "p1", "a", (_part("a-1", 1, 2048),))
     # node a now reports only GPU 0: GPU 1 leaves a, b keeps both
     view.apply(
         InventoryEvent(
@@ -101,8 +102,11 @@ def test_inventory_and_retirement_touch_only_their_node() -> None:
     before = view.version
     view.apply(NodeRetiredEvent(node="a"))
     assert view.version > before
-    assert "a" not in view.nodes and "p1" not in view.allocations
-    assert view.namespace_usage("team") == (0, 0)
+    assert "a" not in view.nodes and "b" in view.nodes
+    # as in the ledger, the allocation stays counted until its own release (`Ledger.retire_node` sends it first)
+    assert view.namespace_usage("team") == (2048, 0)
+    view.apply(ReleasedEvent(allocation_id=alloc, pod_uid="p1", node="a", reason="node deleted"))
+    assert "p1" not in view.allocations and view.namespace_usage("team") == (0, 0)
     assert view.pods_on("a", "a-1") == []
 
 

@@ -8,12 +8,10 @@ independently from the model (created / existing / quota exceeded / insufficient
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,25 +21,16 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.events.catalogue import AllocationPart, GpuInfo, HealthEvent, InventoryEvent, QuotaEvent, decode_event
-from shared.ledger.db import make_engine
+from shared.events.catalogue import AllocationPart, GpuInfo, HealthEvent, InventoryEvent, QuotaEvent
 from shared.ledger.ledger import Ledger
-from shared.ledger.models import outbox
-from shared.ledger.replay import differences, load_state
+from shared.ledger.replay import differences
 from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, ReservationRequest
 from shared.ledger.rules import ExchangeRefused, gpu_charges, is_live
 from shared.ledger.state import LedgerState
-from tests.conftest import LEDGER_TABLES
-from tests.reliability.loop import LoopThread
+from tests.reliability.loop import LoopThread, empty_ledger, ledger_env, ledger_tables, machine_settings, staged_events
 from tests.reliability.profile import PROFILE
-
-# Shrinking a failing run against the database can take many minutes; GPUSHARE_SHRINK=1 turns it on.
-PHASES = (
-    tuple(Phase) if os.environ.get("GPUSHARE_SHRINK") else (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
-)
 
 NODES = ("node-a", "node-b")
 GPU_MIB = 16 * 1024
@@ -71,7 +60,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.runner.run(self._truncate())
+        self.runner.run(empty_ledger(self.engine))
         self.ledger = Ledger(self.engine, prefix="gsrel", source="stateful")
         self.model = LedgerState()
         self.last_seq = 0
@@ -81,23 +70,14 @@ class LedgerMachine(RuleBasedStateMachine):
         # id), and hypothesis needs the same choices to lead to the same state when it replays a run
         self._next_id = 0
 
-    async def _truncate(self) -> None:
-        async with self.engine.begin() as conn:
-            await conn.execute(text(f"TRUNCATE {', '.join(LEDGER_TABLES)} RESTART IDENTITY CASCADE"))
-
     # -- helpers ---------------------------------------------------------------------------------
 
     async def _drain_outbox(self) -> int:
-        async with self.engine.connect() as conn:
-            rows = (
-                await conn.execute(
-                    select(outbox.c.seq, outbox.c.payload).where(outbox.c.seq > self.last_seq).order_by(outbox.c.seq)
-                )
-            ).all()
-        for row in rows:
-            self.model.apply(decode_event(row.payload))
-            self.last_seq = row.seq
-        return len(rows)
+        staged = await staged_events(self.engine, self.last_seq)
+        for seq, event in staged:
+            self.model.apply(event)
+            self.last_seq = seq
+        return len(staged)
 
     def _staged(self) -> int:
         """Feed the model what the last step staged; returns how many events that was."""
@@ -327,7 +307,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledger_holds(self) -> None:
-        live_state = self.runner.run(self._load())
+        live_state = self.runner.run(ledger_tables(self.engine))
         for gpu_uuid, gpu in live_state.gpus.items():
             assert 0 <= gpu.allocated_memory_mib <= gpu.memory_mib, f"GPU {gpu_uuid} memory overcommitted: {gpu}"
             assert 0 <= gpu.allocated_compute <= gpu.compute_units, f"GPU {gpu_uuid} compute overcommitted: {gpu}"
@@ -350,32 +330,15 @@ class LedgerMachine(RuleBasedStateMachine):
         assert not diffs, "database differs from the model:\n" + "\n".join(diffs)
         self.checked_steps += 1
 
-    async def _load(self) -> LedgerState:
-        async with self.engine.connect() as conn:
-            return await load_state(conn)
-
 
 @pytest.fixture(scope="module")
 def machine_env(database_url: str) -> Iterator[tuple[LoopThread, AsyncEngine]]:
-    runner = LoopThread()
-    engine = make_engine(database_url, pool_size=3)
-    yield runner, engine
-    runner.run(engine.dispose())
-    runner.close()
+    yield from ledger_env(database_url)
 
 
 def test_ledger_matches_its_model_under_random_operations(machine_env: tuple[LoopThread, AsyncEngine]) -> None:
     runner, engine = machine_env
     LedgerMachine.runner, LedgerMachine.engine = runner, engine
     run_state_machine_as_test(
-        LedgerMachine,
-        settings=settings(
-            max_examples=PROFILE.stateful_examples,
-            stateful_step_count=PROFILE.stateful_steps,
-            deadline=None,
-            derandomize=not PROFILE.soak,
-            database=None,
-            phases=PHASES,
-            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        ),
+        LedgerMachine, settings=machine_settings(PROFILE.stateful_examples, PROFILE.stateful_steps)
     )
