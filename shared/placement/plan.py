@@ -9,6 +9,11 @@ the sidecars started before them, so on a GPU the pod is charged Kubernetes' eff
 (`shared.ledger.rules.gpu_charges`): max(max over regular init i of (init_i + sidecars before i),
 sidecars + app shares). A regular init container is placed where it raises that charge least.
 
+kubelet hands a regular init container's devices on to the containers allocated after it (`reuse`): those
+containers of a *reuse group* get the same GPUs, so the solver keeps each group on one set of GPUs (its first
+placement when it already does, else each group pinned to the GPUs in policy order until one fits). Pods kubelet
+cannot be predicted for (`reuse.inexact`) never fit.
+
 Score (0..10) uses the node's memory utilisation after placing the pod,
 u = (allocated MiB on healthy GPUs + pod's effective MiB) / (memory of healthy GPUs):
 binpack = round(10 * u) (fill the fullest node that still fits), spread = round(10 * (1 - u)).
@@ -16,17 +21,21 @@ binpack = round(10 * u) (fill the fullest node that still fits), spread = round(
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.events.catalogue import AllocationPart
+from shared.placement import reuse
 from shared.placement.demand import ContainerDemand, PodDemand
 from shared.placement.hints import Policy
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
+Pins = Mapping[tuple[str, int, bool], frozenset[str]]  # (container, index, init) -> the GPUs it must take
+MAX_PINNINGS = 64  # placements tried per node for a pod with reuse groups
 # AllocationPart's fields in their order: container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
 _Part = tuple[str, int, str, int, int, int, bool, bool]
 
@@ -93,6 +102,9 @@ def _precheck(node: NodeView, demand: PodDemand) -> Verdict | None:
             return Verdict(False, False, f"node {node.name} has CUDA {node.cuda_version}; pod needs >= {wanted}")
     if demand.hints.constrains_gpus and not any(demand.hints.gpu_allowed(g.uuid, g.model) for g in node.gpus):
         return Verdict(False, False, f"no GPU on {node.name} matches the pod's hints ({demand.hints.describe()})")
+    problem = reuse.inexact(demand) if demand.init_containers else ""
+    if problem:
+        return Verdict(False, False, f"gpushare cannot place this pod exactly: {problem}")
     return None
 
 
@@ -125,12 +137,72 @@ def _solve(
                 em, ek = extra[g.uuid]
                 m, k = min(g.memory_mib, m + em), min(g.compute_units, k + ek)
             free[g.uuid] = [m, k]
+    groups = reuse.reuse_groups(demand) if demand.init_containers else ()
+    parts, reason = _place(gpus, {u: list(v) for u, v in free.items()}, demand, policy, capacity)
+    if not groups or (parts is not None and reuse.kept_together(parts, groups)):
+        return parts, reason
+    for pins in _pinnings(gpus, free, groups, policy):
+        pinned, _ = _place(gpus, {u: list(v) for u, v in free.items()}, demand, policy, capacity, pins)
+        if pinned is not None:
+            return pinned, ""
+    if parts is None:
+        return None, reason
+    where = node.name if name is None else name
+    group = max(groups, key=len)
+    return None, (
+        f"kubelet hands the GPU memory devices of init container {group[0].name} on to "
+        f"{', '.join(f'{c.kind} {c.name}' for c in group[1:])} (device reuse), so they must share "
+        f"{'a GPU' if group[0].count == 1 else f'{group[0].count} GPUs'}, and no GPU on {where} has room for all of "
+        f"them; {_describe_free(gpus, free, any(c.compute for c in group), capacity)}"
+    )
+
+
+def _pinnings(
+    gpus: list[GpuView], free: dict[str, list[int]], groups: tuple[tuple[ContainerDemand, ...], ...], policy: Policy
+) -> list[Pins]:
+    """GPU sets to pin each reuse group to, best first by the policy: every group on one set, then mixed (at most
+    MAX_PINNINGS in all)."""
+    spread = policy is Policy.SPREAD
+    ordered = sorted(gpus, key=lambda g: ((-1 if spread else 1) * free[g.uuid][0], g.index))
+    choices = [
+        [frozenset(g.uuid for g in combo) for combo in itertools.combinations(ordered, grp[0].count)] for grp in groups
+    ]
+
+    def pins(sets: tuple[frozenset[str], ...]) -> Pins:
+        return {(c.name, c.index, c.init): gpu_set for grp, gpu_set in zip(groups, sets, strict=True) for c in grp}
+
+    out: list[Pins] = []
+    seen: set[tuple[frozenset[str], ...]] = set()
+    same = [tuple(s for _ in groups) for s in choices[0]] if len({g[0].count for g in groups}) == 1 else []
+    for sets in itertools.chain(same, itertools.product(*choices)):
+        if sets in seen:
+            continue
+        seen.add(sets)
+        out.append(pins(sets))
+        if len(out) >= MAX_PINNINGS:
+            break
+    return out
+
+
+def _place(
+    gpus: list[GpuView],
+    free: dict[str, list[int]],
+    demand: PodDemand,
+    policy: Policy,
+    capacity: bool,
+    pins: Pins | None = None,
+) -> tuple[list[_Part] | None, str]:
+    """The solver proper, on the node's eligible GPUs and their free amounts (changed in place); `pins` keep
+    containers on given GPUs."""
     orig = {u: (v[0], v[1]) for u, v in free.items()}
     spread = policy is Policy.SPREAD
     parts: list[_Part] = []
     steady = [*demand.containers, *(c for c in demand.init_containers if c.sidecar)]
     for c in sorted(steady, key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index)):
         cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
+        pin = pins.get((c.name, c.index, c.init)) if pins else None
+        if pin is not None:
+            cands = [g for g in cands if g.uuid in pin]
         if len(cands) < c.count:
             return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
         if spread:
@@ -156,6 +228,9 @@ def _solve(
                     beside[p[2]][1] += p[5]
             need = {u: (c.memory_mib + b[0], c.compute + b[1]) for u, b in beside.items()}
             cands = [g for g in gpus if orig[g.uuid][0] >= need[g.uuid][0] and orig[g.uuid][1] >= need[g.uuid][1]]
+            pin = pins.get((c.name, c.index, c.init)) if pins else None
+            if pin is not None:
+                cands = [g for g in cands if g.uuid in pin]
             if len(cands) < c.count:
                 orig_view = {u: list(v) for u, v in orig.items()}
                 also = " beside the sidecars started before it" if any(p[1] < c.index for p in sidecar_parts) else ""
@@ -187,7 +262,17 @@ _memo_lock = threading.Lock()
 class _Plan:
     """What filter precomputes once per (pod, policy): sorted containers, fast-path bounds, the verdict cache."""
 
-    __slots__ = ("hints", "inits", "max_count", "memo", "policy", "sum_compute", "sum_memory")
+    __slots__ = (
+        "hints",
+        "inits",
+        "max_count",
+        "memo",
+        "policy",
+        "sum_compute",
+        "sum_memory",
+        "summaries_suffice",
+        "together",
+    )
 
     def __init__(self, demand: PodDemand, policy: Policy) -> None:
         self.policy = _policy(demand, policy)
@@ -205,6 +290,17 @@ class _Plan:
                 inits.append((c.memory_mib + side_memory, c.compute + side_compute, c.count))
         self.inits = tuple(inits)
         self.hints = demand.hints.constrains_gpus
+        # `_surely_fits` holds for reuse groups on one GPU each (all of a group on the freest GPU fits, and the
+        # solver tries that), not for groups spanning several GPUs
+        groups = reuse.reuse_groups(demand) if demand.init_containers else ()
+        self.summaries_suffice = all(g[0].count == 1 for g in groups) and not (groups and reuse.inexact(demand))
+        # with reuse groups (one GPU each), one GPU holding every share at once: the groups all fit there
+        self.together: tuple[int, int] | None = None
+        if groups:
+            self.together = (
+                max([self.sum_memory, *(m for m, _, _ in self.inits)]),
+                max([self.sum_compute, *(c for _, c, _ in self.inits)]),
+            )
         names_safe = all(_NAME not in c.name for c in (*apps, *demand.init_containers))
         self.memo: dict | None = (
             _memo_for((apps, demand.init_containers, demand.hints, self.policy)) if names_safe else None
@@ -236,9 +332,12 @@ def _surely_fits(node: NodeView, plan: _Plan) -> bool:
     whatever the earlier ones took (each takes at most one share per GPU), so `max count` such GPUs
     guarantee success. Regular inits: the solver's only test is `count` GPUs whose free amount holds the
     init share plus the sidecars started before it there; holding it plus every earlier sidecar share
-    suffices (and is exact without sidecars).
+    suffices (and is exact without sidecars). Reuse groups (one GPU each, `summaries_suffice`): a GPU that holds
+    every share at once takes all of them, and the solver tries each GPU for them.
     """
     desc = node.free_memory_desc
+    if plan.together is not None and _count_at_least(node, *plan.together) < 1:
+        return False
     k = plan.max_count
     if k:
         if len(desc) < k or desc[k - 1] < plan.sum_memory:
@@ -311,7 +410,7 @@ def _judge(node: NodeView, demand: PodDemand, plan: _Plan) -> Verdict:
     if shape is None:
         return _solve_verdict(node, demand, plan.policy)
     if not plan.hints:
-        if _surely_fits(node, plan):
+        if plan.summaries_suffice and _surely_fits(node, plan):
             return FITS
         key: object = shape
     else:
@@ -365,7 +464,7 @@ def filter_nodes(
             (failed if v.resolvable else never)[node.name] = v.reason
         return ok, failed, never
     plan = _Plan(demand, policy)
-    quick = not demand.simple and not plan.hints and demand.hints.min_cuda is None
+    quick = not demand.simple and not plan.hints and demand.hints.min_cuda is None and plan.summaries_suffice
     bound = _memory_bound(plan) if quick else None
     pos, least = bound if bound is not None else (0, 0)
     for node in nodes:

@@ -1,16 +1,21 @@
 """The placement solver as it was before the fast paths and caches: the reference for differential tests.
 
 Regular init containers are placed by asking `gpu_charges` (the ledger's rule) what each candidate GPU would
-be charged, rather than by the solver's running per-GPU sums: a second way to the same choices.
+be charged, rather than by the solver's running per-GPU sums: a second way to the same choices. kubelet's device
+reuse (`shared.placement.reuse`, a rule like `gpu_charges`) keeps each reuse group on one set of GPUs: the first
+placement when it does, else the group sets tried in the solver's order.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from shared.events.catalogue import AllocationPart
 from shared.ledger.rules import gpu_charges
+from shared.placement import reuse
 from shared.placement.demand import ContainerDemand, PodDemand
 from shared.placement.hints import Policy
 from shared.placement.view import GpuView, NodeView
@@ -91,6 +96,8 @@ def _precheck(node: NodeView, demand: PodDemand) -> Verdict | None:
             return Verdict(False, False, f"node {node.name} has CUDA {node.cuda_version}; pod needs >= {wanted}")
     if demand.hints.constrains_gpus and not any(demand.hints.gpu_allowed(g.uuid, g.model) for g in node.gpus):
         return Verdict(False, False, f"no GPU on {node.name} matches the pod's hints ({demand.hints.describe()})")
+    if reuse.inexact(demand):
+        return Verdict(False, False, f"gpushare cannot place this pod exactly: {reuse.inexact(demand)}")
     return None
 
 
@@ -122,12 +129,56 @@ def _solve(
                 em, ek = extra[g.uuid]
                 m, k = min(g.memory_mib, m + em), min(g.compute_units, k + ek)
             free[g.uuid] = [m, k]
+    groups = reuse.reuse_groups(demand)
+    parts, reason = _place({}, gpus, {u: list(v) for u, v in free.items()}, demand, policy, capacity)
+    if not groups or (parts is not None and reuse.kept_together(parts, groups)):
+        return parts, reason
+    spread = policy is Policy.SPREAD
+    ordered = sorted(gpus, key=lambda g: (-free[g.uuid][0] if spread else free[g.uuid][0], g.index))
+    sets = [
+        [frozenset(g.uuid for g in combo) for combo in itertools.combinations(ordered, grp[0].count)] for grp in groups
+    ]
+    same = [(s,) * len(groups) for s in sets[0]] if len({grp[0].count for grp in groups}) == 1 else []
+    tried: list[tuple[frozenset[str], ...]] = []
+    for choice in [*same, *itertools.product(*sets)]:
+        if choice in tried:
+            continue
+        tried.append(choice)
+        if len(tried) > 64:
+            break
+        pins = {(c.name, c.index, c.init): gpu_set for grp, gpu_set in zip(groups, choice, strict=True) for c in grp}
+        pinned, _ = _place(pins, gpus, {u: list(v) for u, v in free.items()}, demand, policy, capacity)
+        if pinned is not None:
+            return pinned, ""
+    if parts is None:
+        return None, reason
+    group = max(groups, key=len)
+    share = "a GPU" if group[0].count == 1 else f"{group[0].count} GPUs"
+    later = ", ".join(f"{c.kind} {c.name}" for c in group[1:])
+    shown = _describe_free(gpus, free, any(c.compute for c in group), capacity)
+    return None, (
+        f"kubelet hands the GPU memory devices of init container {group[0].name} on to {later} (device reuse), so "
+        f"they must share {share}, and no GPU on {node.name} has room for all of them; {shown}"
+    )
+
+
+def _place(
+    pins: Mapping[tuple[str, int, bool], frozenset[str]], gpus: list[GpuView], free: dict[str, list[int]], *args: Any
+) -> tuple[list[_Part] | None, str]:
+    """The placement of every container with `pins` keeping containers on given GPUs (args: demand, policy,
+    capacity)."""
+    demand, policy, capacity = args
     orig = {u: (v[0], v[1]) for u, v in free.items()}
     spread = policy is Policy.SPREAD
     parts: list[_Part] = []
     steady = [*demand.containers, *(c for c in demand.init_containers if c.sidecar)]
     for c in sorted(steady, key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index)):
-        cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
+        pin = pins.get((c.name, c.index, c.init))
+        cands = [
+            g
+            for g in gpus
+            if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute and (pin is None or g.uuid in pin)
+        ]
         if len(cands) < c.count:
             return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
         if spread:
@@ -149,7 +200,14 @@ def _solve(
             part = (c.name, c.index, g.uuid, g.index, c.memory_mib, c.compute, True, False)
             trial[g.uuid] = _charge_on([*parts, part], g.uuid)
             alone[g.uuid] = _charge_on([*(p for p in parts if p[7] and p[1] < c.index), part], g.uuid)
-        cands = [g for g in gpus if alone[g.uuid][0] <= orig[g.uuid][0] and alone[g.uuid][1] <= orig[g.uuid][1]]
+        pin = pins.get((c.name, c.index, c.init))
+        cands = [
+            g
+            for g in gpus
+            if alone[g.uuid][0] <= orig[g.uuid][0]
+            and alone[g.uuid][1] <= orig[g.uuid][1]
+            and (pin is None or g.uuid in pin)
+        ]
         if len(cands) < c.count:
             orig_view = {u: list(v) for u, v in orig.items()}
             also = " beside the sidecars started before it" if any(p[7] and p[1] < c.index for p in parts) else ""
