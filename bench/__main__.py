@@ -31,6 +31,7 @@ MODULES = {
     "scale": "bench.scale",
     "request_size": "bench.request_size",
     "catchup": "bench.accounting_catchup",
+    "annotations": "bench.annotations",
 }
 
 

@@ -23,11 +23,19 @@ SCHEDULER_QPS = 1000
 
 @contextlib.asynccontextmanager
 async def whole_stack(
-    ctx: Context, nodes: int, *, fleet: bool = False, max_pods: int = 110, scheduler_qps: int = SCHEDULER_QPS
+    ctx: Context,
+    nodes: int,
+    *,
+    fleet: bool = False,
+    max_pods: int = 110,
+    scheduler_qps: int = SCHEDULER_QPS,
+    fleet_admit: bool = False,
+    gpus: str = GPUS,
 ) -> AsyncIterator[Any]:
     """A started Stack (control plane, services, simulated nodes) on a private database and private streams;
-    `fleet`: every node's agent and kubelet stand-in in one process, admitting no pods (hundreds of nodes);
-    `max_pods`: each node's pod capacity; `scheduler_qps`: kube-scheduler's API client rate and burst.
+    `fleet`: every node's agent and kubelet stand-in in one process (hundreds of nodes), admitting no pods unless
+    `fleet_admit`; `max_pods`: each node's pod capacity; `scheduler_qps`: kube-scheduler's API client rate and
+    burst; `gpus`: each node's GPUs.
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
@@ -40,7 +48,7 @@ async def whole_stack(
         config = StackConfig(
             data_dir=ctx.work_dir / f"stack-{uuid.uuid4().hex[:6]}",
             nodes=nodes,
-            gpus=GPUS,
+            gpus=gpus,
             max_pods=max_pods,
             node_prefix=f"bench-{uuid.uuid4().hex[:4]}",
             extender_port=0,
@@ -60,7 +68,7 @@ async def whole_stack(
             control_plane_paths=paths,
             progress=lambda m: None,
             fleet=fleet,
-            fleet_admit=not fleet,
+            fleet_admit=not fleet or fleet_admit,
             ready_timeout=90.0 + (nodes if fleet else 0),
         )
         stack = Stack(config)

@@ -1,9 +1,12 @@
 """Obtain etcd and a Kubernetes release's control-plane binaries, idempotently.
 
-etcd comes from Debian's `etcd-server` package. kube-apiserver, kube-scheduler and kube-controller-manager are
-built once per release (see `releases`) and cached outside the repository in
-`${GPUSHARE_CACHE_DIR:-~/.cache/gpushare}/k8s-<version>/bin`: a second run is free. Set `GPUSHARE_K8S_BIN_DIR`
-to a folder holding prebuilt binaries of the selected release to skip the build entirely.
+kube-apiserver, kube-scheduler and kube-controller-manager are built once per release (see `releases`) and cached
+outside the repository in `${GPUSHARE_CACHE_DIR:-~/.cache/gpushare}/k8s-<version>/bin`: a second run is free. Set
+`GPUSHARE_K8S_BIN_DIR` to a folder holding prebuilt binaries of the selected release to skip the build entirely.
+
+etcd is the one each release is tested with (its `build/dependencies.yaml`; v1.37.2: 3.7.0), built once from the
+Go module `go.etcd.io/etcd/server/v3` (`build_etcd`) and cached in `<cache>/etcd-v<version>/bin`; 1.20 runs on
+Debian's `etcd-server` (3.4), as it did. `GPUSHARE_ETCD_BIN` names an etcd binary to use instead.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import build_debian, build_modules
+from . import build_debian, build_etcd, build_modules
 from .buildtools import (
     ControlPlaneUnavailable,
     Progress,
@@ -29,6 +32,8 @@ from .releases import CURRENT, Release, selected_release
 
 KUBE_COMPONENTS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
 ETCD_CANDIDATES = ("/usr/bin/etcd",)
+ETCD_BIN_ENV = "GPUSHARE_ETCD_BIN"
+ETCD_VERSION_FILE = "etcd-version"  # in a release's cache folder: the etcd version it is tested with
 
 __all__ = [
     "KUBE_COMPONENTS",
@@ -38,6 +43,7 @@ __all__ = [
     "ensure_binaries",
     "ensure_etcd",
     "ensure_kube_binaries",
+    "etcd_cache_dir",
     "k8s_cache_dir",
     "stderr_progress",
 ]
@@ -59,8 +65,8 @@ def k8s_cache_dir(release: Release) -> Path:
     return cache_dir() / f"k8s-{release.version}"
 
 
-def ensure_etcd(progress: Progress = stderr_progress) -> Path:
-    """Return the etcd binary, installing `etcd-server` via apt if needed."""
+def debian_etcd(progress: Progress = stderr_progress) -> Path:
+    """Debian's etcd (3.4, for 1.20), installing `etcd-server` via apt if needed."""
     found = shutil.which("etcd") or next((c for c in ETCD_CANDIDATES if os.access(c, os.X_OK)), None)
     if found:
         return Path(found)
@@ -70,6 +76,58 @@ def ensure_etcd(progress: Progress = stderr_progress) -> Path:
     if not found:
         raise ControlPlaneUnavailable("etcd-server installed but no etcd binary found")
     return Path(found)
+
+
+def etcd_cache_dir(version: str) -> Path:
+    """Folder holding one etcd version's build and binary."""
+    return cache_dir() / f"etcd-v{version}"
+
+
+def tested_etcd_version(release: Release, progress: Progress = stderr_progress) -> str:
+    """The etcd version `release` is tested with (its `build/dependencies.yaml`), remembered in its cache folder."""
+    root = k8s_cache_dir(release)
+    remembered = root / ETCD_VERSION_FILE
+    if remembered.is_file():
+        return remembered.read_text().strip()
+    text = build_modules.release_file(root, release.version, "build/dependencies.yaml", progress)
+    try:
+        version = build_etcd.tested_etcd_version(text)
+    except ValueError as exc:
+        raise ControlPlaneUnavailable(f"Kubernetes {release.version}: {exc}") from None
+    remembered.write_text(version + "\n")
+    return version
+
+
+def ensure_etcd(release: Release | None = None, progress: Progress = stderr_progress) -> Path:
+    """The etcd binary `release` runs on: `GPUSHARE_ETCD_BIN`, Debian's for 1.20, else the tested version, built
+    (once, under a file lock) from the Go module."""
+    override = os.environ.get(ETCD_BIN_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ControlPlaneUnavailable(f"{ETCD_BIN_ENV}={path} is not an executable file")
+        return path
+    release = release or selected_release()
+    if release.from_debian_source:
+        return debian_etcd(progress)
+    version = tested_etcd_version(release, progress)
+    root = etcd_cache_dir(version)
+    binary = root / "bin" / "etcd"
+    stamp = root / "bin" / ".complete"
+    if stamp.is_file() and executables_ok(binary.parent, ("etcd",)):
+        return binary
+    with file_lock(root / ".lock", progress):
+        if stamp.is_file() and executables_ok(binary.parent, ("etcd",)):
+            return binary
+        built = build_etcd.build(root, version, progress)
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        tmp = binary.parent / ".etcd.tmp"
+        shutil.copy2(built / "etcd", tmp)
+        tmp.chmod(0o755)
+        tmp.replace(binary)
+        stamp.write_text(f"etcd {version} built {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        progress(f"cached etcd {version} in {binary.parent}")
+        return binary
 
 
 def binary_version(binary: Path) -> str:
@@ -122,8 +180,8 @@ def ensure_binaries(release: Release | None = None, progress: Progress = stderr_
     Cached after the first call. Raises ControlPlaneUnavailable naming exactly what is missing.
     """
     release = release or selected_release()
-    etcd = ensure_etcd(progress)
     bin_dir = ensure_kube_binaries(release, progress)
+    etcd = ensure_etcd(release, progress)
     return Paths(
         etcd=etcd,
         kube_apiserver=bin_dir / "kube-apiserver",

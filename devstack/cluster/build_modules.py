@@ -77,7 +77,8 @@ def version_ldflags(version: str) -> str:
     )
 
 
-def _download_go_mod(go: str, version: str, work: Path, env: dict[str, str], progress: Progress) -> str:
+def _download(go: str, version: str, work: Path, env: dict[str, str], progress: Progress) -> dict[str, str]:
+    """`go mod download -json k8s.io/kubernetes@<version>`: where the module's go.mod and source tree are."""
     progress(f"fetching k8s.io/kubernetes@{version} from the Go module proxy")
     res = subprocess.run(
         [go, "mod", "download", "-json", f"k8s.io/kubernetes@{version}"],
@@ -91,12 +92,31 @@ def _download_go_mod(go: str, version: str, work: Path, env: dict[str, str], pro
         info = json.loads(res.stdout)
     except json.JSONDecodeError:
         info = {}
-    if res.returncode or info.get("Error") or not info.get("GoMod"):
+    if res.returncode or info.get("Error") or not info.get("GoMod") or not info.get("Dir"):
         detail = info.get("Error") or res.stderr.strip()[-1500:]
         raise ControlPlaneUnavailable(
             f"k8s.io/kubernetes@{version} is not available from the Go module proxy: {detail}"
         )
-    return Path(info["GoMod"]).read_text()
+    return info
+
+
+def _download_go_mod(go: str, version: str, work: Path, env: dict[str, str], progress: Progress) -> str:
+    return Path(_download(go, version, work, env, progress)["GoMod"]).read_text()
+
+
+def release_file(root: Path, version: str, path: str, progress: Progress) -> str:
+    """The text of one file of the `k8s.io/kubernetes` module at `version` (e.g. `build/dependencies.yaml`),
+    from the Go module cache (downloaded when missing; `root` is the release's cache folder)."""
+    work = root / "module"
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "go.mod").is_file():
+        (work / "go.mod").write_text("module gpushare.local/kubebuild\n\ngo 1.21\n")
+    env = {"GOTOOLCHAIN": "local", "GOFLAGS": "-buildvcs=false"}
+    source = Path(_download(go_binary(), version, work, env, progress)["Dir"]) / path
+    try:
+        return source.read_text()
+    except OSError as exc:
+        raise ControlPlaneUnavailable(f"k8s.io/kubernetes@{version} has no readable {path}: {exc}") from None
 
 
 def build(root: Path, version: str, components: tuple[str, ...], progress: Progress) -> Path:

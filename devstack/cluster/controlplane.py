@@ -39,6 +39,29 @@ SERVICE_CIDR = "10.96.0.0/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 KUBECONFIG_NAME = "kubeconfig"  # the admin kubeconfig, in the work directory
 
+# What kube-apiserver logs when its storage is inconsistent (the sources of k8s.io/apiserver v0.37.2):
+# - "Too large resource version": `storage.NewTooLargeResourceVersionError` (pkg/storage/errors.go), returned when
+#   the watch cache lags the revision etcd reported and does not catch up (cacher `waitUntilFreshAndBlock`), logged
+#   e.g. by `resourceSizeEstimator.cleanKeysIfNeeded` (pkg/storage/etcd3/stats.go: "Error getting keys"); on
+#   Debian's etcd 3.4.23 the cache of a resource never learns etcd's revision, so it is logged again and again;
+# - "Cache consistency check failed" / "Cache consistency check error": `Checker.check`
+#   (pkg/storage/cacher/consistency/checker.go), the watch cache's digest differs from etcd's, or cannot be
+#   compared (an error while the server stops, "context canceled", is not one).
+STORAGE_CONSISTENCY_MARKERS = (
+    "Too large resource version",
+    "Cache consistency check failed",
+    "Cache consistency check error",
+)
+
+
+def storage_consistency_errors(log_text: str) -> list[str]:
+    """The lines of a kube-apiserver log that report storage consistency errors (pure)."""
+    return [
+        line
+        for line in log_text.splitlines()
+        if any(marker in line for marker in STORAGE_CONSISTENCY_MARKERS) and "context canceled" not in line
+    ]
+
 
 @dataclass
 class ExtenderConfig:
@@ -340,6 +363,18 @@ class ControlPlane:
         if not path or not path.exists():
             return ""
         return path.read_bytes()[-nbytes:].decode(errors="replace")
+
+    def storage_consistency_errors(self) -> list[str]:
+        """kube-apiserver's storage consistency errors so far (`storage_consistency_errors`; read its whole log)."""
+        path = self.logs.get("kube-apiserver")
+        if not path or not path.exists():
+            return []
+        return storage_consistency_errors(path.read_bytes().decode(errors="replace"))
+
+    @property
+    def etcd_url(self) -> str:
+        """etcd's client URL."""
+        return f"http://127.0.0.1:{self._etcd_port}"
 
     # ------------------------------------------------------------------ internals
     def _prepare_files(self) -> None:

@@ -1,6 +1,6 @@
 """A kubelet stand-in for tests and `gpushare up`: the device-plugin side of kubelet over real gRPC.
 
-    kubelet = KubeletStandIn(plugin_dir, pod_resources_socket)
+    kubelet = KubeletStandIn(plugin_dir, pod_resources_socket, release=CURRENT)
     await kubelet.start()                                  # serves Registration on <plugin_dir>/kubelet.sock
     await kubelet.wait_registered(["aliyun.com/gpu-mem"])  # plugins dial in
     envs = await kubelet.admit(pod)                        # {container name: env}, like kubelet's admission
@@ -8,16 +8,32 @@
     await kubelet.restart()                                # kubelet restart: sockets deleted, new server
     await kubelet.stop()
 
-It behaves as kubelet does where it matters to a device plugin: it opens ListAndWatch per registered
-resource and tracks device health; for each container (init containers first, sidecars among them) and
-each extended resource it picks devices (asking GetPreferredAllocation when offered, else the first free
-healthy IDs), calls Allocate, records the assignment (served back on the pod-resources `List` API from its
-own socket), then calls PreStartContainer when the plugin asks for it. Like kubelet's device manager
-(`devicesToReuse`), a regular init container's devices may be handed again to the containers after it,
-which take them first; a sidecar (`restartPolicy: Always`) or app container keeps its devices, so no later
-container gets them. Where kubelet takes reusable devices in Go's set order, the stand-in takes them in
-the order they were allocated. Pods are admitted in the order the caller chooses, so tests can reproduce
-admission races. It does not run containers.
+It behaves as kubelet of `release` (the current one, or 1.20) does where it matters to a device plugin, as read in
+k8s.io/kubernetes (v1.37.2 and v1.20.2):
+
+* Registration and ListAndWatch per registered resource, tracking each device's health and NUMA topology.
+* Admission (`admit`) allocates every container of the pod, init containers first in spec order, then app
+  containers (the topology manager's `scope.admitPolicyNone` / `allocateAlignedResources` loop over
+  `append(pod.Spec.InitContainers, pod.Spec.Containers...)`), each through the device manager's `Allocate`
+  (`pkg/kubelet/cm/devicemanager/manager.go`): `devicesToAllocate` takes the pod's reusable devices first
+  (`devicesToReuse`), in Go's set order (arbitrary: the stand-in shuffles them), and asks GetPreferredAllocation
+  (when offered) for the rest with the reused ones as must-include, else takes free healthy IDs; then the
+  `Allocate` RPC. After a regular init container, `podDevices.addContainerAllocatedResources` adds its devices to
+  the reusable set; after an app container (and, from 1.29, a sidecar: an init container with `restartPolicy:
+  Always`), `removeContainerAllocatedResources` takes its devices out. 1.20 knows no sidecars: every init
+  container is a regular one there.
+* Start (`start_pod`, after admission) calls PreStartContainer per container in the order kubelet starts them
+  (init containers one after the other, then app containers), with the container's own devices
+  (`GetDeviceRunContainerOptions` -> `callPreStartContainerIfNeeded`).
+* The pod-resources `List` (`pkg/kubelet/apis/podresources/server_v1.go`, `v1PodResourcesServer.List`) lists every
+  pod it admitted, and in each only the containers kubelet lists: app containers and, from 1.29, sidecars; never a
+  regular init container (1.20: app containers only). Their devices come from its allocation records (the
+  device manager's `podDevices`), one `ContainerDevices` per device (per NUMA node) as 1.37's
+  `containerDevicesFromResourceDeviceInstances` writes them, or one per resource and NUMA node (-1 without
+  topology) as 1.20's `podDevices.getContainerDevices` does.
+
+Pods are admitted in the order the caller chooses, so tests can reproduce admission races. It does not run
+containers.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ from typing import Any
 
 import grpc
 
+from devstack.cluster.releases import CURRENT, Release
 from shared.kubelet_api import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
@@ -80,6 +97,7 @@ class RegisteredPlugin:
     channel: grpc.aio.Channel
     stub: Any
     devices: dict[str, str] = field(default_factory=dict)  # ID -> "Healthy" / "Unhealthy"
+    numa: dict[str, list[int]] = field(default_factory=dict)  # ID -> the NUMA nodes its topology names
     watch_task: asyncio.Task[Any] | None = None
 
 
@@ -95,14 +113,40 @@ class Assignment:
     device_ids: list[str]
 
 
+SIDECARS_SINCE = 29  # kubelet 1.29 lists sidecars in pod-resources and keeps their devices from later containers
+
+
+def is_sidecar(container: dict[str, Any], release: Release) -> bool:
+    """An init container kubelet of `release` treats as restartable (`podutil.IsRestartableInitContainer`)."""
+    return release.minor >= SIDECARS_SINCE and container.get("restartPolicy") == "Always"
+
+
+def listed_containers(pod: dict[str, Any], release: Release) -> list[str]:
+    """The containers of a pod that kubelet's pod-resources `List` names, in its order: sidecars (from 1.29) and
+    app containers; never a regular init container (`v1PodResourcesServer.List`)."""
+    spec = pod.get("spec") or {}
+    sidecars = [c["name"] for c in spec.get("initContainers") or [] if is_sidecar(c, release)]
+    return sidecars + [c["name"] for c in spec.get("containers") or []]
+
+
 class KubeletStandIn:
     """See the module docstring. `registrations` counts Register calls per resource."""
 
-    def __init__(self, plugin_dir: Path | str, pod_resources_socket: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        plugin_dir: Path | str,
+        pod_resources_socket: Path | str | None = None,
+        *,
+        release: Release = CURRENT,
+        seed: int | None = 0,
+    ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = Path(pod_resources_socket or self.plugin_dir.parent / "pod-resources.sock")
+        self.release = release
         self.plugins: dict[str, RegisteredPlugin] = {}
         self.assignments: list[Assignment] = []
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # the pods kubelet admitted: (namespace, name) -> pod
+        self.reuse_order = random.Random(seed)  # Go's set iteration order, which devicesToAllocate reuses in
         # (pod UID, container) -> the mounts Allocate asked for: (container path, host path)
         self.mounts: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self.registrations: dict[str, int] = {}
@@ -195,6 +239,7 @@ class KubeletStandIn:
         try:
             async for reply in plugin.stub.ListAndWatch(self.dp_pb2.Empty()):
                 plugin.devices = {d.ID: d.health for d in reply.devices}
+                plugin.numa = {d.ID: [n.ID for n in d.topology.nodes] for d in reply.devices if d.HasField("topology")}
                 async with self._changed:
                     self._changed.notify_all()
         except grpc.aio.AioRpcError as exc:
@@ -244,17 +289,20 @@ class KubeletStandIn:
         spec = pod.get("spec", {})
         inits = list(spec.get("initContainers") or [])
         containers = inits + list(spec.get("containers") or [])
+        self.pods[(ns, name)] = pod
         envs: dict[str, dict[str, str]] = {}
         prestarts: list[tuple[str, RegisteredPlugin, list[str]]] = []
-        reusable: dict[str, list[str]] = {}  # kubelet's devicesToReuse for this pod, per resource
+        reusable: dict[str, list[str]] = {}  # the device manager's devicesToReuse for this pod, per resource
         try:
             for i, c in enumerate(containers):
                 env: dict[str, str] = {}
                 limits = (c.get("resources") or {}).get("limits") or {}
-                hands_on = i < len(inits) and c.get("restartPolicy") != "Always"  # a regular init container
+                # ManagerImpl.Allocate: a regular init container's devices become reusable, a sidecar's or an
+                # app container's are taken out of the reusable set
+                hands_on = i < len(inits) and not is_sidecar(c, self.release)
                 for resource, amount in sorted(limits.items()):
                     plugin = self.plugins.get(resource)
-                    if plugin is None:
+                    if plugin is None or int(str(amount)) == 0:
                         continue
                     reuse = reusable.get(resource, [])
                     ids = await self._pick(plugin, int(str(amount)), c["name"], reuse)
@@ -293,9 +341,10 @@ class KubeletStandIn:
             await self.restart_container(pod, c["name"])
 
     async def _pick(self, plugin: RegisteredPlugin, size: int, container: str, reusable: list[str]) -> list[str]:
-        """kubelet's `devicesToAllocate`: reusable devices first, then GetPreferredAllocation for the rest (with
-        the reused ones as must-include), then the first free healthy IDs."""
-        taken = reusable[:size]
+        """kubelet's `devicesToAllocate`: reusable devices first (in Go's set order, arbitrary), then
+        GetPreferredAllocation for the rest (with the reused ones as must-include), then the first free healthy
+        IDs."""
+        taken = self.reuse_order.sample(reusable, len(reusable))[:size]
         if len(taken) == size:
             return taken
         in_use = self._in_use(plugin.resource)
@@ -341,10 +390,38 @@ class KubeletStandIn:
                     await self._prestart(container, plugin, a.device_ids)
 
     def remove_pod(self, pod: dict[str, Any]) -> None:
-        """Forget a pod's assignments (the pod ended)."""
+        """Forget a pod and its assignments (the pod ended, or its admission failed)."""
         meta = pod.get("metadata", {})
         key = (meta.get("namespace", "default"), meta["name"])
+        self.pods.pop(key, None)
         self.assignments = [a for a in self.assignments if (a.namespace, a.pod) != key]
+
+    def pod_resources(self) -> list[tuple[str, str, list[tuple[str, list[tuple[str, list[str], list[int]]]]]]]:
+        """What `List` answers, as (namespace, pod, [(container, [(resource, device IDs, NUMA nodes)])]): every
+        admitted pod, in each the containers kubelet lists (`listed_containers`) with their devices grouped as
+        kubelet of this release groups them (see the module docstring)."""
+        out = []
+        for (ns, name), pod in self.pods.items():
+            containers = []
+            for container in listed_containers(pod, self.release):
+                devices: list[tuple[str, list[str], list[int]]] = []
+                for a in self.assignments:
+                    if (a.namespace, a.pod, a.container) != (ns, name, container):
+                        continue
+                    numa = self.plugins[a.resource].numa if a.resource in self.plugins else {}
+                    if self.release.minor >= SIDECARS_SINCE:  # one entry per device and NUMA node
+                        for d in a.device_ids:
+                            nodes = numa.get(d) or []
+                            devices += [(a.resource, [d], [n]) for n in nodes] or [(a.resource, [d], [])]
+                    else:  # one entry per NUMA node (-1: none), listing its devices
+                        by_node: dict[int, list[str]] = {}
+                        for d in a.device_ids:
+                            for n in numa.get(d) or [-1]:
+                                by_node.setdefault(n, []).append(d)
+                        devices += [(a.resource, ids, [n]) for n, ids in by_node.items()]
+                containers.append((container, devices))
+            out.append((ns, name, containers))
+        return out
 
     def assigned(self, pod: dict[str, Any], container: str, resource: str) -> list[str]:
         """Device IDs recorded for one container and resource."""
@@ -370,26 +447,27 @@ class _Registration:
 
 
 class _PodResources:
-    """The pod-resources `List` service, answered from the stand-in's records."""
+    """The pod-resources `List` service, answered as kubelet of the stand-in's release does (`pod_resources`)."""
 
     def __init__(self, kubelet: KubeletStandIn) -> None:
         self.kubelet = kubelet
 
     async def List(self, request: Any, context: Any) -> Any:
         pb = self.kubelet.pr_pb2
-        pods: dict[tuple[str, str], dict[str, list[Any]]] = {}
-        for a in self.kubelet.assignments:
-            containers = pods.setdefault((a.namespace, a.pod), {})
-            containers.setdefault(a.container, []).append(
-                pb.ContainerDevices(resource_name=a.resource, device_ids=a.device_ids)
-            )
+
+        def devices(resource: str, ids: list[str], numa: list[int]) -> Any:
+            topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=n) for n in numa]) if numa else None
+            return pb.ContainerDevices(resource_name=resource, device_ids=ids, topology=topology)
+
         return pb.ListPodResourcesResponse(
             pod_resources=[
                 pb.PodResources(
                     name=pod,
                     namespace=ns,
-                    containers=[pb.ContainerResources(name=c, devices=devs) for c, devs in containers.items()],
+                    containers=[
+                        pb.ContainerResources(name=c, devices=[devices(*d) for d in devs]) for c, devs in containers
+                    ],
                 )
-                for (ns, pod), containers in pods.items()
+                for ns, pod, containers in self.kubelet.pod_resources()
             ]
         )

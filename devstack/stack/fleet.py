@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from devstack.stack.kubelets import NodeKubelet, SharedAdmission
+from devstack.cluster.releases import Release
+from devstack.stack.kubelets import NodeKubelet, SharedAdmission, api_release
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.discovery import FakeBackend
 from shared.annotations import RESOURCES
@@ -79,10 +80,12 @@ class Fleet:
         self.overuse_grace_s = overuse_grace_s
         self.nodes: dict[str, FleetNode] = {}
         self.admission: SharedAdmission | None = None
+        self.release: Release | None = None  # the API server's, which every kubelet stand-in plays
 
     async def start(self, progress: Any = None) -> None:
         """Start every node's kubelet stand-in and agent (a few at a time), then the shared admission."""
         gate = asyncio.Semaphore(START_CONCURRENCY)
+        self.release = await api_release(self.api)
 
         async def one(name: str) -> None:
             async with gate:
@@ -99,7 +102,8 @@ class Fleet:
         base = self.socket_dir / name
         dp_dir = base / "dp"
         dp_dir.mkdir(parents=True, exist_ok=True)
-        kubelet = await NodeKubelet(self.api, name, dp_dir, base / "pod-resources.sock").start(poll=False)
+        kubelet = NodeKubelet(self.api, name, dp_dir, base / "pod-resources.sock", release=self.release)
+        await kubelet.start(poll=False)
         config = AgentConfig(
             node=name,
             unit=self.unit,

@@ -1,7 +1,9 @@
 """The kubelet side of one simulated node: `devstack.cluster.kubelet.KubeletStandIn` plus a pod watch.
 
 `KubeletStandIn` plays kubelet's device-plugin side (Registration on `kubelet.sock`, ListAndWatch, Allocate,
-PreStartContainer, the pod-resources API) but admits only the pods it is handed. `NodeKubelet` hands it the
+PreStartContainer, the pod-resources API) but admits only the pods it is handed. It plays the release of the control
+plane it joins (asked from the API server's `/version` at start): 1.20's pod-resources lists app containers only,
+the current release's sidecars too, and neither lists a regular init container. `NodeKubelet` hands it the
 pods the scheduler bound to its node in kubelet's admission order (creation time, which the API keeps to the
 second; pods created in the same second in the order they reached this node) and forgets deleted pods, so
 the whole path API -> kube-scheduler -> extender -> ledger -> binder -> Binding -> node agent -> container
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from devstack.cluster.releases import Release
 from devstack.cluster.waits import cancelled
 from shared.annotations import RESOURCES
 from shared.kube.pods import list_pods
@@ -75,12 +79,14 @@ class NodeKubelet:
         pod_resources_socket: Path,
         *,
         interval: float = 0.5,
+        release: Release | None = None,
     ) -> None:
         from devstack.cluster.kubelet import KubeletStandIn
 
         self.api = api
         self.node = node
         self.interval = interval
+        self.release = release  # None: the API server's, asked at start
         self.standin = KubeletStandIn(device_plugin_dir, pod_resources_socket)
         self.envs: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
         self.errors: dict[tuple[str, str], str] = {}
@@ -93,6 +99,7 @@ class NodeKubelet:
     async def start(self, *, poll: bool = True) -> NodeKubelet:
         """Serve the kubelet sockets and begin admitting pods (`poll`: list this node's pods itself; without
         it, someone hands it the node's pods through `sync`)."""
+        self.standin.release = self.release or await api_release(self.api)
         await self.standin.start()
         if poll:
             self._task = asyncio.create_task(self._loop())
@@ -187,6 +194,16 @@ class NodeKubelet:
             )
         except (ApiException, OSError, TimeoutError) as exc:
             log.warning("could not report pod %s running: %s", meta["name"], exc, extra={"node": self.node})
+
+
+async def api_release(api: ApiClient) -> Release:
+    """The Kubernetes release the API server runs (`/version`'s gitVersion, e.g. v1.37.2), which a kubelet joining
+    it plays."""
+    info = await client.VersionApi(api).get_code(_request_timeout=10)
+    match = re.match(r"^v?1\.(\d+)\.(\d+)", info.git_version or "")
+    if not match:
+        raise ValueError(f"the API server reports an unreadable version: {info.git_version!r}")
+    return Release(f"v1.{match.group(1)}.{match.group(2)}")
 
 
 async def start_kubelet(api: ApiClient, node: str, device_plugin_dir: Path, pod_resources_socket: Path) -> NodeKubelet:

@@ -11,6 +11,12 @@ database credentials on every node). The binder answers for them, in a queue gro
   exchange is applied at most once per event id (a repeat after a lost reply is answered "done"); the others
   are idempotent by nature. A refused command says why; a failing database gives a short, retryable answer
   (the driver's text stays in this log, never in a pod's condition).
+
+Once an exchange is applied and the agent answered, `on_exchanged` (the binder's `AnnotationSync`) rewrites both
+pods' annotations at once: the `exchanged` event's consumer would do it too, but it shares its queue with every
+`assigned` event, and under a burst of pods that queue held an exchange's rewrite back for 10-20 s while the pods'
+`ALIYUN_COM_GPU_MEM_IDX` named each other's GPUs. The consumer stays the durable path (a rewrite this replica
+could not finish, a crash): it then finds the pods up to date.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,16 +50,27 @@ from shared.ledger.rules import ExchangeRefused, is_live
 log = logging.getLogger(__name__)
 
 CONSUMER = "agent-gateway"
+FOLLOW_UPS = 8  # exchanges whose annotation rewrite runs at once (more wait for a slot)
 
 
 class LedgerGateway:
     """Answers node agents' snapshot requests and commands."""
 
-    def __init__(self, ledger: Ledger, bus: EventBus, *, metrics: BinderMetrics, concurrency: int = 16) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        bus: EventBus,
+        *,
+        metrics: BinderMetrics,
+        concurrency: int = 16,
+        on_exchanged: Callable[[ExchangedEvent], Awaitable[object]] | None = None,
+    ) -> None:
         self.ledger = ledger
         self.bus = bus
         self.metrics = metrics
+        self.on_exchanged = on_exchanged
         self._slots = asyncio.Semaphore(concurrency)
+        self._follow_ups = asyncio.Semaphore(FOLLOW_UPS)
         self._tasks: set[asyncio.Task[None]] = set()
         self._sub: Any = None
         self.ready = asyncio.Event()
@@ -80,17 +98,39 @@ class LedgerGateway:
     async def _serve(self, msg: Msg) -> None:
         parts = msg.subject.split(".")
         verb, node = (parts[-2], parts[-1]) if len(parts) >= 3 else ("", "")
+        applied: ExchangedEvent | None = None
         async with self._slots:
             if verb == "snapshot":
                 body = await self.snapshot(node)
             elif verb == "command":
-                body = (await self.command(node, msg.data)).model_dump_json().encode()
+                reply = await self.command(node, msg.data)
+                if reply.ok and reply.event is not None and reply.event.get("kind") == "exchanged":
+                    applied = ExchangedEvent.model_validate(reply.event)
+                body = reply.model_dump_json().encode()
             else:
                 body = ErrorReply(error=f"unknown request {verb!r}").model_dump_json().encode()
         self.metrics.gateway_requests.labels(verb=verb or "unknown").inc()
         if msg.reply:
             with contextlib.suppress(Exception):  # the agent gave up waiting; it asks again
                 await msg.respond(body)
+        if applied is not None and self.on_exchanged is not None:
+            await self._follow_up(applied, self.on_exchanged)
+
+    async def _follow_up(self, event: ExchangedEvent, rewrite: Callable[[ExchangedEvent], Awaitable[object]]) -> None:
+        """Rewrite the exchanged pods' annotations now (after the agent has its answer); a failure is left to the
+        `exchanged` event's durable consumer."""
+        async with self._follow_ups:
+            try:
+                await rewrite(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "annotations after exchange %s: %r; the exchanged event's consumer will rewrite them",
+                    event.event_id,
+                    exc,
+                    extra={"node": event.node},
+                )
 
     async def snapshot(self, node: str) -> bytes:
         """The node's snapshot as JSON (or an error body)."""

@@ -77,7 +77,11 @@ class Binder:
             ack_wait_s=30.0,
             max_deliver=20,
         )
-        self.gateway = LedgerGateway(ledger, bus, metrics=self.metrics, concurrency=config.concurrency)
+        # an applied exchange rewrites both pods' annotations at once, not behind the consumer's queue of
+        # `assigned` events (the consumer above stays the durable path)
+        self.gateway = LedgerGateway(
+            ledger, bus, metrics=self.metrics, concurrency=config.concurrency, on_exchanged=self.annotations
+        )
         self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
         self.reconciler = Reconciler(
             ledger,

@@ -8,6 +8,10 @@ the decision under the device set. PreStartContainer asks kubelet which containe
 the chosen one -> `assigned`; another pending container of identical share shape -> the ledger exchanges the
 two shares (so it records what each container really received), then `assigned`; anything else -> refused
 (after one reload of the view, which may lag the holder's reservation), and the container does not start.
+kubelet never lists a regular init container there (`podresources`): its device set is confirmed from the later
+containers of the pod that kubelet handed the devices on to (`devicesToReuse`), which name the pod that received
+them, or, when none did, as Allocate decided. A device set that reuses devices of a decided set belongs to the same
+pod, so its container is looked for in that allocation first.
 The confirmation must reach the ledger before the container starts: it is a command to the gateway with a
 bounded deadline, and when the ledger cannot be reached in time PreStart fails with a short reason (kubelet
 retries). No node-wide lock: decisions are in-memory steps without awaits between choosing and claiming.
@@ -104,17 +108,29 @@ class Assigner:
         """Containers already handed a device set (`started_only`: only those kubelet went on to start)."""
         return {d.target for ds in self.decisions.values() for d in ds if d.confirmed or not started_only}
 
+    def reusing(self, device_ids: Iterable[str]) -> uuid.UUID | None:
+        """The allocation a device set shares devices with: kubelet hands a regular init container's devices on to
+        the later containers of the same pod only (`devicesToReuse`), so a set holding devices of a decided set is
+        for that pod (as the agent decided it; None when no decided set shares any)."""
+        ids = set(device_ids)
+        for key, decided in self.decisions.items():
+            if ids & key and decided:
+                return decided[-1].target[0]
+        return None
+
     async def preferred(self, available: list[str], must: list[str], size: int) -> list[str]:
-        """Device IDs on the GPU(s) of the oldest pending container of `size` units.
+        """Device IDs on the GPU(s) of the oldest pending container of `size` units (the pod's own, when kubelet
+        must include devices it hands on from the pod's init container).
 
         Containers handed a device set that was never started come last: kubelet drops a device set when
         the pod's admission fails and asks again, and such a container must not be left without devices.
         """
+        prefer = self.reusing(must)
         for attempt in range(2):
             view = await self.containers()
-            found = preferred_devices(view, self.claimed(), available, must, size, self.unit) or preferred_devices(
-                view, self.claimed(started_only=True), available, must, size, self.unit
-            )
+            found = preferred_devices(
+                view, self.claimed(), available, must, size, self.unit, prefer
+            ) or preferred_devices(view, self.claimed(started_only=True), available, must, size, self.unit, prefer)
             # no pending container of this size: the view may lag a reservation made a moment ago, and without a
             # preference kubelet picks devices that match no reservation (Allocate then refuses): reload once
             if found or attempt or not await self.reload():
@@ -155,11 +171,12 @@ class Assigner:
         return {**env, **self.mps_root.client_env()} if client and self.mps_root is not None else env
 
     def _match(self, view: list[PendingContainer], device_ids: list[str]) -> PendingContainer:
+        prefer = self.reusing(device_ids)
         try:
-            return match_container(view, self.claimed(), device_ids, self.unit)
+            return match_container(view, self.claimed(), device_ids, self.unit, prefer)
         except AssignmentError as first:
             try:
-                return match_container(view, self.claimed(started_only=True), device_ids, self.unit)
+                return match_container(view, self.claimed(started_only=True), device_ids, self.unit, prefer)
             except AssignmentError:
                 raise first from None
 
@@ -172,67 +189,134 @@ class Assigner:
         view = await self.containers()
         by_key = {c.key: c for c in view}
         try:
-            holders = await podresources.holders(self.pod_resources_socket, RESOURCE_MEM, device_ids)
+            listed = await podresources.listing(self.pod_resources_socket, RESOURCE_MEM)
         except grpc.aio.AioRpcError as exc:
             self.on_outcome("pod_resources_unavailable")
             raise AssignmentError(
                 f"cannot ask kubelet's pod-resources API ({self.pod_resources_socket}) who holds the devices: "
                 f"{exc.code().name} {exc.details()}"
             ) from None
-        if not holders:
-            self.on_outcome("no_holder")
-            raise AssignmentError(f"kubelet's pod-resources API lists no container holding {len(device_ids)} devices")
+        holders = podresources.holders(listed, device_ids)
+        pods = podresources.pods_holding_any(listed, device_ids)
         decisions = self.decisions.get(frozenset(device_ids), [])
         pending = next((d for d in decisions if not d.confirmed), None)
+        chosen = by_key.get(pending.target) if pending is not None else None
+        if pending is not None and chosen is not None and chosen.regular_init:
+            # kubelet's pod-resources API never lists a regular init container: a container listing any of its
+            # devices was handed them on from the init container of its own pod, the pod that received them; none
+            # listed (the pod has no later container on them): the Allocate decision stands, as nothing on the
+            # node can say otherwise
+            others = pods - {(chosen.namespace, chosen.pod_name)}
+            if len(pods) > 1:
+                self.on_outcome("refused")
+                raise AssignmentError(
+                    f"kubelet lists these devices in several pods ({sorted(pods)}); refusing to guess"
+                )
+            received = not others
+            candidates = sorted((c for c in view if (c.namespace, c.pod_name) in others), key=_start_order)
+            meant = f"init container {chosen.container} of {chosen.namespace}/{chosen.pod_name}"
+            given = ", ".join(f"pod {ns}/{name} (its later containers were handed them on)" for ns, name in others)
+            return await self._settle(chosen, pending, received, candidates, meant, given, device_ids, reload_on_miss)
+        if not holders and (pending is not None or not self._init_candidates(view, device_ids, pods)):
+            self.on_outcome("no_holder")
+            raise AssignmentError(f"kubelet's pod-resources API lists no container holding {len(device_ids)} devices")
         if pending is None:
             # a restarted container, or the agent restarted between Allocate and PreStart
-            want = units_by_gpu(device_ids)
-            for c in view:
-                if (c.namespace, c.pod_name, c.container) in holders and c.units(self.unit) == want:
-                    await self._confirm(c)
-                    known = self.decisions.setdefault(frozenset(device_ids), [])
-                    if all(d.target != c.key for d in known):
-                        known.append(Decision(c.key, confirmed=True))
-                    return
-            # the agent restarted after Allocate and kubelet admitted another pod than the one whose
-            # GPUs these devices are: the env named the devices' GPUs, so exchange into that
-            for h in view:
-                if (h.namespace, h.pod_name, h.container) not in holders or h.assigned:
-                    continue
-                owner = _exchangeable(
-                    h,
-                    (o for o in sorted(view, key=lambda o: o.admission_order) if o.units(self.unit) == want),
-                )
-                if owner is not None:
-                    await self._exchange(owner, h)
-                    self.decisions.setdefault(frozenset(device_ids), []).append(Decision(h.key, confirmed=True))
-                    return
-            if reload_on_miss and await self.reload():
-                return await self.prestart(device_ids, reload_on_miss=False)
-            self.on_outcome("refused")
-            raise AssignmentError(
-                f"kubelet gave these devices to {_names(holders)}, which holds no reservation on exactly these GPUs"
-            )
-        chosen = by_key.get(pending.target)
+            return await self._prestart_undecided(view, device_ids, holders, pods, reload_on_miss)
         if chosen is None:
             self.on_outcome("refused")
             raise AssignmentError("the reservation this device set was allocated for has ended")
-        if (chosen.namespace, chosen.pod_name, chosen.container) in holders:
+        received = (chosen.namespace, chosen.pod_name, chosen.container) in holders
+        candidates = [c for c in view if (c.namespace, c.pod_name, c.container) in holders]
+        meant = f"{chosen.namespace}/{chosen.pod_name}/{chosen.container}"
+        await self._settle(chosen, pending, received, candidates, meant, _names(holders), device_ids, reload_on_miss)
+
+    async def _settle(
+        self,
+        chosen: PendingContainer,
+        pending: Decision,
+        received: bool,
+        candidates: list[PendingContainer],
+        meant: str,
+        given: str,
+        device_ids: list[str],
+        reload_on_miss: bool,
+    ) -> None:
+        """`chosen` received the devices -> confirm it; else exchange with the candidate that did (same kind and
+        shape), or refuse (after one reload of a view that may lag the candidate's reservation)."""
+        if received:
             await self._confirm(chosen)
             pending.confirmed = True
             return
-        actual = _exchangeable(chosen, (c for c in view if (c.namespace, c.pod_name, c.container) in holders))
+        actual = _exchangeable(chosen, candidates)
         if actual is None:
             if reload_on_miss and await self.reload():
                 return await self.prestart(device_ids, reload_on_miss=False)
             self.on_outcome("refused")
             raise AssignmentError(
-                f"kubelet gave the devices meant for {chosen.namespace}/{chosen.pod_name}/{chosen.container} to "
-                f"{_names(holders)}, which has no pending reservation of the same shape on this node"
+                f"kubelet gave the devices meant for {meant} to {given}, which has no pending reservation of the "
+                "same shape on this node"
             )
         await self._exchange(chosen, actual)
         pending.target = actual.key
         pending.confirmed = True
+
+    def _init_candidates(
+        self, view: list[PendingContainer], device_ids: list[str], pods: set[tuple[str, str]]
+    ) -> list[PendingContainer]:
+        """Regular init containers this device set may have gone to (no Allocate decision known): of the pod whose
+        later containers hold some of the devices, else of any pod; by kubelet's start order, unassigned first."""
+        want = units_by_gpu(device_ids)
+        found = [
+            c
+            for c in view
+            if c.regular_init and c.units(self.unit) == want and (not pods or (c.namespace, c.pod_name) in pods)
+        ]
+        return sorted(found, key=lambda c: (c.assigned, _start_order(c)))
+
+    async def _prestart_undecided(
+        self,
+        view: list[PendingContainer],
+        device_ids: list[str],
+        holders: list[tuple[str, str, str]],
+        pods: set[tuple[str, str]],
+        reload_on_miss: bool,
+    ) -> None:
+        """PreStart of a device set with no Allocate decision: a restarted container, or the agent restarted
+        between Allocate and PreStart. The container is recomputed from pod-resources and the view: a listed
+        holder of these units, or a regular init container of the pod the devices went to; the one kubelet starts
+        first (unassigned, init containers first) is the one starting."""
+        want = units_by_gpu(device_ids)
+        named = [c for c in view if (c.namespace, c.pod_name, c.container) in holders and c.units(self.unit) == want]
+        found = sorted(
+            [*named, *self._init_candidates(view, device_ids, pods)], key=lambda c: (c.assigned, _start_order(c))
+        )
+        if found:
+            c = found[0]
+            await self._confirm(c)
+            known = self.decisions.setdefault(frozenset(device_ids), [])
+            if all(d.target != c.key for d in known):
+                known.append(Decision(c.key, confirmed=True))
+            return
+        # the agent restarted after Allocate and kubelet admitted another pod than the one whose
+        # GPUs these devices are: the env named the devices' GPUs, so exchange into that
+        for h in view:
+            if (h.namespace, h.pod_name, h.container) not in holders or h.assigned:
+                continue
+            owner = _exchangeable(
+                h,
+                (o for o in sorted(view, key=lambda o: o.admission_order) if o.units(self.unit) == want),
+            )
+            if owner is not None:
+                await self._exchange(owner, h)
+                self.decisions.setdefault(frozenset(device_ids), []).append(Decision(h.key, confirmed=True))
+                return
+        if reload_on_miss and await self.reload():
+            return await self.prestart(device_ids, reload_on_miss=False)
+        self.on_outcome("refused")
+        raise AssignmentError(
+            f"kubelet gave these devices to {_names(holders)}, which holds no reservation on exactly these GPUs"
+        )
 
     def _retarget(self, old: Key, new: Key) -> None:
         """After an exchange, device sets handed to `old` (not started yet) now belong to `new`."""
@@ -315,6 +399,12 @@ def _exchangeable(target: PendingContainer, candidates: Iterable[PendingContaine
         if not c.assigned and c.key != target.key and c.kind == target.kind and c.share_shape() == target.share_shape()
     ]
     return next((c for c in fitting if c.shape() == target.shape()), fitting[0] if fitting else None)
+
+
+def _start_order(c: PendingContainer) -> tuple:
+    """The order kubelet starts containers in: pods by admission, within a pod init containers then app
+    containers, each by spec index."""
+    return (c.admission_order, str(c.allocation_id), not c.init, c.container_index)
 
 
 def _names(holders: list[tuple]) -> str:

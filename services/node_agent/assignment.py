@@ -72,6 +72,13 @@ class PendingContainer:
         return (self.init, self.sidecar)
 
     @property
+    def regular_init(self) -> bool:
+        """An init container without `restartPolicy: Always`: it runs to completion before the next container
+        starts, kubelet hands its devices on to the containers after it, and kubelet's pod-resources API never lists
+        it."""
+        return self.init and not self.sidecar
+
+    @property
     def long_running(self) -> bool:
         """An app container or a sidecar: it holds its share for the pod's whole life."""
         return not self.init or self.sidecar
@@ -125,12 +132,17 @@ def _order(c: PendingContainer) -> tuple[tuple[int, datetime, datetime], str, bo
 
 
 def candidates(
-    pending: Sequence[PendingContainer], claimed: set[tuple[uuid.UUID, str]], size: int, unit: MemoryUnit
+    pending: Sequence[PendingContainer],
+    claimed: set[tuple[uuid.UUID, str]],
+    size: int,
+    unit: MemoryUnit,
+    prefer: uuid.UUID | None = None,
 ) -> list[PendingContainer]:
-    """Unassigned, unclaimed containers holding exactly `size` units, in kubelet's admission order."""
+    """Unassigned, unclaimed containers holding exactly `size` units, in kubelet's admission order; those of the
+    allocation `prefer` first (the pod whose init container's devices kubelet is handing on)."""
     return sorted(
         (c for c in pending if not c.assigned and c.key not in claimed and c.total_units(unit) == size),
-        key=_order,
+        key=lambda c: (c.allocation_id != prefer, _order(c)),
     )
 
 
@@ -141,10 +153,12 @@ def preferred_devices(
     must_include: Sequence[str],
     size: int,
     unit: MemoryUnit,
+    prefer: uuid.UUID | None = None,
 ) -> list[str]:
     """Device IDs to prefer for a request of `size` units (may be empty: kubelet then picks).
 
-    The first pending container of that size whose per-GPU units are all available wins.
+    The first pending container of that size whose per-GPU units are all available wins (see `candidates` for
+    `prefer`).
     """
     by_gpu: dict[str, list[str]] = {}
     for d in available:
@@ -154,7 +168,7 @@ def preferred_devices(
             continue
     must = list(must_include)
     must_units = units_by_gpu(must) if must else Counter()
-    for c in candidates(pending, claimed, size, unit):
+    for c in candidates(pending, claimed, size, unit, prefer):
         want = c.units(unit)
         if any(must_units[g] > want.get(g, 0) for g in must_units):
             continue
@@ -177,14 +191,16 @@ def match_container(
     claimed: set[tuple[uuid.UUID, str]],
     device_ids: Sequence[str],
     unit: MemoryUnit,
+    prefer: uuid.UUID | None = None,
 ) -> PendingContainer:
-    """The pending container an Allocate of `device_ids` is for; AssignmentError when none matches."""
+    """The pending container an Allocate of `device_ids` is for; AssignmentError when none matches (see
+    `candidates` for `prefer`)."""
     try:
         want = units_by_gpu(device_ids)
     except ValueError as exc:
         raise AssignmentError(str(exc)) from None
     size = sum(want.values())
-    for c in candidates(pending, claimed, size, unit):
+    for c in candidates(pending, claimed, size, unit, prefer):
         if c.units(unit) == want:
             return c
     sizes = sorted({c.total_units(unit) for c in pending if not c.assigned and c.key not in claimed})

@@ -12,6 +12,11 @@ Largest first is a heuristic: when it finds no room, `shared.placement.search` t
 the app containers and sidecars (in the same order of preference), so the solver places a pod whenever some
 placement fits (within the search's budget), and says it can never fit only when none fits the empty node.
 
+kubelet hands a regular init container's devices on to the containers allocated after it (`reuse`): those
+containers of a *reuse group* get the same GPUs, so the solver keeps each group on one set of GPUs (its first
+placement when it already does, else each group pinned to the GPUs in policy order until one fits). Pods kubelet
+cannot be predicted for (`reuse.inexact`) never fit.
+
 Score (0..10) uses the node's memory utilisation after placing the pod,
 u = (allocated MiB on healthy GPUs + pod's effective MiB) / (memory of healthy GPUs):
 binpack = round(10 * u) (fill the fullest node that still fits), spread = round(10 * (1 - u)).
@@ -19,18 +24,21 @@ binpack = round(10 * u) (fill the fullest node that still fits), spread = round(
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.events.catalogue import AllocationPart
+from shared.placement import reuse
 from shared.placement.demand import ContainerDemand, PodDemand
 from shared.placement.hints import Policy
-from shared.placement.search import search_long_running
+from shared.placement.search import Pins, search_long_running
 from shared.placement.view import GpuView, NodeView
 
 Extra = Mapping[str, tuple[int, int]]
+MAX_PINNINGS = 64  # placements tried per node for a pod with reuse groups
 # AllocationPart's fields in their order: container, index, gpu uuid, gpu index, MiB, compute, init, sidecar
 _Part = tuple[str, int, str, int, int, int, bool, bool]
 
@@ -97,6 +105,9 @@ def _precheck(node: NodeView, demand: PodDemand) -> Verdict | None:
             return Verdict(False, False, f"node {node.name} has CUDA {node.cuda_version}; pod needs >= {wanted}")
     if demand.hints.constrains_gpus and not any(demand.hints.gpu_allowed(g.uuid, g.model) for g in node.gpus):
         return Verdict(False, False, f"no GPU on {node.name} matches the pod's hints ({demand.hints.describe()})")
+    problem = reuse.inexact(demand) if demand.init_containers else ""
+    if problem:
+        return Verdict(False, False, f"gpushare cannot place this pod exactly: {problem}")
     return None
 
 
@@ -129,19 +140,78 @@ def _solve(
                 em, ek = extra[g.uuid]
                 m, k = min(g.memory_mib, m + em), min(g.compute_units, k + ek)
             free[g.uuid] = [m, k]
+    groups = reuse.reuse_groups(demand) if demand.init_containers else ()
+    parts, reason = _place_pod(gpus, free, demand, policy, capacity)
+    if not groups or (parts is not None and reuse.kept_together(parts, groups)):
+        return parts, reason
+    for pins in _pinnings(gpus, free, groups, policy):
+        pinned, _ = _place_pod(gpus, free, demand, policy, capacity, pins)
+        if pinned is not None:
+            return pinned, ""
+    if parts is None:
+        return None, reason
+    where = node.name if name is None else name
+    group = max(groups, key=len)
+    return None, (
+        f"kubelet hands the GPU memory devices of init container {group[0].name} on to "
+        f"{', '.join(f'{c.kind} {c.name}' for c in group[1:])} (device reuse), so they must share "
+        f"{'a GPU' if group[0].count == 1 else f'{group[0].count} GPUs'}, and no GPU on {where} has room for all of "
+        f"them; {_describe_free(gpus, free, any(c.compute for c in group), capacity)}"
+    )
+
+
+def _pinnings(
+    gpus: list[GpuView], free: dict[str, list[int]], groups: tuple[tuple[ContainerDemand, ...], ...], policy: Policy
+) -> list[Pins]:
+    """GPU sets to pin each reuse group to, best first by the policy: every group on one set, then mixed (at most
+    MAX_PINNINGS in all)."""
+    spread = policy is Policy.SPREAD
+    ordered = sorted(gpus, key=lambda g: ((-1 if spread else 1) * free[g.uuid][0], g.index))
+    choices = [
+        [frozenset(g.uuid for g in combo) for combo in itertools.combinations(ordered, grp[0].count)] for grp in groups
+    ]
+
+    def pins(sets: tuple[frozenset[str], ...]) -> Pins:
+        return {(c.name, c.index, c.init): gpu_set for grp, gpu_set in zip(groups, sets, strict=True) for c in grp}
+
+    out: list[Pins] = []
+    seen: set[tuple[frozenset[str], ...]] = set()
+    same = [tuple(s for _ in groups) for s in choices[0]] if len({g[0].count for g in groups}) == 1 else []
+    for sets in itertools.chain(same, itertools.product(*choices)):
+        if sets in seen:
+            continue
+        seen.add(sets)
+        out.append(pins(sets))
+        if len(out) >= MAX_PINNINGS:
+            break
+    return out
+
+
+def _place_pod(
+    gpus: list[GpuView],
+    free: dict[str, list[int]],
+    demand: PodDemand,
+    policy: Policy,
+    capacity: bool,
+    pins: Pins | None = None,
+) -> tuple[list[_Part] | None, str]:
+    """The solver proper on the node's eligible GPUs and what each has free (left as it was): largest first by
+    policy, then the bounded search (`shared.placement.search`); `pins` keep containers on given GPUs."""
     orig = {u: (v[0], v[1]) for u, v in free.items()}
     spread = policy is Policy.SPREAD
     steady = sorted(
         [*demand.containers, *(c for c in demand.init_containers if c.sidecar)],
         key=lambda c: (-c.memory_mib, -c.compute, c.init, c.index),
     )
-    parts, reason = _place(gpus, free, orig, demand, steady, spread, capacity)
-    if parts is None:  # largest first was not enough: search (`shared.placement.search`)
+    parts, reason = _place(gpus, {u: list(v) for u, v in orig.items()}, orig, demand, steady, spread, capacity, pins)
+    if parts is None:  # largest first was not enough: search
         order = _by_most_free if spread else _by_least_free
-        chosen = search_long_running(gpus, {u: list(v) for u, v in orig.items()}, steady, demand.init_containers, order)
+        chosen = search_long_running(
+            gpus, {u: list(v) for u, v in orig.items()}, steady, demand.init_containers, order, pins
+        )
         if chosen is not None:
             again = {u: list(v) for u, v in orig.items()}
-            parts, _ = _place(gpus, again, orig, demand, steady, spread, capacity, chosen)
+            parts, _ = _place(gpus, again, orig, demand, steady, spread, capacity, pins, chosen)
     return parts, "" if parts is not None else reason
 
 
@@ -163,15 +233,20 @@ def _place(
     steady: list[ContainerDemand],
     spread: bool,
     capacity: bool,
+    pins: Pins | None = None,
     chosen: list[tuple[ContainerDemand, tuple[GpuView, ...]]] | None = None,
 ) -> tuple[list[_Part] | None, str]:
     """Place the long-running containers (`steady`, in order) largest first by policy, or on the GPUs `chosen` for
-    them, then the regular init containers; returns (parts, "") or (None, reason). `free` is used up."""
+    them, then the regular init containers, each within its `pins` if any; returns (parts, "") or (None, reason).
+    `free` is used up."""
     parts: list[_Part] = []
     plan: list[tuple[ContainerDemand, tuple[GpuView, ...] | None]] = [(c, None) for c in steady]
     for c, on in chosen if chosen is not None else plan:
         if on is None:
             cands = [g for g in gpus if free[g.uuid][0] >= c.memory_mib and free[g.uuid][1] >= c.compute]
+            pin = pins.get((c.name, c.index, c.init)) if pins else None
+            if pin is not None:
+                cands = [g for g in cands if g.uuid in pin]
             if len(cands) < c.count:
                 return None, f"{_describe_need(c)}; {_describe_free(gpus, free, c.compute > 0, capacity)}"
             if spread:  # as `_by_most_free` / `_by_least_free` order them, inline: the first pass runs per node
@@ -198,6 +273,9 @@ def _place(
                     beside[p[2]][1] += p[5]
             need = {u: (c.memory_mib + b[0], c.compute + b[1]) for u, b in beside.items()}
             cands = [g for g in gpus if orig[g.uuid][0] >= need[g.uuid][0] and orig[g.uuid][1] >= need[g.uuid][1]]
+            pin = pins.get((c.name, c.index, c.init)) if pins else None
+            if pin is not None:
+                cands = [g for g in cands if g.uuid in pin]
             if len(cands) < c.count:
                 orig_view = {u: list(v) for u, v in orig.items()}
                 also = " beside the sidecars started before it" if any(p[1] < c.index for p in sidecar_parts) else ""
@@ -229,7 +307,17 @@ _memo_lock = threading.Lock()
 class _Plan:
     """What filter precomputes once per (pod, policy): sorted containers, fast-path bounds, the verdict cache."""
 
-    __slots__ = ("hints", "inits", "max_count", "memo", "policy", "sum_compute", "sum_memory")
+    __slots__ = (
+        "hints",
+        "inits",
+        "max_count",
+        "memo",
+        "policy",
+        "sum_compute",
+        "sum_memory",
+        "summaries_suffice",
+        "together",
+    )
 
     def __init__(self, demand: PodDemand, policy: Policy) -> None:
         self.policy = _policy(demand, policy)
@@ -247,6 +335,17 @@ class _Plan:
                 inits.append((c.memory_mib + side_memory, c.compute + side_compute, c.count))
         self.inits = tuple(inits)
         self.hints = demand.hints.constrains_gpus
+        # `_surely_fits` holds for reuse groups on one GPU each (all of a group on the freest GPU fits, and the
+        # solver tries that), not for groups spanning several GPUs
+        groups = reuse.reuse_groups(demand) if demand.init_containers else ()
+        self.summaries_suffice = all(g[0].count == 1 for g in groups) and not (groups and reuse.inexact(demand))
+        # with reuse groups (one GPU each), one GPU holding every share at once: the groups all fit there
+        self.together: tuple[int, int] | None = None
+        if groups:
+            self.together = (
+                max([self.sum_memory, *(m for m, _, _ in self.inits)]),
+                max([self.sum_compute, *(c for _, c, _ in self.inits)]),
+            )
         names_safe = all(_NAME not in c.name for c in (*apps, *demand.init_containers))
         self.memo: dict | None = (
             _memo_for((apps, demand.init_containers, demand.hints, self.policy)) if names_safe else None
@@ -278,9 +377,12 @@ def _surely_fits(node: NodeView, plan: _Plan) -> bool:
     whatever the earlier ones took (each takes at most one share per GPU), so `max count` such GPUs
     guarantee success. Regular inits: the solver's only test is `count` GPUs whose free amount holds the
     init share plus the sidecars started before it there; holding it plus every earlier sidecar share
-    suffices (and is exact without sidecars).
+    suffices (and is exact without sidecars). Reuse groups (one GPU each, `summaries_suffice`): a GPU that holds
+    every share at once takes all of them, and the solver tries each GPU for them.
     """
     desc = node.free_memory_desc
+    if plan.together is not None and _count_at_least(node, *plan.together) < 1:
+        return False
     k = plan.max_count
     if k:
         if len(desc) < k or desc[k - 1] < plan.sum_memory:
@@ -353,7 +455,7 @@ def _judge(node: NodeView, demand: PodDemand, plan: _Plan) -> Verdict:
     if shape is None:
         return _solve_verdict(node, demand, plan.policy)
     if not plan.hints:
-        if _surely_fits(node, plan):
+        if plan.summaries_suffice and _surely_fits(node, plan):
             return FITS
         key: object = shape
     else:
@@ -407,7 +509,7 @@ def filter_nodes(
             (failed if v.resolvable else never)[node.name] = v.reason
         return ok, failed, never
     plan = _Plan(demand, policy)
-    quick = not demand.simple and not plan.hints and demand.hints.min_cuda is None
+    quick = not demand.simple and not plan.hints and demand.hints.min_cuda is None and plan.summaries_suffice
     bound = _memory_bound(plan) if quick else None
     pos, least = bound if bound is not None else (0, 0)
     for node in nodes:

@@ -18,7 +18,7 @@ budget of 200 changed no answer; at 2,000 the longest search took 23 ms (99 % un
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import combinations
 
 from shared.placement.demand import ContainerDemand
@@ -27,6 +27,7 @@ from shared.placement.view import GpuView
 BUDGET = 2_000
 Free = dict[str, list[int]]  # GPU UUID -> [free MiB, free compute]
 Chosen = list[tuple[ContainerDemand, tuple[GpuView, ...]]]
+Pins = Mapping[tuple[str, int, bool], frozenset[str]]  # (container, index, init) -> the GPUs it must take
 
 
 def search_long_running(
@@ -35,14 +36,20 @@ def search_long_running(
     steady: Sequence[ContainerDemand],
     inits: Sequence[ContainerDemand],
     order: Callable[[GpuView, Free], tuple],
+    pins: Pins | None = None,
 ) -> Chosen | None:
     """GPUs for every app container and sidecar (`steady`, in the order to place them) such that each fits what
     is free and each regular init container in `inits` (spec order, sidecars among them) then has `count` GPUs
     it fits alone beside the sidecars started before it; None when there are none (or the budget ran out).
 
     `free` holds what each GPU offers the pod (it is left as it was); `order(gpu, free)` sorts a container's
-    candidates, the policy's preference first.
+    candidates, the policy's preference first; `pins` keep containers on given GPUs (kubelet's device reuse).
     """
+
+    def allowed(c: ContainerDemand, g: GpuView) -> bool:
+        pin = pins.get((c.name, c.index, c.init)) if pins else None
+        return pin is None or g.uuid in pin
+
     if not _room_for(steady, free.values()):  # most nodes the first pass found full end here
         return None
     for c in inits:  # ... or here: a regular init container needs `count` GPUs with room for it alone
@@ -60,6 +67,8 @@ def search_long_running(
                 continue
             room = 0
             for g in gpus:
+                if not allowed(c, g):
+                    continue
                 beside = [(m, k) for index, m, k in sidecars[g.uuid] if index < c.index]
                 cap = capacity[g.uuid]
                 if (
@@ -79,7 +88,9 @@ def search_long_running(
         if not _room_for(steady[i:], state.values()):
             return False
         c = steady[i]
-        cands = [g for g in gpus if state[g.uuid][0] >= c.memory_mib and state[g.uuid][1] >= c.compute]
+        cands = [
+            g for g in gpus if state[g.uuid][0] >= c.memory_mib and state[g.uuid][1] >= c.compute and allowed(c, g)
+        ]
         cands.sort(key=lambda g: order(g, state))
         tried: set[tuple] = set()
         for on in combinations(cands, c.count):

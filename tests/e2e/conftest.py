@@ -23,12 +23,20 @@ def control_plane_binaries() -> Paths:
     return system_tools.control_plane_binaries()
 
 
+def storage_consistency_failure(errors: list[str], what: str) -> str:
+    """The message when kube-apiserver logged storage consistency errors (`ControlPlane.storage_consistency_errors`)."""
+    return f"kube-apiserver of {what} logged {len(errors)} storage consistency errors, e.g. {errors[:3]}"
+
+
 @pytest.fixture(scope="session")
 def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
-    """A started ControlPlane with no scheduler extender, shared by the session."""
+    """A started ControlPlane with no scheduler extender, shared by the session; at teardown the session fails if
+    its kube-apiserver logged storage consistency errors."""
     keep = os.environ.get("GPUSHARE_KEEP_CLUSTER") == "1"
     with system_tools.running_control_plane(control_plane_binaries, keep=keep) as cp:
         yield cp
+        errors = cp.storage_consistency_errors()
+        assert not errors, storage_consistency_failure(errors, f"the shared control plane ({cp.release})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,9 +116,12 @@ async def stack(
         yield st
     finally:
         dead = st.check_alive()
+        control_plane = st.control_plane
+        errors = control_plane.storage_consistency_errors() if control_plane is not None else []
         await st.stop()
         await asyncio.to_thread(drop_database, pg_server_url, db_name)
         assert not dead, f"service processes died during the tests: {dead}"
+        assert not errors, storage_consistency_failure(errors, f"{request.module.__name__}'s stack")
 
 
 @pytest.fixture

@@ -216,9 +216,17 @@ async def test_version_health_and_metrics(client: httpx.AsyncClient) -> None:
 async def test_multi_gpu_and_init_container_pod_is_reserved_by_the_charge_rule(
     client: httpx.AsyncClient, ledger: Ledger, service: ExtenderService, binder: StandInBinder, engine: AsyncEngine
 ) -> None:
+    """kubelet hands the init container's devices on to the app container (device reuse, `shared.placement.reuse`):
+    an init container on one GPU before an app container on two could never start as placed (the app container
+    would take the init container's 6 devices on one GPU), so that pod is refused with the reason; on the same two
+    GPUs as the app container, it is reserved by the charge rule."""
     await add_node(ledger, "n1", [8, 8, 16])
     await settle(service)
     init = [{"name": "setup", "image": "x", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}}]
+    pod = gpu_pod("p", 8, limits={"aliyun.com/gpu-count": "2"}, init=init)
+    body = (await client.post(f"{PREFIX}/filter", json=names_args(pod, ["n1"]))).json()
+    assert body["NodeNames"] == [] and "different numbers of GPUs" in body["FailedAndUnresolvableNodes"]["n1"], body
+    init[0]["resources"]["limits"] = {"aliyun.com/gpu-mem": "8", "aliyun.com/gpu-count": "2"}
     pod = gpu_pod("p", 8, limits={"aliyun.com/gpu-count": "2"}, init=init)
     body = (await client.post(f"{PREFIX}/filter", json=names_args(pod, ["n1"]))).json()
     assert body["NodeNames"] == ["n1"], body
@@ -227,10 +235,10 @@ async def test_multi_gpu_and_init_container_pod_is_reserved_by_the_charge_rule(
         parts = (await conn.execute(select(allocation_parts))).all()
         held = {r.uuid: r.allocated_memory_mib for r in (await conn.execute(select(gpus))).all()}
     app = sorted((p.gpu_index, p.memory_mib) for p in parts if not p.init)
-    inits = [(p.gpu_index, p.memory_mib) for p in parts if p.init]
+    inits = sorted((p.gpu_index, p.memory_mib) for p in parts if p.init)
     assert app == [(0, 4096), (1, 4096)]  # best fit: the two 8 GiB GPUs, 4 GiB each
-    assert inits == [(0, 6144)]  # where it raises the charge least: max(4096, 6144) on GPU 0
-    assert held == {"GPU-n1-0": 6144, "GPU-n1-1": 4096, "GPU-n1-2": 0}
+    assert inits == app  # where the app container takes over its devices
+    assert held == {"GPU-n1-0": 4096, "GPU-n1-1": 4096, "GPU-n1-2": 0}  # max(4096, 4096) per GPU
 
 
 async def test_the_view_follows_ledger_events_without_a_resync(ledger: Ledger, service: ExtenderService) -> None:

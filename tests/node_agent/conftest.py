@@ -95,6 +95,18 @@ class Harness:
             )
         return pod, res.allocation_id
 
+    @contextlib.asynccontextmanager
+    async def restarted_agent(self) -> AsyncIterator[NodeAgent]:
+        """The agent stops (forgetting its Allocate decisions) and a new one registers with kubelet; closed on exit."""
+        await self.agent.close()
+        agent = NodeAgent(self.agent.config, FakeBackend(self.agent.config.node, self.backend.spec), bus=self.bus)
+        await agent.start()
+        try:
+            await self.kubelet.wait_registered(RESOURCES, timeout_s=30, min_count=2)
+            yield agent
+        finally:
+            await agent.close()
+
     async def ledger_gpus(self, allocation_id: uuid.UUID, container: str) -> tuple[str, list[str], bool]:
         """(allocation state, GPU UUIDs of the container's parts, all parts assigned)."""
         async with self.ledger.engine.connect() as conn:

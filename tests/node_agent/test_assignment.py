@@ -141,7 +141,7 @@ async def test_pod_without_reservation_is_refused_clearly(harness: Harness) -> N
 async def test_prestart_refuses_a_pod_admitted_in_place_of_a_different_shape(harness: Harness) -> None:
     """kubelet gives the devices chosen for one pod to a pod whose reservation has another shape."""
     _a, a_id = await harness.reserve("shape-a", [("main", [(0, 4)])])
-    _b, b_id = await harness.reserve("shape-b", [("main", [(1, 2)]), ("other", [(1, 2)])])
+    b, b_id = await harness.reserve("shape-b", [("main", [(1, 2)]), ("other", [(1, 2)])])
     k = harness.kubelet
     # Allocate for pod a's shape (4 units on GPU 0) but record the devices as pod b's container
     ids = [f"{harness.gpu(0)}-_-{j}" for j in range(4)]
@@ -151,6 +151,7 @@ async def test_prestart_refuses_a_pod_admitted_in_place_of_a_different_shape(har
     )
     from devstack.cluster.kubelet import Assignment
 
+    k.pods[("default", "shape-b")] = b  # kubelet admitted pod b
     k.assignments.append(Assignment("default", "shape-b", "", "main", "aliyun.com/gpu-mem", ids))
     with pytest.raises(AdmissionError) as err:
         await k._prestart("main", plugin, ids)
@@ -216,24 +217,13 @@ async def test_interleaved_admissions_prestart_after_both_allocates(harness: Har
 
 async def test_agent_restart_between_allocate_and_prestart_still_exact(harness: Harness) -> None:
     """The agent forgets its Allocate decision; PreStart recovers who got what from pod-resources + ledger."""
-    from services.node_agent.agent import RESOURCES, NodeAgent
-    from services.node_agent.discovery import FakeBackend
-
     first, first_id = await harness.reserve("r-first", [("main", [(0, 6)])])
     second, second_id = await harness.reserve("r-second", [("main", [(1, 6)])])
     k = harness.kubelet
     env_second = (await k.admit(second, start=False))["main"]  # handed GPU 0 (first's reservation)
-    await harness.agent.close()
-    agent = NodeAgent(
-        harness.agent.config, FakeBackend(harness.agent.config.node, harness.backend.spec), bus=harness.bus,
-    )  # fmt: skip
-    await agent.start()
-    try:
-        await k.wait_registered(RESOURCES, timeout_s=30, min_count=2)
+    async with harness.restarted_agent():
         await k.start_pod(second)
         env_first = (await k.admit(first))["main"]
-    finally:
-        await agent.close()
     _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
     _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
     assert assigned1 and assigned2

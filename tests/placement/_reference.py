@@ -3,8 +3,10 @@
 It shares nothing with `shared.placement.plan` but the facts a placement must respect: every container gets
 `count` distinct GPUs (healthy ones, allowed by the pod's hints, unless `capacity` asks whether the pod could
 ever fit), each holding its share, and what the pod then holds on each GPU, by Kubernetes' effective-request rule
-(`shared.ledger.rules.gpu_charges`, the rule the ledger charges), fits the GPU's free memory and compute. Every
-assignment of every container to GPUs is tried, so the reference knows whether a placement exists at all.
+(`shared.ledger.rules.gpu_charges`, the rule the ledger charges), fits the GPU's free memory and compute; and
+the containers kubelet hands the same devices (a regular init container's reuse group, `shared.placement.reuse`,
+a rule like `gpu_charges`) hold the same GPUs, while a pod kubelet cannot be predicted for has no placement at all.
+Every assignment of every container to GPUs is tried, so the reference knows whether a placement exists at all.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from shared.ledger.rules import effective_request, gpu_charges
-from shared.placement import GpuView, NodeView, Policy
+from shared.placement import GpuView, NodeView, Policy, reuse
 from shared.placement.demand import ContainerDemand, PodDemand
 
 
@@ -75,10 +77,18 @@ def fits(shares: Sequence[Share], gpus: Sequence[GpuView], *, capacity: bool = F
 def assignments(node: NodeView, demand: PodDemand, *, capacity: bool = False) -> Iterator[list[Share]]:
     """Every placement of the pod on the node that fits, in no particular order."""
     gpus = usable(node, demand, capacity=capacity)
+    if demand.init_containers and reuse.inexact(demand):
+        return
+    groups = reuse.reuse_groups(demand) if demand.init_containers else ()
     assert len({g.uuid for g in gpus}) == len(gpus), "GPUs sharing a UUID cannot be told apart by their shares"
     wanted = containers(demand)
     choices = [itertools.combinations(gpus, c.count) for c in wanted]
     for chosen in itertools.product(*choices):
+        on_gpus = {
+            (c.name, c.index, c.init): frozenset(g.uuid for g in on) for c, on in zip(wanted, chosen, strict=True)
+        }
+        if any(len({on_gpus[(c.name, c.index, c.init)] for c in group}) > 1 for group in groups):
+            continue  # kubelet would hand this group's containers the same devices
         shares = [
             Share(c.name, c.index, c.init, c.sidecar, g.uuid, c.memory_mib, c.compute)
             for c, on in zip(wanted, chosen, strict=True)

@@ -35,6 +35,7 @@ from shared.placement import (
     filter_nodes,
     parse_pod,
     pick,
+    reuse,
     score_node,
     score_nodes,
 )
@@ -170,12 +171,17 @@ def _growth(placed: list[ref.Share], usable: list[GpuView], c: ContainerDemand, 
 def assert_inits_raise_the_charge_least(node: NodeView, demand: PodDemand, placement: Placement) -> None:
     """Each regular init container (in spec order) is on GPUs where it raises the pod's charge least, given the
     long-running shares and the init containers placed before it: no GPU it could use instead would have
-    raised the charge (memory, then compute) less than one it is on."""
+    raised the charge (memory, then compute) less than one it is on. An init container whose devices kubelet hands
+    on (a reuse group) is only held to sharing its group's GPUs, which the reference already requires."""
     usable = ref.usable(node, demand)
     shares = _shares(placement)
     placed = [s for s in shares if not s.init or s.sidecar]
+    grouped = {(c.name, c.index, c.init) for group in reuse.reuse_groups(demand) for c in group}
     for c in demand.init_containers:
         if c.sidecar:
+            continue
+        if (c.name, c.index, c.init) in grouped:  # it goes where its reuse group goes (kubelet's device reuse)
+            placed += [s for s in shares if s.init and s.container_index == c.index and not s.sidecar]
             continue
         mine = [s for s in shares if s.init and s.container_index == c.index and not s.sidecar]
         chosen = {s.gpu_uuid for s in mine}
