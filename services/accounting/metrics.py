@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.metrics import GPU_LABELS, NODE_LABELS, gpu_labels, mib_to_bytes, node_labels
 
 from . import queries
+from .scheduling import WAIT_BUCKETS
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -121,6 +122,14 @@ class AccountingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.scheduling_wait = Histogram(
+            "gpushare_scheduling_wait_seconds",
+            "Time from a GPU pod's creation to its Binding (outcome bound), or to its deletion while unbound "
+            "(outcome deleted), from the pod's own timestamps (whole seconds)",
+            labelnames=["namespace", "outcome"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
         self.events_applied = Counter(
             "gpushare_accounting_events_applied_total",
             "Events applied to accounting's projections",
@@ -159,6 +168,10 @@ class AccountingMetrics:
         self.snapshot_sequence.set(sequence)
         self.snapshot_success.set(time.time())
         self.stream_trimmed.inc(trimmed)
+
+    def observe_wait(self, namespace: str, outcome: str, seconds: float) -> None:
+        """Record a GPU pod's scheduling wait (`scheduling.SchedulingWaits`)."""
+        self.scheduling_wait.labels(namespace=namespace, outcome=outcome).observe(seconds)
 
     def observe_latency(self, name: str, seconds: float) -> None:
         """Record a life-cycle latency reported by the projector."""
