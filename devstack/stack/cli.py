@@ -148,6 +148,7 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         simulate=args.simulate,
         usage=usage,
         monitoring=args.monitoring,
+        admission_policies=True,  # the cluster refuses what a cluster with k8s/base refuses
     )
 
 

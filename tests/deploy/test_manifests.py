@@ -23,6 +23,7 @@ CRD_KINDS = {"ServiceMonitor"}
 # leaves them out for such clusters).
 NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
 POLICY = "gpushare-device-env"
+ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 EXEMPT = "gpushare.io/allow-device-env"
 # Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
 SCHEMA_VERSIONS = ("1.25.0", "latest")
@@ -322,7 +323,8 @@ def test_before_1_30_overlay_is_the_base_without_the_admission_policy(
 ) -> None:
     base = {key(o) for o in rendered["base"]}
     older = {key(o) for o in rendered["overlays/before-1.30"]}
-    assert base - older == {("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)}
+    policies = (POLICY, f"{POLICY}-workloads")
+    assert base - older == {(kind, name) for name in policies for kind in ADMISSION_KINDS}
     assert older < base
 
 
