@@ -86,6 +86,26 @@ async def test_up_simulator_places_the_demo(tmp_path: Path, up_database: str, na
     assert "scheduler simulator" in out
     assert "Dashboard:  http://127.0.0.1:" in out
     assert "16/32" in out, out[-3000:]  # inspect: 2x4 + 4x2 GiB of 2x16 GiB
+    assert_plain(out, tmp_path)
+
+
+async def test_up_places_the_guides_half_gigabyte_pods_in_mib(tmp_path: Path, up_database: str, nats_url: str) -> None:
+    code, out = await _up(
+        tmp_path, up_database, nats_url, "--simulate", "--memory-unit", "MiB", "--dev-pods", "2", limit_s=120
+    )
+    assert code == 0, out[-5000:]
+    notebooks = re.findall(r"^\s+(dev-notebook-\S+)\s+-> (gpu-node-\d)$", out, re.M)
+    assert len(notebooks) == 2 and len(_placements(out)) == 6, out[-5000:]
+    # inspect counts MiB: 2 x 4096 + 4 x 2048 + 2 x 512 of 2 x 16384
+    assert "17408/32768" in out and "GPU Memory(MiB)" in out, out[-3000:]
+
+
+def assert_plain(out: str, tmp_path: Path) -> None:
+    """People's lines on the terminal; the JSON logs in the log file (before, they interleaved with the output)."""
+    machine = [line for line in out.splitlines() if line.lstrip().startswith("{")]
+    assert machine == [], machine[:5]
+    log = tmp_path / "data" / "logs" / "gpushare-up.log"
+    assert '"msg": "started extender"' in log.read_text()
 
 
 async def test_up_runs_the_demo_on_the_local_control_plane(
