@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "--monitoring",
         action="store_true",
         help="also run Prometheus (Debian's package) scraping every service, and prometheus-adapter serving "
-        "custom.metrics.k8s.io for HorizontalPodAutoscalers (built from its Go module on first use, ~9 min)",
+        "custom.metrics.k8s.io and external.metrics.k8s.io (the guide's aliyun_gpu_mem_usage) for "
+        "HorizontalPodAutoscalers (built from its Go module on first use, ~9 min)",
     )
     p.set_defaults(func=run)
 
@@ -114,9 +115,11 @@ def agent_usage(args: argparse.Namespace, data_dir: Path) -> tuple[spec.AgentUsa
 
 def monitoring_lines(stack: Stack) -> list[str]:
     """Where to look at the usage through Prometheus and the HPA metric (or why there is nothing to look at)."""
-    from devstack.monitoring.adapter import hpa_metric
+    from devstack.monitoring.adapter import external_hpa_metric, hpa_metric
 
     metric, lines = hpa_metric(), []
+    external, selector = external_hpa_metric()
+    labels = ",".join(f"{k}%3D{v}" for k, v in selector.items())
     if stack.prometheus is not None:
         lines.append(f"Prometheus: {stack.prometheus.url}/graph?g0.expr={metric}")
     if stack.adapter is not None:
@@ -124,6 +127,9 @@ def monitoring_lines(stack: Stack) -> list[str]:
             "HPA metric: kubectl get --raw "
             f"'/apis/custom.metrics.k8s.io/v1beta2/namespaces/gpushare-demo/pods/*/{metric}'",
             "            kubectl apply -f k8s/hpa/example-hpa.yaml; kubectl -n gpushare-demo get hpa -w",
+            "The guide's External metric: kubectl get --raw "
+            f"'/apis/external.metrics.k8s.io/v1beta1/namespaces/gpushare-demo/{external}?labelSelector={labels}'",
+            "            kubectl apply -f k8s/hpa/guide-external-hpa.yaml (instead of example-hpa.yaml: one HPA each)",
         ]
     if stack.monitoring_error:
         lines.append(f"Monitoring: {stack.monitoring_error}")

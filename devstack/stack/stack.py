@@ -468,7 +468,7 @@ class Stack:
         if self.prometheus is not None:
             out.append(("prometheus", self.prometheus.url))
         if self.adapter is not None:
-            out.append(("metrics-adapter", f"https://127.0.0.1:{self.adapter.port} (custom.metrics.k8s.io)"))
+            out.append(("metrics-adapter", f"https://127.0.0.1:{self.adapter.port} (custom and external metrics)"))
         out.append(("postgres", _redact(self.database_url)))
         out.append(("nats", self.nats_url))
         out.append(("logs", str(self.log_dir)))

@@ -35,7 +35,7 @@ class Snapshot:
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)
     quotas: list[dict] = field(default_factory=list)
     pending_by_reason: dict[str, int] = field(default_factory=dict)
-    pod_ratios: list[tuple[str, str, float]] = field(default_factory=list)
+    pod_ratios: list[queries.PodRatio] = field(default_factory=list)
 
 
 class LedgerCollector(Collector):
@@ -93,11 +93,12 @@ class LedgerCollector(Collector):
             pending.add_metric([reason], count)
         ratio = GaugeMetricFamily(
             "gpushare_pod_gpu_memory_usage_ratio",
-            "Used / allocated GPU memory of a pod at its latest usage sample (for HPA through a metrics adapter)",
-            labels=["namespace", "pod"],
+            "Used / allocated GPU memory of a pod at its latest usage sample, with its workload (for an HPA through "
+            "a metrics adapter: a Pods metric, or the External metric aliyun_gpu_mem_usage selected by workload)",
+            labels=["namespace", "pod", "workload_kind", "workload"],
         )
-        for ns, pod, value in s.pod_ratios:
-            ratio.add_metric([ns, pod], value)
+        for ns, pod, kind, workload, value in s.pod_ratios:
+            ratio.add_metric([ns, pod, kind, workload], value)
         yield from (ns_alloc, ns_quota, pending, ratio)
 
 
@@ -180,8 +181,11 @@ class AccountingMetrics:
         elif name == "bound_to_assigned":
             self.bound_to_assigned.observe(seconds)
 
-    async def refresh(self, engine: AsyncEngine, *, force: bool = False) -> None:
-        """Read the gauges' values from the database (at most once per `min_refresh_s` unless forced)."""
+    async def refresh(
+        self, engine: AsyncEngine, *, force: bool = False, owners: queries.OwnerLookup | None = None
+    ) -> None:
+        """Read the gauges' values from the database (at most once per `min_refresh_s` unless forced; `owners`
+        names pods' workloads, a ReplicaSet's by its Deployment)."""
         if not force and time.monotonic() - self._refreshed < self.min_refresh_s:
             return
         async with engine.connect() as conn:
@@ -198,6 +202,6 @@ class AccountingMetrics:
                 namespaces=await queries.namespace_allocated(conn),
                 quotas=await queries.list_quotas(conn),
                 pending_by_reason=dict(tally),
-                pod_ratios=await queries.pod_usage_ratios(conn),
+                pod_ratios=await queries.pod_usage_ratios(conn, owners=owners or queries.as_recorded),
             )
         self._refreshed = time.monotonic()

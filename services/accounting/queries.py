@@ -451,7 +451,8 @@ OwnerLookup = Callable[[set[OwnerKey]], Awaitable[Owners]]
 """Resolves recorded owners (`owners.WorkloadNames.resolve`)."""
 
 
-async def _as_recorded(keys: set[OwnerKey]) -> Owners:
+async def as_recorded(keys: set[OwnerKey]) -> Owners:
+    """Workloads as the allocations recorded them (no lookup)."""
     return {}
 
 
@@ -501,7 +502,7 @@ async def latest_pod_usage(conn: AsyncConnection, pod_uids: Iterable[str]) -> di
 
 
 async def live_pod_usage(
-    conn: AsyncConnection, *, namespace: str | None = None, owners: OwnerLookup = _as_recorded
+    conn: AsyncConnection, *, namespace: str | None = None, owners: OwnerLookup = as_recorded
 ) -> list[dict[str, Any]]:
     """Every live allocation's pod with its workload, what it holds and what its latest usage sample says."""
     query = select(allocations).where(allocations.c.state.in_(LIVE_STATE_VALUES))
@@ -562,7 +563,7 @@ async def usage(
     until: datetime,
     by: str,
     namespace: str | None = None,
-    owners: OwnerLookup = _as_recorded,
+    owners: OwnerLookup = as_recorded,
 ) -> list[dict[str, Any]]:
     """GPU-memory-hours allocated vs used per namespace (`by="namespace"`) or workload (`by="workload"`).
 
@@ -621,7 +622,7 @@ async def rightsizing(
     step_mib: int,
     headroom: float,
     namespace: str | None = None,
-    owners: OwnerLookup = _as_recorded,
+    owners: OwnerLookup = as_recorded,
 ) -> list[dict[str, Any]]:
     """Per workload with usage samples: allocated vs peak / p95 used, a recommendation and its gain, and its SM
     utilisation with what it says (an idle compute share is advice too). Workloads are named by `owners` where
@@ -717,15 +718,28 @@ async def namespace_allocated(conn: AsyncConnection) -> dict[str, tuple[int, int
     return {r[0]: (int(r[1] or 0), int(r[2] or 0)) for r in rows}
 
 
-async def pod_usage_ratios(conn: AsyncConnection) -> list[tuple[str, str, float]]:
-    """(namespace, pod, used / allocated) from each live pod's latest usage sample."""
-    rows = await conn.execute(
-        text(
-            "WITH latest AS (SELECT pod_uid, max(ts) AS ts FROM usage_samples WHERE pod_uid <> '' GROUP BY pod_uid), "
-            "used AS (SELECT u.pod_uid, sum(u.used_memory_mib) AS used FROM usage_samples u "
-            " JOIN latest l ON u.pod_uid = l.pod_uid AND u.ts = l.ts GROUP BY u.pod_uid) "
-            "SELECT a.namespace, a.pod_name, a.memory_mib, used.used FROM allocations a "
-            f"JOIN used ON used.pod_uid = a.pod_uid WHERE a.{LIVE_SQL} AND a.memory_mib > 0"
+PodRatio = tuple[str, str, str, str, float]
+"""(namespace, pod, workload kind, workload name, used / allocated GPU memory)."""
+
+
+async def pod_usage_ratios(conn: AsyncConnection, *, owners: OwnerLookup = as_recorded) -> list[PodRatio]:
+    """Each live pod's used / allocated memory at its latest usage sample, with its workload (named by `owners`)."""
+    rows = (
+        await conn.execute(
+            text(
+                "WITH latest AS (SELECT pod_uid, max(ts) AS ts FROM usage_samples WHERE pod_uid <> '' "
+                " GROUP BY pod_uid), "
+                "used AS (SELECT u.pod_uid, sum(u.used_memory_mib) AS used FROM usage_samples u "
+                " JOIN latest l ON u.pod_uid = l.pod_uid AND u.ts = l.ts GROUP BY u.pod_uid) "
+                "SELECT a.namespace, a.pod_name, a.owner_kind, a.owner_name, a.memory_mib, used.used "
+                f"FROM allocations a JOIN used ON used.pod_uid = a.pod_uid WHERE a.{LIVE_SQL} AND a.memory_mib > 0"
+            )
         )
-    )
-    return [(r.namespace, r.pod_name, float(r.used) / r.memory_mib) for r in rows]
+    ).all()
+    names = await owners(recorded_owners(rows))
+    return [(*_workload_of(r, names), float(r.used) / r.memory_mib) for r in rows]
+
+
+def _workload_of(r: Any, names: Owners) -> tuple[str, str, str, str]:
+    namespace, kind, name = _workload(r, names)
+    return namespace, r.pod_name, kind, name

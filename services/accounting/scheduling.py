@@ -183,11 +183,11 @@ class SchedulingWaits:
                 self.observed.discard(uid)
             return
         self.pending.pop(uid, None)
-        if event.type == DELETED:
-            self.observed.discard(uid)
-        elif uid in self.observed:
+        if uid in self.observed:  # recorded already (a status update, a relist, its deletion once bound)
+            if event.type == DELETED:
+                self.observed.discard(uid)
             return
-        else:
+        if event.type != DELETED:
             self.observed.add(uid)
         if done.ended_at < self.clock() - self.horizon:
             return  # older than the claims remembered: it may have been counted before

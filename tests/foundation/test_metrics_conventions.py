@@ -73,7 +73,7 @@ def _accounting() -> CollectorRegistry:
         namespaces={"team-a": (2048, 0)},
         quotas=[{"namespace": "team-a", "memory_mib": 4096}],
         pending_by_reason={"needs N GiB": 1},
-        pod_ratios=[("team-a", "p", 0.5)],
+        pod_ratios=[("team-a", "p", "Deployment", "web", 0.5)],
     )
     _give_values(metrics)
     return metrics.registry
