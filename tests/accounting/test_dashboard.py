@@ -49,9 +49,6 @@ async def _browse(url: str, *extra: str) -> str:
     return out.decode(errors="replace")
 
 
-WAITING_SINCE = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=3)
-
-
 def SCHEDULING(stack: Stack) -> SchedulingWaits:
     """The pod watch's view: huge-0 (refused in the seed) was created three minutes ago."""
     waits = SchedulingWaits(stack.engine, lambda *a: None, horizon_s=3600)
@@ -59,7 +56,8 @@ def SCHEDULING(stack: Stack) -> SchedulingWaits:
         "metadata": {"name": "huge-0", "namespace": "team-b", "uid": "uid-big"},
         "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "20"}}}]},
     }
-    huge["metadata"]["creationTimestamp"] = WAITING_SINCE.strftime("%Y-%m-%dT%H:%M:%SZ")
+    created = datetime.now(UTC) - timedelta(minutes=3)  # when the live server starts, just before the browser
+    huge["metadata"]["creationTimestamp"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
     waits.handle(WatchEvent(ADDED, huge))
     return waits
 
