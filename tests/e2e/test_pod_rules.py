@@ -377,3 +377,37 @@ async def _unschedulable(core: client.CoreV1Api, namespace: str, name: str) -> s
 async def _metrics_say(stack: Any, line: str) -> bool:
     async with httpx.AsyncClient(timeout=5) as http:
         return line in (await http.get(f"{stack.accounting_url}/metrics")).text.splitlines()
+
+
+async def test_replica_sets_are_named_by_the_owner_the_api_server_shows(stack, api, namespace) -> None:
+    """Accounting's workload names come from the ReplicaSet's ownerReferences where the API server has it: a
+    ReplicaSet made by hand keeps its name even when it looks like a Deployment's, and a gone one falls back to the
+    name's shape."""
+    from services.accounting.owners import WorkloadNames
+
+    apps = client.AppsV1Api(api)
+    labels = {"app": "web"}
+    template = {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    spec = {"replicas": 0, "selector": {"matchLabels": labels}, "template": template}
+    await apps.create_namespaced_deployment(namespace, {"metadata": {"name": "web"}, "spec": spec})
+    orphan = {"metadata": {"name": "cache-5c9d7f6b8"}, "spec": {**spec, "selector": {"matchLabels": {"app": "x"}}}}
+    orphan["spec"]["template"] = {**template, "metadata": {"labels": {"app": "x"}}}
+    await apps.create_namespaced_replica_set(namespace, orphan)
+
+    async def web_replica_set() -> str | None:
+        items = (await apps.list_namespaced_replica_set(namespace, label_selector="app=web")).items
+        return items[0].metadata.name if items else None
+
+    rs = await h.poll(web_replica_set, 30, what="the Deployment's ReplicaSet")
+    names = WorkloadNames(stack.services_kubeconfig)
+    try:
+        keys = {(namespace, "ReplicaSet", rs), (namespace, "ReplicaSet", "cache-5c9d7f6b8")}
+        keys.add((namespace, "ReplicaSet", "gone-6c9f7d8b4"))
+        assert await names.resolve(keys) == {
+            (namespace, "ReplicaSet", rs): ("Deployment", "web"),  # read from its ownerReferences
+            (namespace, "ReplicaSet", "gone-6c9f7d8b4"): ("Deployment", "gone"),  # not found: from its name
+        }  # the hand-made one shaped like a Deployment's keeps its own name
+    finally:
+        await names.close()
+        await apps.delete_namespaced_deployment("web", namespace)
+        await apps.delete_namespaced_replica_set("cache-5c9d7f6b8", namespace)
