@@ -22,13 +22,15 @@ from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, Settings
 log = logging.getLogger("gpushare")
 
 SERVICE_CLIS = (
+    "services.scheduler_config",
     "services.extender.cli",
     "services.binder.cli",
     "services.accounting.cli",
     "services.node_agent.cli",
     "devstack.stack.cli",
 )
-"""Modules that register subcommands; one that is not installed (the local-stack tooling in an image) is left out."""
+"""Modules that register subcommands (`register(subparsers, common)`); one that is not installed (the local-stack
+tooling in an image) is left out."""
 
 COMMON_FLAGS = {
     "database_url": "PostgreSQL URL (GPUSHARE_DATABASE_URL)",

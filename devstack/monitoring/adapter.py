@@ -1,8 +1,9 @@
-"""prometheus-adapter serving `custom.metrics.k8s.io` through a local control plane's aggregation layer.
+"""prometheus-adapter serving `custom.metrics.k8s.io` and `external.metrics.k8s.io` through a local control plane's
+aggregation layer.
 
     adapter = MetricsAdapter(work_dir, kubeconfig, prometheus_url, rules_config())
     adapter.start()                  # built once and cached (adapter_build), then waits for its /healthz
-    await adapter.register(api)      # Service (ExternalName localhost) + APIService; waits until Available
+    await adapter.register(api)      # Service (ExternalName localhost) + APIServices; waits until Available
     ...
     adapter.stop()
 
@@ -33,6 +34,9 @@ RULES_FILE = HPA_DIR / "prometheus-adapter-config.yaml"
 EXAMPLE_HPA = HPA_DIR / "example-hpa.yaml"
 GROUP = "custom.metrics.k8s.io"
 VERSIONS = ("v1beta2", "v1beta1")
+EXTERNAL_GROUP = "external.metrics.k8s.io"  # served when the rules have externalRules (the guide's HPA metric)
+EXTERNAL_VERSION = "v1beta1"
+GUIDE_HPA = HPA_DIR / "guide-external-hpa.yaml"
 NAMESPACE = "custom-metrics"
 SERVICE = "prometheus-adapter"
 
@@ -48,29 +52,38 @@ def hpa_metric(path: Path = EXAMPLE_HPA) -> str:
     return str(spec["metrics"][0]["pods"]["metric"]["name"])
 
 
+def external_hpa_metric(path: Path = GUIDE_HPA) -> tuple[str, dict[str, str]]:
+    """The External metric of the guide's HPA example and the labels its selector matches."""
+    metric = yaml.safe_load(path.read_text())["spec"]["metrics"][0]["external"]["metric"]
+    return str(metric["name"]), dict(metric["selector"]["matchLabels"])
+
+
 def api_objects(port: int) -> list[dict[str, Any]]:
-    """The Service and APIServices that route custom.metrics.k8s.io to an adapter on localhost:`port` (pure)."""
+    """The Service and APIServices that route custom.metrics.k8s.io and external.metrics.k8s.io to an adapter on
+    localhost:`port` (pure)."""
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": SERVICE, "namespace": NAMESPACE},
         "spec": {"type": "ExternalName", "externalName": "localhost", "ports": [{"name": "https", "port": port}]},
     }
+    served = [(GROUP, version, 200 - 100 * i) for i, version in enumerate(VERSIONS)]
+    served.append((EXTERNAL_GROUP, EXTERNAL_VERSION, 100))
     apiservices = [
         {
             "apiVersion": "apiregistration.k8s.io/v1",
             "kind": "APIService",
-            "metadata": {"name": f"{version}.{GROUP}"},
+            "metadata": {"name": f"{version}.{group}"},
             "spec": {
                 "service": {"namespace": NAMESPACE, "name": SERVICE, "port": port},
-                "group": GROUP,
+                "group": group,
                 "version": version,
                 "insecureSkipTLSVerify": True,
                 "groupPriorityMinimum": 100,
-                "versionPriority": 200 - 100 * i,
+                "versionPriority": priority,
             },
         }
-        for i, version in enumerate(VERSIONS)
+        for group, version, priority in served
     ]
     return [service, *apiservices]
 
@@ -144,7 +157,7 @@ class MetricsAdapter(LocalServer):
                 available = conditions.get("Available")
                 states[obj["metadata"]["name"]] = (available.status, available.message) if available else ("?", "")
             if all(status == "True" for status, _ in states.values()):
-                self.progress(f"{GROUP} available through kube-apiserver ({', '.join(VERSIONS)})")
+                self.progress(f"{GROUP} ({', '.join(VERSIONS)}) and {EXTERNAL_GROUP} available through kube-apiserver")
                 return
             if time.monotonic() > deadline:
                 raise ControlPlaneUnavailable(f"the APIServices did not become Available: {states}\n{self.log_tail()}")

@@ -8,11 +8,13 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 from devstack.cluster.releases import CURRENT_VERSION, VERSION_ENV
 from devstack.stack import spec
 from devstack.stack.stack import MODE_SIMULATOR, Stack, StackConfig
+from shared.logging import JsonFormatter, TextFormatter, redact
 from shared.settings import Settings
 
 log = logging.getLogger("gpushare.up")
@@ -37,6 +39,14 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "--gpus", default=spec.DEFAULT_GPUS, help=f"GPUs per node, COUNTxMEM:MODEL[,...] (default {spec.DEFAULT_GPUS})"
     )
     p.add_argument("--no-demo", dest="demo", action="store_false", help="do not submit the demo workload")
+    p.add_argument(
+        "--dev-pods",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N development notebooks of 512 MiB each, the gpushare guide's 0.5 GB pods (needs --memory-unit "
+        "MiB: aliyun.com/gpu-mem then counts MiB, so they ask for 512)",
+    )
     p.add_argument("--simulate", action="store_true", help="skip the control plane; use the scheduler simulator")
     p.add_argument(
         "--ignore-kubeconfig", action="store_true", help="start the local control plane even when KUBECONFIG is set"
@@ -62,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "--monitoring",
         action="store_true",
         help="also run Prometheus (Debian's package) scraping every service, and prometheus-adapter serving "
-        "custom.metrics.k8s.io for HorizontalPodAutoscalers (built from its Go module on first use, ~9 min)",
+        "custom.metrics.k8s.io and external.metrics.k8s.io (the guide's aliyun_gpu_mem_usage) for "
+        "HorizontalPodAutoscalers (built from its Go module on first use, ~9 min)",
     )
     p.set_defaults(func=run)
 
@@ -104,9 +115,11 @@ def agent_usage(args: argparse.Namespace, data_dir: Path) -> tuple[spec.AgentUsa
 
 def monitoring_lines(stack: Stack) -> list[str]:
     """Where to look at the usage through Prometheus and the HPA metric (or why there is nothing to look at)."""
-    from devstack.monitoring.adapter import hpa_metric
+    from devstack.monitoring.adapter import external_hpa_metric, hpa_metric
 
     metric, lines = hpa_metric(), []
+    external, selector = external_hpa_metric()
+    labels = ",".join(f"{k}%3D{v}" for k, v in selector.items())
     if stack.prometheus is not None:
         lines.append(f"Prometheus: {stack.prometheus.url}/graph?g0.expr={metric}")
     if stack.adapter is not None:
@@ -114,6 +127,9 @@ def monitoring_lines(stack: Stack) -> list[str]:
             "HPA metric: kubectl get --raw "
             f"'/apis/custom.metrics.k8s.io/v1beta2/namespaces/gpushare-demo/pods/*/{metric}'",
             "            kubectl apply -f k8s/hpa/example-hpa.yaml; kubectl -n gpushare-demo get hpa -w",
+            "The guide's External metric: kubectl get --raw "
+            f"'/apis/external.metrics.k8s.io/v1beta1/namespaces/gpushare-demo/{external}?labelSelector={labels}'",
+            "            kubectl apply -f k8s/hpa/guide-external-hpa.yaml (instead of example-hpa.yaml: one HPA each)",
         ]
     if stack.monitoring_error:
         lines.append(f"Monitoring: {stack.monitoring_error}")
@@ -148,21 +164,64 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         simulate=args.simulate,
         usage=usage,
         monitoring=args.monitoring,
+        admission_policies=True,  # the cluster refuses what a cluster with k8s/base refuses
     )
+
+
+LOG_FILE = "gpushare-up.log"
+
+
+class TerminalFormatter(logging.Formatter):
+    """What a person reads on the terminal: `WARNING: message` (secrets redacted), no JSON."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(f"{record.levelname}: {record.getMessage()}")
+
+
+def configure_up_logging(log_dir: Path, level: str, fmt: str) -> Path:
+    """`gpushare up`'s own logging: every record in `<log_dir>/gpushare-up.log` in `fmt` (JSON by default, as the
+    services' logs beside it), warnings and errors also on the terminal as plain lines, so nothing machine-shaped
+    interleaves with the progress and summary it prints. Returns the log file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / LOG_FILE
+    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    to_terminal = logging.StreamHandler(sys.stderr)
+    to_terminal.setLevel(logging.WARNING)
+    to_terminal.setFormatter(TerminalFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [to_file, to_terminal]
+    root.setLevel(level)
+    return path
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Entry point of `gpushare up`."""
+    from devstack.stack.demo import demo_deployments
+
     try:
         config = config_from(args, settings)
+        if args.dev_pods < 0 or args.dev_pods > 100:
+            raise ValueError("--dev-pods must be between 0 and 100")
+        demo_deployments(unit_mib=1 if config.memory_unit == "MiB" else 1024, dev_pods=args.dev_pods)
     except ValueError as exc:
         raise SystemExit(f"gpushare up: {exc}") from None
+    configure_up_logging(Path(config.data_dir).resolve() / "logs", settings.log_level, settings.log_format)
     return asyncio.run(
-        _up(config, demo=args.demo, demo_timeout=args.demo_timeout, once=args.exit_after_demo, note=args.usage_note)
+        _up(
+            config,
+            demo=args.demo,
+            demo_timeout=args.demo_timeout,
+            once=args.exit_after_demo,
+            note=args.usage_note,
+            dev_pods=args.dev_pods,
+        )
     )
 
 
-async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: bool, note: str = "") -> int:
+async def _up(
+    config: StackConfig, *, demo: bool, demo_timeout: float, once: bool, note: str = "", dev_pods: int = 0
+) -> int:
     from devstack.stack.demo_run import inspect_output, placement_lines, rightsizing_lines, run_demo, wait_for_usage
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise here
@@ -184,7 +243,7 @@ async def _up(config: StackConfig, *, demo: bool, demo_timeout: float, once: boo
         stopper.cancel()
         starting.result()
         if demo:
-            pairs = await run_demo(stack, demo_timeout)
+            pairs = await run_demo(stack, demo_timeout, dev_pods=dev_pods)
             print("\nDemo placement:")
             print("\n".join(placement_lines(pairs)))
             if any(not n for _, n in pairs):

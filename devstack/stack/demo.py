@@ -1,4 +1,6 @@
-"""The demo workload, shaped like the classic gpushare example: BERT training (4 GiB) and ResNet inference (2 GiB)."""
+"""The demo workload, shaped like the classic gpushare example: BERT training (4 GiB) and ResNet inference (2 GiB),
+and, with the MiB unit, the gpushare guide's 0.5 GB development pods (`gpushare up --memory-unit MiB --dev-pods N`:
+`aliyun.com/gpu-mem: 512`; a whole number of GiB cannot say half of one)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ DEMO_USAGE_RULES = """\
 gpushare-demo/bert-training-*=spike:0.8:1.1:120:40
 # ResNet inference: 0.9 GiB of its 2 GiB, steadily (right-sizing will suggest 1 GiB)
 gpushare-demo/resnet-inference-*=steady:0.45
+# development notebooks (--dev-pods): 30 % of their 512 MiB, their SMs idle (right-sizing says so)
+gpushare-demo/dev-notebook-*=steady:0.3,sm:0
 # everything else (your own pods): half of the share
 *=steady:0.5
 """
@@ -56,24 +60,51 @@ def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: l
     }
 
 
-def demo_deployments(training_replicas: int = 2, inference_replicas: int = 4) -> list[dict[str, Any]]:
-    """BERT training with 4 GiB pods and ResNet inference with 2 GiB pods."""
-    return [
+DEV_POD_MIB = 512
+"""The guide's 0.5 GB development pod."""
+
+
+class DemoError(ValueError):
+    """Demo options that cannot be honoured; the message says what to pass instead."""
+
+
+def demo_deployments(
+    training_replicas: int = 2, inference_replicas: int = 4, *, unit_mib: int = 1024, dev_pods: int = 0
+) -> list[dict[str, Any]]:
+    """BERT training with 4 GiB pods, ResNet inference with 2 GiB pods, and `dev_pods` development notebooks of
+    512 MiB, their amounts in the cluster's `aliyun.com/gpu-mem` unit (`unit_mib`: 1024 for GiB, 1 for MiB)."""
+    if dev_pods and DEV_POD_MIB % unit_mib:
+        raise DemoError(
+            f"--dev-pods: a {DEV_POD_MIB} MiB pod is not a whole number of GiB; add --memory-unit MiB "
+            "(GPUSHARE_RESOURCE_MEMORY_UNIT=MiB): aliyun.com/gpu-mem then counts MiB"
+        )
+    out = [
         deployment(
             "bert-training",
             replicas=training_replicas,
-            gpu_mem=4,
+            gpu_mem=4 * 1024 // unit_mib,
             image="nvcr.io/nvidia/pytorch:23.10-py3",
             command=["python", "run_squad.py", "--model", "bert-base-uncased"],
         ),
         deployment(
             "resnet-inference",
             replicas=inference_replicas,
-            gpu_mem=2,
+            gpu_mem=2 * 1024 // unit_mib,
             image="nvcr.io/nvidia/tritonserver:23.10-py3",
             command=["tritonserver", "--model-repository=/models/resnet50"],
         ),
     ]
+    if dev_pods:
+        out.append(
+            deployment(
+                "dev-notebook",
+                replicas=dev_pods,
+                gpu_mem=DEV_POD_MIB // unit_mib,
+                image="jupyter/tensorflow-notebook:latest",
+                command=["start-notebook.sh"],
+            )
+        )
+    return out
 
 
 def demo_pod_count(deployments: list[dict[str, Any]]) -> int:
@@ -92,11 +123,13 @@ async def ensure_namespace(api: ApiClient, name: str) -> None:
             raise
 
 
-async def submit_demo(api: ApiClient, namespace: str = DEMO_NAMESPACE) -> list[dict[str, Any]]:
-    """Create (or replace) the demo Deployments; returns them."""
+async def submit_demo(
+    api: ApiClient, namespace: str = DEMO_NAMESPACE, *, unit_mib: int = 1024, dev_pods: int = 0
+) -> list[dict[str, Any]]:
+    """Create (or replace) the demo Deployments (`demo_deployments`' options); returns them."""
     await ensure_namespace(api, namespace)
     apps = client.AppsV1Api(api)
-    deployments = demo_deployments()
+    deployments = demo_deployments(unit_mib=unit_mib, dev_pods=dev_pods)
     for dep in deployments:
         try:
             await apps.create_namespaced_deployment(namespace, dep)

@@ -15,14 +15,20 @@ from devstack.stack.stack import MODE_SIMULATOR, Stack
 log = logging.getLogger(__name__)
 
 
-async def run_demo(stack: Stack, timeout_s: float = 120.0) -> list[tuple[str, str]]:
-    """Place the demo workload; returns `(pod, node)` pairs (node "" when still pending)."""
+def unit_mib(stack: Stack) -> int:
+    """MiB per `aliyun.com/gpu-mem` unit of the stack (GiB: 1024, MiB: 1)."""
+    return 1 if stack.config.memory_unit == "MiB" else 1024
+
+
+async def run_demo(stack: Stack, timeout_s: float = 120.0, *, dev_pods: int = 0) -> list[tuple[str, str]]:
+    """Place the demo workload (with `dev_pods` development notebooks of 512 MiB); returns `(pod, node)` pairs
+    (node "" when still pending)."""
     if stack.mode == MODE_SIMULATOR:
-        return await _simulated_demo(stack)
+        return await _simulated_demo(stack, dev_pods)
     from kubernetes_asyncio import client
 
     api = await stack.api_client()
-    deployments = await submit_demo(api)
+    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods)
     want = demo_pod_count(deployments)
     stack.progress(f"submitted the demo: {', '.join(d['metadata']['name'] for d in deployments)} ({want} pods)")
     core = client.CoreV1Api(api)
@@ -42,7 +48,7 @@ async def run_demo(stack: Stack, timeout_s: float = 120.0) -> list[tuple[str, st
         await asyncio.sleep(0.5)
 
 
-async def _simulated_demo(stack: Stack) -> list[tuple[str, str]]:
+async def _simulated_demo(stack: Stack, dev_pods: int) -> list[tuple[str, str]]:
     from shared.events.bus import BusNames, EventBus
     from shared.ledger.db import make_engine
     from shared.ledger.ledger import Ledger
@@ -57,7 +63,7 @@ async def _simulated_demo(stack: Stack) -> list[tuple[str, str]]:
     ledger = Ledger(engine, prefix=c.subject_prefix, source="simulator", on_commit=relay.kick)
     sim = SchedulerSimulator(stack.extender_url, stack.node_names, ledger=ledger)
     try:
-        pods = pods_of_deployments(demo_deployments(), DEMO_NAMESPACE)
+        pods = pods_of_deployments(demo_deployments(unit_mib=unit_mib(stack), dev_pods=dev_pods), DEMO_NAMESPACE)
         stack.progress(f"scheduling {len(pods)} demo pods through the extender (simulated kube-scheduler)")
         placements = await sim.run(pods)
         await asyncio.wait_for(relay.flush(), 10)

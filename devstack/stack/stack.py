@@ -77,6 +77,7 @@ class StackConfig:
     controller_manager_extra: list[str] = field(default_factory=list)  # e.g. a short HPA sync period for tests
     scheduler_counts: tuple[str, ...] = ()  # resources kube-scheduler counts per node too (ignoredByScheduler: false)
     monitoring: bool = False  # Prometheus scraping the services, prometheus-adapter serving custom.metrics.k8s.io
+    admission_policies: bool = False  # k8s/base's ValidatingAdmissionPolicies on the local control plane (1.30+)
     scrape_interval: float = 5.0
     progress: Progress = _print_progress
     # each service connects as its own PostgreSQL role (migration 0007: least privilege); None: when the stack
@@ -214,6 +215,8 @@ class Stack:
             await self._record_simulated_inventory()
             return
         await self._create_nodes()
+        if c.admission_policies and self.control_plane is not None:
+            await self._apply_admission_policies()
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
         self.progress("starting binder")
@@ -358,7 +361,8 @@ class Stack:
         api = await self.api_client()
         unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
         gpus = spec.node_gpus(self.config.gpus, unit_mib)
-        labels = {"gpushare.io/simulated": "true", **self.config.node_labels}
+        # `gpushare=true`: the label the gpushare guide puts on GPU nodes (and k8s/base's node agent selects)
+        labels = {"gpushare.io/simulated": "true", "gpushare": "true", **self.config.node_labels}
         for node in self.node_names:
             self.progress(f"creating simulated node {node} with GPUs {self.config.gpus}")
             try:
@@ -377,6 +381,17 @@ class Stack:
             ]
             await core.patch_node_status(node, {"status": {"addresses": addresses}})
         self._heartbeat = NodeHeartbeat(api, self.node_names, interval=10.0).start()
+
+    async def _apply_admission_policies(self) -> None:
+        from devstack.stack.admission import apply_policies, wait_enforced
+
+        api, minor = await self.api_client(), self.control_plane.release.minor
+        names = await apply_policies(api, minor)
+        if not names:
+            self.progress(f"admission policies: none on Kubernetes 1.{minor} (ValidatingAdmissionPolicy is 1.30+)")
+            return
+        enforced = await wait_enforced(api, "default")
+        self.progress(f"admission policies of k8s/base {'enforced' if enforced else 'created'}: {', '.join(names)}")
 
     def node_address(self, node: str) -> str:
         """The loopback address a simulated node reports (InternalIP and the ledger's node address)."""
@@ -458,7 +473,7 @@ class Stack:
         if self.prometheus is not None:
             out.append(("prometheus", self.prometheus.url))
         if self.adapter is not None:
-            out.append(("metrics-adapter", f"https://127.0.0.1:{self.adapter.port} (custom.metrics.k8s.io)"))
+            out.append(("metrics-adapter", f"https://127.0.0.1:{self.adapter.port} (custom and external metrics)"))
         out.append(("postgres", _redact(self.database_url)))
         out.append(("nats", self.nats_url))
         out.append(("logs", str(self.log_dir)))

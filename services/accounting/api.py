@@ -17,8 +17,10 @@ from shared.ledger.ledger import Ledger
 from shared.settings import Settings
 
 from .metrics import AccountingMetrics
+from .owners import WorkloadNames
 from .resource_quotas import ResourceQuotas
 from .routes import ROUTERS
+from .scheduling import SchedulingWaits
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +35,13 @@ def create_app(
     metrics: AccountingMetrics | None = None,
     ready: Any = lambda: True,
     resource_quotas: ResourceQuotas | None = None,
+    workload_names: WorkloadNames | None = None,
+    scheduling: SchedulingWaits | None = None,
 ) -> FastAPI:
     """The accounting application over a ledger database (`ledger` is needed for quota writes,
-    `resource_quotas` to show the cluster's ResourceQuotas beside them)."""
+    `resource_quotas` to show the cluster's ResourceQuotas beside them, `workload_names` to name ReplicaSets'
+    pods by their Deployments through the API server (without: by their names), `scheduling` for the waits of
+    pending pods)."""
     metrics = metrics or AccountingMetrics()
     app = FastAPI(
         title="gpushare accounting",
@@ -49,12 +55,14 @@ def create_app(
     app.state.ledger = ledger
     app.state.metrics = metrics
     app.state.resource_quotas = resource_quotas
+    app.state.workload_names = workload_names or WorkloadNames(kubernetes=False)
+    app.state.scheduling = scheduling
 
     @app.middleware("http")
     async def _refresh_metrics(request: Request, call_next):  # type: ignore[no-untyped-def]
         if request.url.path == "/metrics":
             try:
-                await metrics.refresh(engine)
+                await metrics.refresh(engine, owners=app.state.workload_names.resolve)
             except Exception as exc:  # serve the last snapshot rather than fail the scrape
                 log.warning("could not refresh metrics from the ledger: %s", exc)
         return await call_next(request)

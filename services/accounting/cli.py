@@ -35,13 +35,15 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kubeconfig",
         default=None,
-        help="kubeconfig for reading ResourceQuotas on gpushare's resources (default: $KUBECONFIG, in-cluster)",
+        help="kubeconfig for the API server: ResourceQuotas on gpushare's resources, ReplicaSets' owners, the pod "
+        "watch behind scheduling waits (default: $KUBECONFIG, in-cluster)",
     )
     p.add_argument(
         "--no-kubernetes",
         dest="kubernetes",
         action="store_false",
-        help="do not read ResourceQuotas from the API server (/v1/quotas then shows the ledger's quotas only)",
+        help="no API server: /v1/quotas shows the ledger's quotas only, workloads are named from ReplicaSet names, "
+        "scheduling waits are not measured",
     )
     p.set_defaults(func=run)
     inspect_cli.register(subparsers, common)

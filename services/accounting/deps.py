@@ -16,7 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from shared.ledger.ledger import Ledger
 from shared.settings import Settings
 
+from .owners import WorkloadNames
 from .resource_quotas import ResourceQuotas
+from .scheduling import SchedulingWaits
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,30 @@ def get_resource_quotas(request: Request) -> ResourceQuotas | None:
 
 
 MaybeResourceQuotas = Annotated[ResourceQuotas | None, Depends(get_resource_quotas)]
+
+
+def get_workload_names(request: Request) -> WorkloadNames:
+    """What names a recorded owner (a ReplicaSet) by its workload (its Deployment)."""
+    return request.app.state.workload_names
+
+
+Names = Annotated[WorkloadNames, Depends(get_workload_names)]
+
+
+def get_scheduling(request: Request) -> SchedulingWaits | None:
+    """The pod watch that knows pending pods' creation times (None without Kubernetes access)."""
+    return request.app.state.scheduling
+
+
+MaybeScheduling = Annotated[SchedulingWaits | None, Depends(get_scheduling)]
+
+
+def with_waits(pending: dict | None, scheduling: SchedulingWaits | None) -> dict | None:
+    """A pending pod's entry with its creation time and wait so far, where the pod watch knows them."""
+    known = scheduling.waiting(pending["pod_uid"]) if pending is not None and scheduling is not None else None
+    if pending is not None and known is not None:
+        pending.update(created_at=known[0].isoformat(), waiting_seconds=int(known[1]))
+    return pending
 
 
 bearer = HTTPBearer(auto_error=False, description="GPUSHARE_ADMIN_TOKEN, for quota changes")

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.metrics import GPU_LABELS, NODE_LABELS, gpu_labels, mib_to_bytes, node_labels
 
 from . import queries
+from .scheduling import WAIT_BUCKETS
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -34,7 +35,7 @@ class Snapshot:
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)
     quotas: list[dict] = field(default_factory=list)
     pending_by_reason: dict[str, int] = field(default_factory=dict)
-    pod_ratios: list[tuple[str, str, float]] = field(default_factory=list)
+    pod_ratios: list[queries.PodRatio] = field(default_factory=list)
 
 
 class LedgerCollector(Collector):
@@ -92,11 +93,12 @@ class LedgerCollector(Collector):
             pending.add_metric([reason], count)
         ratio = GaugeMetricFamily(
             "gpushare_pod_gpu_memory_usage_ratio",
-            "Used / allocated GPU memory of a pod at its latest usage sample (for HPA through a metrics adapter)",
-            labels=["namespace", "pod"],
+            "Used / allocated GPU memory of a pod at its latest usage sample, with its workload (for an HPA through "
+            "a metrics adapter: a Pods metric, or the External metric aliyun_gpu_mem_usage selected by workload)",
+            labels=["namespace", "pod", "workload_kind", "workload"],
         )
-        for ns, pod, value in s.pod_ratios:
-            ratio.add_metric([ns, pod], value)
+        for ns, pod, kind, workload, value in s.pod_ratios:
+            ratio.add_metric([ns, pod, kind, workload], value)
         yield from (ns_alloc, ns_quota, pending, ratio)
 
 
@@ -119,6 +121,14 @@ class AccountingMetrics:
             "gpushare_bound_to_assigned_seconds",
             "Time from a pod's Binding to its first container receiving its GPU",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.scheduling_wait = Histogram(
+            "gpushare_scheduling_wait_seconds",
+            "Time from a GPU pod's creation to its Binding (outcome bound), or to its deletion while unbound "
+            "(outcome deleted), from the pod's own timestamps (whole seconds)",
+            labelnames=["namespace", "outcome"],
+            buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
         self.events_applied = Counter(
@@ -160,6 +170,10 @@ class AccountingMetrics:
         self.snapshot_success.set(time.time())
         self.stream_trimmed.inc(trimmed)
 
+    def observe_wait(self, namespace: str, outcome: str, seconds: float) -> None:
+        """Record a GPU pod's scheduling wait (`scheduling.SchedulingWaits`)."""
+        self.scheduling_wait.labels(namespace=namespace, outcome=outcome).observe(seconds)
+
     def observe_latency(self, name: str, seconds: float) -> None:
         """Record a life-cycle latency reported by the projector."""
         if name == "reserved_to_bound":
@@ -167,8 +181,11 @@ class AccountingMetrics:
         elif name == "bound_to_assigned":
             self.bound_to_assigned.observe(seconds)
 
-    async def refresh(self, engine: AsyncEngine, *, force: bool = False) -> None:
-        """Read the gauges' values from the database (at most once per `min_refresh_s` unless forced)."""
+    async def refresh(
+        self, engine: AsyncEngine, *, force: bool = False, owners: queries.OwnerLookup | None = None
+    ) -> None:
+        """Read the gauges' values from the database (at most once per `min_refresh_s` unless forced; `owners`
+        names pods' workloads, a ReplicaSet's by its Deployment)."""
         if not force and time.monotonic() - self._refreshed < self.min_refresh_s:
             return
         async with engine.connect() as conn:
@@ -185,6 +202,6 @@ class AccountingMetrics:
                 namespaces=await queries.namespace_allocated(conn),
                 quotas=await queries.list_quotas(conn),
                 pending_by_reason=dict(tally),
-                pod_ratios=await queries.pod_usage_ratios(conn),
+                pod_ratios=await queries.pod_usage_ratios(conn, owners=owners or queries.as_recorded),
             )
         self._refreshed = time.monotonic()

@@ -221,6 +221,7 @@ class _Batch:
                 "container": s.container,
                 "used_memory_mib": s.used_memory_mib,
                 "utilization_pct": s.utilization_pct,
+                "sm_utilization_pct": s.sm_utilization_pct,
             }
             for s in event.samples
         ]

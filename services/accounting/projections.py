@@ -74,6 +74,7 @@ SAMPLE_COLUMNS = (
     "container",
     "used_memory_mib",
     "utilization_pct",
+    "sm_utilization_pct",
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, nodes, quotas
 from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
 
-from .rightsizing import recommend
+from .rightsizing import compute_advice, recommend
 from .tables import pending, timeline
 
 PENDING_STALE_AFTER = timedelta(hours=1)
@@ -358,6 +358,8 @@ def _pending_dict(r: Any, holders: list[dict[str, Any]]) -> dict[str, Any]:
         "reasons": reasons,
         "refused_at": _iso(r.refused_at),
         "terminating_holders": [h for h in holders if h["node"] in reasons],
+        "created_at": None,
+        "waiting_seconds": None,
     }
 
 
@@ -417,6 +419,7 @@ async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str
         "timeline": await timeline_of(conn, [uuid.UUID(a["id"]) for a in allocs]),
         "pending": _pending_dict(pend, holders) if pend is not None and status == "pending" else None,
         "last_refusal": _pending_dict(pend, holders) if pend is not None else None,
+        "usage": (await latest_pod_usage(conn, [current["pod_uid"]])).get(current["pod_uid"]) if current else None,
     }
 
 
@@ -438,17 +441,107 @@ async def list_pending(
 # ---------------------------------------------------------------- usage and right-sizing
 
 
-def _workload(r: Any) -> tuple[str, str, str]:
-    kind = r.owner_kind or "Pod"
-    return (r.namespace, kind, r.owner_name or r.pod_name)
+Owner = tuple[str, str]
+"""(kind, name) of a workload."""
+OwnerKey = tuple[str, str, str]
+"""(namespace, owner kind, owner name) as an allocation records its pod's controller."""
+Owners = Mapping[OwnerKey, Owner]
+"""Recorded owners -> the workload to name instead (a ReplicaSet's Deployment)."""
+OwnerLookup = Callable[[set[OwnerKey]], Awaitable[Owners]]
+"""Resolves recorded owners (`owners.WorkloadNames.resolve`)."""
+
+
+async def as_recorded(keys: set[OwnerKey]) -> Owners:
+    """Workloads as the allocations recorded them (no lookup)."""
+    return {}
+
+
+def _workload(r: Any, owners: Owners | None = None) -> tuple[str, str, str]:
+    kind, name = r.owner_kind or "Pod", r.owner_name or r.pod_name
+    kind, name = (owners or {}).get((r.namespace, kind, name), (kind, name))
+    return (r.namespace, kind, name)
+
+
+def recorded_owners(rows: Iterable[Any]) -> set[OwnerKey]:
+    """(namespace, owner kind, owner name) of allocation rows with an owner: what an `OwnerLookup` resolves."""
+    return {(r.namespace, r.owner_kind, r.owner_name) for r in rows if r.owner_kind and r.owner_name}
+
+
+async def latest_pod_usage(conn: AsyncConnection, pod_uids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Per pod UID: its latest usage sample time, with memory and SM utilisation summed over its GPUs and per GPU
+    (SM: percent of one GPU, summed over the GPUs that could say; null when none could)."""
+    uids = sorted(set(pod_uids))
+    if not uids:
+        return {}
+    rows = await conn.execute(
+        text(
+            "SELECT u.pod_uid, u.ts, u.gpu_uuid, u.container, u.used_memory_mib, u.sm_utilization_pct "
+            "FROM usage_samples u JOIN (SELECT pod_uid, max(ts) AS ts FROM usage_samples "
+            " WHERE pod_uid = ANY(:uids) GROUP BY pod_uid) l ON u.pod_uid = l.pod_uid AND u.ts = l.ts "
+            "ORDER BY u.pod_uid, u.gpu_uuid"
+        ),
+        {"uids": uids},
+    )
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        pod = out.setdefault(
+            r.pod_uid, {"sampled_at": _iso(r.ts), "used_memory_mib": 0, "sm_utilization_pct": None, "gpus": []}
+        )
+        pod["used_memory_mib"] += r.used_memory_mib
+        if r.sm_utilization_pct is not None:
+            pod["sm_utilization_pct"] = round((pod["sm_utilization_pct"] or 0.0) + r.sm_utilization_pct, 1)
+        pod["gpus"].append(
+            {
+                "gpu_uuid": r.gpu_uuid,
+                "container": r.container,
+                "used_memory_mib": r.used_memory_mib,
+                "sm_utilization_pct": None if r.sm_utilization_pct is None else round(r.sm_utilization_pct, 1),
+            }
+        )
+    return out
+
+
+async def live_pod_usage(
+    conn: AsyncConnection, *, namespace: str | None = None, owners: OwnerLookup = as_recorded
+) -> list[dict[str, Any]]:
+    """Every live allocation's pod with its workload, what it holds and what its latest usage sample says."""
+    query = select(allocations).where(allocations.c.state.in_(LIVE_STATE_VALUES))
+    if namespace:
+        query = query.where(allocations.c.namespace == namespace)
+    rows = (await conn.execute(query.order_by(allocations.c.namespace, allocations.c.pod_name))).all()
+    latest = await latest_pod_usage(conn, (r.pod_uid for r in rows))
+    names = await owners(recorded_owners(rows))
+    out = []
+    for r in rows:
+        u = latest.get(r.pod_uid)
+        _, kind, name = _workload(r, names)
+        out.append(
+            {
+                "namespace": r.namespace,
+                "pod_name": r.pod_name,
+                "pod_uid": r.pod_uid,
+                "node": r.node,
+                "owner_kind": kind,
+                "owner_name": name,
+                "allocated_memory_mib": r.memory_mib,
+                "allocated_compute": r.compute,
+                "used_memory_mib": u["used_memory_mib"] if u else None,
+                "sm_utilization_pct": u["sm_utilization_pct"] if u else None,
+                "sampled_at": u["sampled_at"] if u else None,
+            }
+        )
+    return out
 
 
 async def _usage_per_pod(conn: AsyncConnection, since: datetime, until: datetime) -> dict[str, Any]:
+    """Per pod in the window: mean / peak / p95 of its memory summed over its GPUs at each sample time, and
+    mean / peak of its SM utilisation likewise (percent of one GPU; null when never measured)."""
     rows = await conn.execute(
         text(
             "SELECT pod_uid, avg(used) AS mean, max(used) AS peak, "
-            "percentile_cont(0.95) WITHIN GROUP (ORDER BY used) AS p95, count(*) AS n FROM ("
-            " SELECT pod_uid, ts, sum(used_memory_mib) AS used FROM usage_samples"
+            "percentile_cont(0.95) WITHIN GROUP (ORDER BY used) AS p95, count(*) AS n, "
+            "avg(sm) AS sm_mean, max(sm) AS sm_peak FROM ("
+            " SELECT pod_uid, ts, sum(used_memory_mib) AS used, sum(sm_utilization_pct) AS sm FROM usage_samples"
             " WHERE ts >= :since AND ts <= :until AND pod_uid <> '' GROUP BY pod_uid, ts) per_ts "
             "GROUP BY pod_uid"
         ),
@@ -464,17 +557,22 @@ def significant(value: float, digits: int = 6) -> float:
 
 
 async def usage(
-    conn: AsyncConnection, *, since: datetime, until: datetime, by: str, namespace: str | None = None
+    conn: AsyncConnection,
+    *,
+    since: datetime,
+    until: datetime,
+    by: str,
+    namespace: str | None = None,
+    owners: OwnerLookup = as_recorded,
 ) -> list[dict[str, Any]]:
     """GPU-memory-hours allocated vs used per namespace (`by="namespace"`) or workload (`by="workload"`).
 
     Allocated: each allocation's memory times the hours it was held inside the range. Used: the pod's
-    mean sampled usage times those same hours (pods never sampled count as using nothing).
+    mean sampled usage times those same hours (pods never sampled count as using nothing). A workload is named by
+    `owners` where it names one (a ReplicaSet's Deployment).
     """
-    conds = [allocations.c.reserved_at <= until, or_(allocations.c.ended_at.is_(None), allocations.c.ended_at >= since)]
-    if namespace:
-        conds.append(allocations.c.namespace == namespace)
-    rows = (await conn.execute(select(allocations).where(and_(*conds)))).all()
+    rows = await allocations_in(conn, since=since, until=until, namespace=namespace)
+    names = await owners(recorded_owners(rows)) if by != "namespace" else {}
     per_pod = await _usage_per_pod(conn, since, until)
     now = datetime.now(UTC)
     acc: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -482,7 +580,7 @@ async def usage(
         start = max(r.reserved_at, since)
         end = min(r.ended_at or now, until)
         hours = max((end - start).total_seconds(), 0.0) / 3600
-        key: tuple[str, ...] = (r.namespace,) if by == "namespace" else _workload(r)
+        key: tuple[str, ...] = (r.namespace,) if by == "namespace" else _workload(r, names)
         entry = acc.setdefault(key, {"alloc": 0.0, "used": 0.0, "pods": set(), "sampled": set()})
         entry["alloc"] += r.memory_mib * hours
         sample = per_pod.get(r.pod_uid)
@@ -506,6 +604,16 @@ async def usage(
     return out
 
 
+async def allocations_in(
+    conn: AsyncConnection, *, since: datetime, until: datetime, namespace: str | None = None
+) -> list[Any]:
+    """Allocation rows held at some time in [since, until] (of one namespace), oldest reservation first."""
+    conds = [allocations.c.reserved_at <= until, or_(allocations.c.ended_at.is_(None), allocations.c.ended_at >= since)]
+    if namespace:
+        conds.append(allocations.c.namespace == namespace)
+    return list((await conn.execute(select(allocations).where(and_(*conds)).order_by(allocations.c.reserved_at))).all())
+
+
 async def rightsizing(
     conn: AsyncConnection,
     *,
@@ -514,28 +622,38 @@ async def rightsizing(
     step_mib: int,
     headroom: float,
     namespace: str | None = None,
+    owners: OwnerLookup = as_recorded,
 ) -> list[dict[str, Any]]:
-    """Per workload with usage samples: allocated vs peak / p95 used, a recommendation and its gain."""
-    conds = [allocations.c.reserved_at <= until, or_(allocations.c.ended_at.is_(None), allocations.c.ended_at >= since)]
-    if namespace:
-        conds.append(allocations.c.namespace == namespace)
-    rows = (await conn.execute(select(allocations).where(and_(*conds)).order_by(allocations.c.reserved_at))).all()
+    """Per workload with usage samples: allocated vs peak / p95 used, a recommendation and its gain, and its SM
+    utilisation with what it says (an idle compute share is advice too). Workloads are named by `owners` where
+    it names one (a ReplicaSet's Deployment)."""
+    rows = await allocations_in(conn, since=since, until=until, namespace=namespace)
+    names = await owners(recorded_owners(rows))
     per_pod = await _usage_per_pod(conn, since, until)
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
-        g = groups.setdefault(_workload(r), {"allocated": 0, "peak": 0, "p95": 0.0, "pods": set(), "samples": 0})
+        g = groups.setdefault(
+            _workload(r, names),
+            {"allocated": 0, "compute": 0, "peak": 0, "p95": 0.0, "pods": set(), "samples": 0, "sm": []},
+        )
         g["allocated"] = r.memory_mib  # the newest allocation's size is what the workload requests now
+        g["compute"] = r.compute
         s = per_pod.get(r.pod_uid)
         if s is not None and r.pod_uid not in g["pods"]:
             g["peak"] = max(g["peak"], int(s.peak))
             g["p95"] = max(g["p95"], float(s.p95))
             g["samples"] += int(s.n)
             g["pods"].add(r.pod_uid)
+            if s.sm_peak is not None:
+                g["sm"].append((float(s.sm_mean), float(s.sm_peak)))
     out = []
     for (ns, kind, name), g in sorted(groups.items()):
         if not g["pods"] or g["allocated"] <= 0:
             continue
         rec = recommend(g["allocated"], g["peak"], round(g["p95"]), step_mib=step_mib, headroom=headroom)
+        sm_mean = sum(m for m, _ in g["sm"]) / len(g["sm"]) if g["sm"] else None
+        sm_peak = max(p for _, p in g["sm"]) if g["sm"] else None
+        compute = compute_advice(sm_peak, g["compute"], headroom=headroom)
         out.append(
             {
                 "namespace": ns,
@@ -546,9 +664,14 @@ async def rightsizing(
                 "p95_used_mib": rec.p95_mib,
                 "recommended_mib": rec.recommended_mib,
                 "density_gain_pct": rec.density_gain_pct,
+                "allocated_compute": g["compute"],
+                "sm_mean_pct": None if sm_mean is None else round(sm_mean, 1),
+                "sm_peak_pct": None if sm_peak is None else round(sm_peak, 1),
+                "compute_idle": compute.idle,
+                "recommended_compute": compute.recommended_compute,
                 "pods_sampled": len(g["pods"]),
                 "samples": g["samples"],
-                "summary": rec.text,
+                "summary": f"{rec.text}; {compute.text}" if compute.text else rec.text,
             }
         )
     out.sort(key=lambda x: (-x["density_gain_pct"], x["namespace"], x["owner_name"]))
@@ -595,15 +718,28 @@ async def namespace_allocated(conn: AsyncConnection) -> dict[str, tuple[int, int
     return {r[0]: (int(r[1] or 0), int(r[2] or 0)) for r in rows}
 
 
-async def pod_usage_ratios(conn: AsyncConnection) -> list[tuple[str, str, float]]:
-    """(namespace, pod, used / allocated) from each live pod's latest usage sample."""
-    rows = await conn.execute(
-        text(
-            "WITH latest AS (SELECT pod_uid, max(ts) AS ts FROM usage_samples WHERE pod_uid <> '' GROUP BY pod_uid), "
-            "used AS (SELECT u.pod_uid, sum(u.used_memory_mib) AS used FROM usage_samples u "
-            " JOIN latest l ON u.pod_uid = l.pod_uid AND u.ts = l.ts GROUP BY u.pod_uid) "
-            "SELECT a.namespace, a.pod_name, a.memory_mib, used.used FROM allocations a "
-            f"JOIN used ON used.pod_uid = a.pod_uid WHERE a.{LIVE_SQL} AND a.memory_mib > 0"
+PodRatio = tuple[str, str, str, str, float]
+"""(namespace, pod, workload kind, workload name, used / allocated GPU memory)."""
+
+
+async def pod_usage_ratios(conn: AsyncConnection, *, owners: OwnerLookup = as_recorded) -> list[PodRatio]:
+    """Each live pod's used / allocated memory at its latest usage sample, with its workload (named by `owners`)."""
+    rows = (
+        await conn.execute(
+            text(
+                "WITH latest AS (SELECT pod_uid, max(ts) AS ts FROM usage_samples WHERE pod_uid <> '' "
+                " GROUP BY pod_uid), "
+                "used AS (SELECT u.pod_uid, sum(u.used_memory_mib) AS used FROM usage_samples u "
+                " JOIN latest l ON u.pod_uid = l.pod_uid AND u.ts = l.ts GROUP BY u.pod_uid) "
+                "SELECT a.namespace, a.pod_name, a.owner_kind, a.owner_name, a.memory_mib, used.used "
+                f"FROM allocations a JOIN used ON used.pod_uid = a.pod_uid WHERE a.{LIVE_SQL} AND a.memory_mib > 0"
+            )
         )
-    )
-    return [(r.namespace, r.pod_name, float(r.used) / r.memory_mib) for r in rows]
+    ).all()
+    names = await owners(recorded_owners(rows))
+    return [(*_workload_of(r, names), float(r.used) / r.memory_mib) for r in rows]
+
+
+def _workload_of(r: Any, names: Owners) -> tuple[str, str, str, str]:
+    namespace, kind, name = _workload(r, names)
+    return namespace, r.pod_name, kind, name

@@ -52,3 +52,42 @@ def recommend(
     else:
         text = f"{head}: needs {format_memory(recommended)} to keep {int(headroom * 100)} % headroom"
     return Recommendation(allocated_mib, peak_mib, p95_mib, recommended, gain, text)
+
+
+IDLE_SM_PCT = 1.0
+"""A workload whose pods' SM utilisation never reached this (percent of a GPU) in the window idles its compute."""
+
+
+@dataclass(frozen=True)
+class ComputeAdvice:
+    """What a workload's SM utilisation says about its share: idle compute, or a gpu-core share to lower."""
+
+    idle: bool
+    recommended_compute: int | None
+    text: str
+
+
+def compute_advice(
+    sm_peak_pct: float | None, allocated_compute: int, *, headroom: float = DEFAULT_HEADROOM
+) -> ComputeAdvice:
+    """Advice from the peak SM utilisation of a workload's pods (None: never measured, no advice).
+
+    A share whose compute idles (peak below `IDLE_SM_PCT`) holds GPU memory for nothing: scale it to zero while
+    idle. With a gpu-core share (`allocated_compute`, percent of one GPU), a peak plus headroom below it is a
+    smaller gpu-core; one above it is reported (gpu-core is a scheduling share, not a cap)."""
+    if sm_peak_pct is None:
+        return ComputeAdvice(False, None, "")
+    if sm_peak_pct < IDLE_SM_PCT:
+        return ComputeAdvice(
+            True, None, f"its compute idles (SM peak {sm_peak_pct:.1f} % of a GPU): scale it to zero while idle"
+        )
+    if allocated_compute <= 0:
+        return ComputeAdvice(False, None, "")
+    wanted = math.ceil(sm_peak_pct * (1 + headroom) - 1e-9)
+    if wanted < allocated_compute:
+        return ComputeAdvice(
+            False, wanted, f"SM peak {sm_peak_pct:.0f} % of its gpu-core {allocated_compute}: gpu-core {wanted}"
+        )
+    if sm_peak_pct > allocated_compute:
+        return ComputeAdvice(False, None, f"SM peak {sm_peak_pct:.0f} % exceeds its gpu-core {allocated_compute}")
+    return ComputeAdvice(False, None, "")

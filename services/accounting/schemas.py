@@ -204,12 +204,38 @@ class Pending(Answer):
     terminating_holders: list[TerminatingHolder] = Field(
         description="terminating pods still holding shares on the refusing nodes: the pod may fit once they are gone"
     )
+    created_at: Timestamp | None = Field(
+        description="the pod's creationTimestamp, from the API server; null without Kubernetes access or once bound"
+    )
+    waiting_seconds: int | None = Field(description="how long it has waited since its creation (whole seconds)")
 
 
 class PendingList(Answer):
     """`GET /v1/pending`."""
 
     items: list[Pending]
+
+
+class GpuUsage(Answer):
+    """What a pod's processes used on one GPU at its latest usage sample."""
+
+    gpu_uuid: str
+    container: str = Field(description="empty when several of the pod's containers share the GPU")
+    used_memory_mib: int
+    sm_utilization_pct: float | None = Field(
+        description="percent of the GPU's SMs the pod's processes kept busy (NVML per-process); null: unknown"
+    )
+
+
+class PodUsage(Answer):
+    """A pod's latest usage sample: memory and SM utilisation over its GPUs, and per GPU."""
+
+    sampled_at: Timestamp
+    used_memory_mib: int
+    sm_utilization_pct: float | None = Field(
+        description="percent of one GPU's SMs, summed over the pod's GPUs that could say; null when none could"
+    )
+    gpus: list[GpuUsage]
 
 
 class PodView(Answer):
@@ -224,6 +250,7 @@ class PodView(Answer):
     timeline: list[TimelineStep]
     pending: Pending | None
     last_refusal: Pending | None
+    usage: PodUsage | None = Field(description="the current (or latest) allocation's latest usage sample")
 
 
 AllocationsByState: type[Answer] = create_model(  # one key per state, each required
@@ -299,14 +326,42 @@ class WorkloadUsageList(Window):
     items: list[WorkloadUsage]
 
 
+class LivePod(ByWorkload):
+    """A live allocation's pod: what it holds and what its latest usage sample says."""
+
+    pod_name: str
+    pod_uid: str
+    node: str
+    allocated_memory_mib: int
+    allocated_compute: int = Field(description="its gpu-core share, percent of one GPU (0: none)")
+    used_memory_mib: int | None = Field(description="null when never sampled")
+    sm_utilization_pct: float | None = Field(
+        description="percent of one GPU's SMs its processes kept busy (NVML per-process); null: unknown"
+    )
+    sampled_at: Timestamp | None
+
+
+class LivePodList(Answer):
+    """`GET /v1/usage/pods`."""
+
+    items: list[LivePod]
+
+
 class Sizing(Answer):
-    """Allocated vs peak and p95 used, and the recommended share."""
+    """Allocated vs peak and p95 used, and the recommended share; SM utilisation and what it says."""
 
     allocated_mib: int
     peak_used_mib: int
     p95_used_mib: int
     recommended_mib: int
     density_gain_pct: int
+    allocated_compute: int = Field(description="the gpu-core share of its newest pod, percent of one GPU (0: none)")
+    sm_mean_pct: float | None = Field(description="mean SM utilisation of its pods, percent of one GPU; null: unknown")
+    sm_peak_pct: float | None = Field(description="peak SM utilisation of its pods; null: unknown")
+    compute_idle: bool = Field(
+        description="its pods' SMs stayed idle in the window: the share holds memory for nothing"
+    )
+    recommended_compute: int | None = Field(description="a smaller gpu-core share that covers the peak, or null")
     pods_sampled: int
     samples: int
     summary: str

@@ -3,20 +3,26 @@ pruning)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
+from kubernetes_asyncio.config.config_exception import ConfigException
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.bus import EventBus
 from shared.events.consumer import DurableConsumer
+from shared.kube.client import api_client
 from shared.runtime import Listen, ServiceRuntime
 from shared.settings import Settings
 
 from .api import create_app
 from .housekeeping import Housekeeper, Retention
 from .metrics import AccountingMetrics
+from .owners import WorkloadNames
 from .projections import Projector
 from .resource_quotas import ResourceQuotas
+from .scheduling import SchedulingWaits
 from .tables import CONSUMER, SAMPLES_CONSUMER
 
 log = logging.getLogger(__name__)
@@ -71,6 +77,8 @@ async def serve(
         )
         rt.spawn(housekeeper.run(rt.stop))
         resource_quotas = ResourceQuotas(kubeconfig) if kubernetes else None
+        names = WorkloadNames(kubeconfig, kubernetes=kubernetes)
+        scheduling = _watch_scheduling(rt, metrics, settings, kubeconfig) if kubernetes else None
         app = create_app(
             rt.engine,
             settings,
@@ -78,9 +86,43 @@ async def serve(
             metrics=metrics,
             ready=lambda: all(c.ready.is_set() for c in consumers),
             resource_quotas=resource_quotas,
+            workload_names=names,
+            scheduling=scheduling,
         )
         try:
             await rt.serve(app)
         finally:
+            await names.close()
             if resource_quotas is not None:
                 await resource_quotas.close()
+
+
+def _watch_scheduling(
+    rt: ServiceRuntime, metrics: AccountingMetrics, settings: Settings, kubeconfig: str | None
+) -> SchedulingWaits:
+    """The pod watch behind the scheduling-wait histogram and pending pods' waits. Until the Kubernetes
+    configuration can be read (a local control plane writes its kubeconfig after accounting started) it is tried
+    again with capped backoff."""
+    assert rt.engine is not None
+    scheduling = SchedulingWaits(rt.engine, metrics.observe_wait, horizon_s=settings.dedupe_horizon)
+
+    async def watch() -> None:
+        backoff, said = 1.0, False
+        while not rt.stop.is_set():
+            try:
+                api = await api_client(kubeconfig)
+            except (ConfigException, OSError) as exc:
+                if not said:
+                    log.warning("no Kubernetes configuration yet (%s): scheduling waits wait for it", exc)
+                    said = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(rt.stop.wait(), backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            try:
+                await scheduling.run(api, rt.stop)
+            finally:
+                await api.close()
+
+    rt.spawn(watch())
+    return scheduling

@@ -1,7 +1,8 @@
 """Accounting's own tables, beside the authoritative ledger: its read models (projections of the event
 stream) and the usage samples.
 
-`migrations/versions/0002_accounting.py` creates the projections, `0001_ledger.py` `usage_samples`. They are
+`migrations/versions/0002_accounting.py` creates the projections, `0001_ledger.py` `usage_samples` (0008 adds
+its SM column). They are
 derived data: `gpushare ledger rebuild` truncates and refills them from the stream
 (`projections.rebuild_projections`).
 """
@@ -65,6 +66,7 @@ usage_samples = Table(
     Column("container", Text, nullable=False, server_default=""),
     Column("used_memory_mib", Integer, nullable=False),
     Column("utilization_pct", Float, nullable=False, server_default="0"),
+    Column("sm_utilization_pct", Float, nullable=True),  # the pod's share of the GPU's SMs (null: unknown)
     Index("ix_usage_samples_pod_uid_ts", "pod_uid", "ts"),
     Index("ix_usage_samples_namespace_ts", "namespace", "ts"),
     Index("ix_usage_samples_event_id", "event_id"),

@@ -30,7 +30,13 @@ from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUn
 from services.node_agent.metrics import AgentMetrics
 from services.node_agent.mps import MpsRoot
 from services.node_agent.plugin import PluginServer, dp_pb2
-from services.node_agent.usage import OveruseTracker, allocated_by_pod_gpu, build_samples, pid_to_pod_uid
+from services.node_agent.usage import (
+    OveruseTracker,
+    allocated_by_pod_gpu,
+    build_samples,
+    pid_to_pod_uid,
+    pod_sm_series,
+)
 from services.node_agent.view import NodeView, allocated_by_gpu
 from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
 from shared.events.bus import EventBus
@@ -396,8 +402,9 @@ class NodeAgent:
         """Sample processes, publish a UsageEvent on the bus, update metrics, track over-use."""
         processes = await asyncio.to_thread(self.backend.processes)
         utilization = await asyncio.to_thread(self.backend.utilization)
+        process_sm = await asyncio.to_thread(self.backend.process_utilization)
         view = self.view.containers()
-        samples = build_samples(processes, utilization, pid_to_pod_uid(self.config.proc_root), view)
+        samples = build_samples(processes, utilization, pid_to_pod_uid(self.config.proc_root), view, process_sm)
         event = UsageEvent(node=self.config.node, samples=samples, source="node-agent")
         await self.bus.publish(event)
         self.last_usage = event
@@ -414,6 +421,7 @@ class NodeAgent:
             m.gpu_used.labels(*labels).set(mib_to_bytes(used_gpu.get(g.uuid, 0)))
             m.gpu_util.labels(*labels).set(percent_to_ratio(utilization.get(g.uuid, 0.0)))
         m.pod_used.publish({key: mib_to_bytes(mib) for key, mib in used_pod.items()})
+        m.pod_sm.publish(pod_sm_series(node, self.gpus, samples))
         self._update_gpu_metrics()
         allocated = allocated_by_pod_gpu(view)
         for sample, limit in self.overuse.update(samples, allocated, time.monotonic()):

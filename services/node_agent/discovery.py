@@ -25,6 +25,7 @@ from services.node_agent.simulation import (
     SimulatedProcess,
     UsageSimulation,
     parse_rules,
+    sm_percent,
     utilization,
 )
 from shared.settings import MemoryUnit
@@ -90,6 +91,11 @@ class GpuBackend(Protocol):
 
     def utilization(self) -> dict[str, float]:
         """GPU UUID -> utilisation percent (0..100) over the last sample period."""
+        ...
+
+    def process_utilization(self) -> dict[str, dict[int, float]]:
+        """GPU UUID -> {host PID: percent of the GPU's SMs the process kept busy} since the previous call; a
+        process missing from its GPU's map was idle, a GPU missing from the result cannot say."""
         ...
 
     def close(self) -> None:
@@ -223,6 +229,7 @@ class FakeBackend:
     _health: list[HealthChange] = field(default_factory=list, init=False)
     _processes: list[ProcessUsage] = field(default_factory=list, init=False)
     _utilization: dict[str, float] = field(default_factory=dict, init=False)
+    _process_sm: dict[str, dict[int, float]] | None = field(default=None, init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
 
     def __post_init__(self) -> None:
@@ -276,6 +283,20 @@ class FakeBackend:
                 out[gpu] = min(100.0, out.get(gpu, 0.0) + pct)
             return out
 
+    def process_utilization(self) -> dict[str, dict[int, float]]:
+        """SM utilisation per process set by `set_processes` (the GPUs it names answer; without `process_sm`
+        every GPU answers with no busy process), plus the simulated workloads' (as of the last `processes`)."""
+        with self._cond:
+            out: dict[str, dict[int, float]] = (
+                {gpu: dict(by_pid) for gpu, by_pid in self._process_sm.items()}
+                if self._process_sm is not None
+                else {d.uuid: {} for d in self._devices}
+            )
+            memory = {d.uuid: d.memory_total_mib for d in self._devices}
+            for p in self._simulated:
+                out.setdefault(p.gpu_uuid, {})[p.pid] = sm_percent(p, memory.get(p.gpu_uuid, 0))
+            return out
+
     def _write_cgroups(self) -> None:
         """`<proc_root>/<pid>/cgroup` of each simulated process; the folders of ended ones are removed."""
         assert self.proc_root is not None
@@ -303,11 +324,18 @@ class FakeBackend:
             self._health.append(HealthChange(gpu_uuid, healthy, reason or ("recovered" if healthy else "fake XID 79")))
             self._cond.notify_all()
 
-    def set_processes(self, processes: list[ProcessUsage], utilization: dict[str, float] | None = None) -> None:
-        """Simulate the processes running on the GPUs."""
+    def set_processes(
+        self,
+        processes: list[ProcessUsage],
+        utilization: dict[str, float] | None = None,
+        process_sm: dict[str, dict[int, float]] | None = None,
+    ) -> None:
+        """Simulate the processes running on the GPUs (`process_sm`: GPU -> {PID: SM percent}; a GPU it leaves out
+        cannot say, as NVML's per-process query on a GPU that does not support it)."""
         with self._cond:
             self._processes = list(processes)
             self._utilization = dict(utilization or {})
+            self._process_sm = None if process_sm is None else {g: dict(by_pid) for g, by_pid in process_sm.items()}
 
     def set_memory(self, index: int, memory_total_mib: int) -> None:
         """Simulate a changed GPU (for inventory-change tests)."""

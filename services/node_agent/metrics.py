@@ -14,8 +14,8 @@ POD_LABELS = ("node", "namespace", "pod")
 
 
 class AgentMetrics:
-    """Per GPU total / allocated / used memory, utilisation and health; per pod allocated vs used (only the node's
-    live pods: `SeriesSet`); outcomes."""
+    """Per GPU total / allocated / used memory, utilisation and health; per pod allocated vs used and SM utilisation
+    (only the node's live pods: `SeriesSet`); outcomes."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -38,6 +38,15 @@ class AgentMetrics:
         )
         self.pod_used = SeriesSet(
             Gauge("gpushare_node_agent_pod_gpu_memory_used_bytes", "GPU memory a pod's processes use", pod, registry=r)
+        )
+        self.pod_sm = SeriesSet(
+            Gauge(
+                "gpushare_node_agent_pod_sm_utilization_ratio",
+                "Share of a GPU's SMs a pod's processes kept busy since the previous sample, 0 to 1 (NVML's "
+                "per-process utilisation); container empty when several of the pod's containers share the GPU",
+                [*gpu, "namespace", "pod", "container"],
+                registry=r,
+            )
         )
         self.pod_overuse = SeriesSet(
             Gauge(

@@ -36,6 +36,8 @@ class NvmlBackend:
                 f"NVML is not available ({exc}): run on a node with the NVIDIA driver, or pass --fake-gpus"
             ) from None
         self.recover_after_s = recover_after_s
+        self._sm_seen: dict[str, int] = {}  # GPU -> CPU timestamp (µs) of the newest per-process sample read
+        self._sm_unsupported: set[str] = set()
         self._events: Any = None
         self._unhealthy_since: dict[str, float] = {}
         self._handles = self._load_handles()
@@ -160,6 +162,29 @@ class NvmlBackend:
                 continue
         return out
 
+    def process_utilization(self) -> dict[str, dict[int, float]]:
+        """Per GPU, each process's SM utilisation (percent of the GPU) since the previous call, from NVML's
+        per-process samples (`nvmlDeviceGetProcessUtilization`, from the timestamp of the newest sample read
+        before). A GPU that cannot say (not supported, e.g. MIG or a pre-Maxwell GPU) is left out."""
+        n = self.nvml
+        out: dict[str, dict[int, float]] = {}
+        for gpu_uuid, h in self._handles.items():
+            since = self._sm_seen.get(gpu_uuid, 0)
+            try:
+                samples = n.nvmlDeviceGetProcessUtilization(h, since)
+            except n.NVMLError as exc:
+                if _is_not_found(n, exc):  # no process had SM activity since `since`: every process idled
+                    out[gpu_uuid] = {}
+                elif gpu_uuid not in self._sm_unsupported:
+                    self._sm_unsupported.add(gpu_uuid)
+                    log.warning("no per-process SM utilisation on GPU %s (%s): pods there show none", gpu_uuid, exc)
+                continue
+            self._sm_unsupported.discard(gpu_uuid)
+            by_pid, newest = process_sm(samples, since)
+            self._sm_seen[gpu_uuid] = max(since, newest)
+            out[gpu_uuid] = by_pid
+        return out
+
     def close(self) -> None:
         """Shut NVML down."""
         n = self.nvml
@@ -169,6 +194,28 @@ class NvmlBackend:
             n.nvmlShutdown()
         except n.NVMLError:
             pass
+
+
+def process_sm(samples: Any, since: int) -> tuple[dict[int, float], int]:
+    """NVML's per-process utilisation samples (`pid`, `timeStamp` in µs, `smUtil` in percent) -> (PID -> mean SM
+    percent of its samples newer than `since`, the newest timestamp). The driver keeps several samples per process
+    (one per sampling period), and may return ones read before: those are skipped."""
+    sums: dict[int, list[float]] = {}
+    newest = since
+    for sample in samples:
+        stamp = int(sample.timeStamp)
+        if stamp <= since:
+            continue
+        newest = max(newest, stamp)
+        acc = sums.setdefault(int(sample.pid), [0.0, 0.0])
+        acc[0] += min(max(float(sample.smUtil), 0.0), 100.0)
+        acc[1] += 1
+    return {pid: total / count for pid, (total, count) in sums.items()}, newest
+
+
+def _is_not_found(nvml: Any, exc: Exception) -> bool:
+    """NVML_ERROR_NOT_FOUND: the per-process query found no sample since the timestamp given."""
+    return getattr(exc, "value", None) == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6)
 
 
 def _numa_node(bus_id: str) -> int | None:

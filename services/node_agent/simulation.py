@@ -5,7 +5,7 @@ metric would stay empty. `--simulate-usage RULES` gives the fake GPUs workloads:
 started on the node (the agent's view: assigned app containers and sidecars) runs one simulated process per GPU
 share, holding a fraction of its share that follows the profile of the first rule matching its pod:
 
-    PATTERN=SHAPE[;PATTERN=SHAPE...]      or  @FILE (one rule per line, `#` comments; re-read when it changes)
+    PATTERN=SHAPE[,sm:F][;PATTERN=SHAPE...]      or  @FILE (one rule per line, `#` comments; re-read when it changes)
 
     PATTERN  a glob on NAMESPACE/POD (`gpushare-demo/bert-training-*`, `team-a/*`, `*`); a bare word is a
              namespace (`team-a` = `team-a/*`)
@@ -13,6 +13,8 @@ share, holding a fraction of its share that follows the profile of the first rul
              ramp:F1:F2:SECONDS    from F1 to F2 over SECONDS after the container started, then F2
              spike:F1:F2:EVERY:FOR F1, and F2 for FOR seconds every EVERY seconds (from the container's start)
              idle                  no process at all (the pod holds its share and uses none)
+    sm:F     the processes keep F of the GPU's SMs busy (0.05 = 5 %; `sm:0` is a share whose compute idles);
+             without it: the container's compute share times the memory fraction, or its memory's part of the GPU
 
 Everything the agent does with real processes then happens to these: the processes carry PIDs whose
 `<proc-root>/<pid>/cgroup` names the pod as kubelet's systemd cgroup driver would, so the agent's real mapping
@@ -73,17 +75,19 @@ class Shape:
 
 @dataclass(frozen=True)
 class Rule:
-    """Pods whose `namespace/name` matches `pattern` run `shape`."""
+    """Pods whose `namespace/name` matches `pattern` run `shape`, keeping `sm` of the GPU's SMs busy (0..1; None:
+    derived from the share)."""
 
     pattern: str
     shape: Shape
+    sm: float | None = None
 
     def matches(self, namespace: str, pod: str) -> bool:
         """Whether the rule applies to this pod."""
         return fnmatch.fnmatchcase(f"{namespace}/{pod}", self.pattern)
 
     def __str__(self) -> str:
-        return f"{self.pattern}={self.shape}"
+        return f"{self.pattern}={self.shape}" + (f",sm:{self.sm:g}" if self.sm is not None else "")
 
 
 _SHAPES = {
@@ -122,8 +126,19 @@ def parse_shape(text: str) -> Shape:
     return Shape("spike", low=numbers[0], high=numbers[1], period_s=every, duration_s=duration)
 
 
+_SM = re.compile(rf"^sm:{_NUMBER}$")
+
+
+def parse_sm(text: str) -> float:
+    """The `sm:F` part of a rule: a fraction of the GPU's SMs from 0 to 1; ProfileError naming what was expected."""
+    m = _SM.match(text.strip().lower())
+    if m is None or float(m.group(1)) > 1:
+        raise ProfileError(f"bad SM part {text.strip()!r}: expected sm:F with F from 0 to 1, e.g. sm:0.05")
+    return float(m.group(1))
+
+
 def parse_rules(text: str) -> list[Rule]:
-    """Rules from `PATTERN=SHAPE` items separated by `;` or new lines (`#` starts a comment)."""
+    """Rules from `PATTERN=SHAPE[,sm:F]` items separated by `;` or new lines (`#` starts a comment)."""
     rules = []
     for line in re.split(r"[;\n]", text):
         item = line.split("#", 1)[0].strip()
@@ -135,13 +150,20 @@ def parse_rules(text: str) -> list[Rule]:
             raise ProfileError(f"bad usage rule {item!r}: expected PATTERN=SHAPE, e.g. gpushare-demo/*=steady:0.6")
         if "/" not in pattern:
             pattern = f"{pattern}/*" if pattern != "*" else "*"
-        rules.append(Rule(pattern, parse_shape(shape)))
+        shape, comma, sm = shape.partition(",")
+        rules.append(Rule(pattern, parse_shape(shape), parse_sm(sm) if comma else None))
     return rules
+
+
+def rule_for(rules: Iterable[Rule], namespace: str, pod: str) -> Rule | None:
+    """The first rule matching the pod (None: no rule, no process)."""
+    return next((r for r in rules if r.matches(namespace, pod)), None)
 
 
 def shape_for(rules: Iterable[Rule], namespace: str, pod: str) -> Shape | None:
     """The shape of the first rule matching the pod (None: no rule, no process)."""
-    return next((r.shape for r in rules if r.matches(namespace, pod)), None)
+    rule = rule_for(rules, namespace, pod)
+    return rule.shape if rule is not None else None
 
 
 @dataclass(frozen=True)
@@ -154,6 +176,7 @@ class SimulatedProcess:
     gpu_uuid: str
     used_memory_mib: int
     utilization_pct: float
+    sm_pct: float | None = None  # the rule's `sm:F` as a percent of the GPU (None: derived, see `sm_percent`)
 
     @property
     def cgroup(self) -> str:
@@ -184,11 +207,11 @@ class UsageSimulation:
         for c in sorted(containers, key=lambda c: (c.pod_uid, c.container)):
             if not (c.assigned and c.long_running and c.pod_uid and c.shares):
                 continue
-            shape = shape_for(self.rules, c.namespace, c.pod_name)
+            rule = rule_for(self.rules, c.namespace, c.pod_name)
             key = (c.pod_uid, c.container)
             running.add(key)
             start = self.started.setdefault(key, now)
-            fraction = shape.fraction(now - start) if shape is not None else None
+            fraction = rule.shape.fraction(now - start) if rule is not None else None
             if fraction is None:
                 continue
             pid = self.pids.get(key)
@@ -205,6 +228,7 @@ class UsageSimulation:
                         gpu_uuid=s.gpu_uuid,
                         used_memory_mib=round(s.memory_mib * fraction),
                         utilization_pct=min(100.0, (s.compute or 0) * fraction) if s.compute else 0.0,
+                        sm_pct=100.0 * rule.sm if rule is not None and rule.sm is not None else None,
                     )
                 )
         for key in [k for k in self.started if k not in running]:  # the container ended: its process too
@@ -213,11 +237,18 @@ class UsageSimulation:
         return out
 
 
+def sm_percent(process: SimulatedProcess, gpu_memory_mib: int) -> float:
+    """The percent of its GPU's SMs a simulated process keeps busy: its rule's `sm:F`, else its compute share in
+    use, else its memory's part of the GPU (at most 100)."""
+    if process.sm_pct is not None:
+        return min(100.0, process.sm_pct)
+    return min(100.0, process.utilization_pct or 100.0 * process.used_memory_mib / max(gpu_memory_mib, 1))
+
+
 def utilization(processes: Iterable[SimulatedProcess], gpu_memory_mib: dict[str, int]) -> dict[str, float]:
-    """GPU UUID -> utilisation percent: each process's compute share in use, or without one its memory's part of
-    the GPU, summed and capped at 100."""
+    """GPU UUID -> utilisation percent: the processes' `sm_percent`, summed and capped at 100."""
     out: dict[str, float] = {}
     for p in processes:
-        part = p.utilization_pct or 100.0 * p.used_memory_mib / max(gpu_memory_mib.get(p.gpu_uuid, 0), 1)
+        part = sm_percent(p, gpu_memory_mib.get(p.gpu_uuid, 0))
         out[p.gpu_uuid] = min(100.0, out.get(p.gpu_uuid, 0.0) + part)
     return out

@@ -264,7 +264,19 @@ class UsageSample(BaseModel):
     pod_name: Annotated[str, Field(max_length=253)] = ""
     container: Annotated[str, Field(max_length=253)] = ""
     used_memory_mib: MiB
-    utilization_pct: Annotated[float, Field(ge=0, le=100)] = 0.0
+    utilization_pct: Annotated[float, Field(ge=0, le=100)] = 0.0  # the whole GPU's utilisation at the sample
+    # the share of the GPU's SMs this pod's processes kept busy since the previous sample (NVML's per-process
+    # samples, summed over the pod's processes); None when the GPU cannot say (and from agents before it existed)
+    sm_utilization_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_sm(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a sample without an SM figure serialises exactly as before the field existed, so a reader from the
+        # previous release (extra="forbid") still decodes it; one with the figure needs accounting upgraded first
+        data = handler(self)
+        if self.sm_utilization_pct is None:
+            data.pop("sm_utilization_pct", None)
+        return data
 
 
 class UsageEvent(_EventBase):

@@ -257,7 +257,9 @@ async def seeded(stack: Stack) -> Stack:
 
 
 @pytest.fixture
-def live_server(database_url: str, stack: Stack) -> Iterator[LiveServer]:
-    """The app on a real port; its ledger writes go to the test's outbox, which the stack's relay publishes."""
-    with LiveServer(database_url, stack.settings) as server:
+def live_server(database_url: str, stack: Stack, request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """The app on a real port; its ledger writes go to the test's outbox, which the stack's relay publishes (a
+    test module's `SCHEDULING(stack)` gives it what knows pending pods' waits)."""
+    make = getattr(request.module, "SCHEDULING", None)
+    with LiveServer(database_url, stack.settings, scheduling=make(stack) if make else None) as server:
         yield server

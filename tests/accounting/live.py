@@ -6,6 +6,7 @@ import asyncio
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import uvicorn
@@ -27,8 +28,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LiveServer:
     """Accounting's app served by uvicorn in a thread with its own event loop and engine (on `host`)."""
 
-    def __init__(self, database_url: str, settings: Settings, host: str = "127.0.0.1") -> None:
+    def __init__(self, database_url: str, settings: Settings, host: str = "127.0.0.1", scheduling: Any = None) -> None:
         self.host = host
+        self.scheduling = scheduling  # what knows pending pods' waits (`scheduling.SchedulingWaits`), if any
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.database_url = database_url
@@ -40,7 +42,9 @@ class LiveServer:
         async def main() -> None:
             engine = make_engine(self.database_url, pool_size=4)
             ledger = Ledger(engine, prefix=self.settings.subject_prefix, source="live-test")
-            app = create_app(engine, self.settings, ledger=ledger, metrics=AccountingMetrics())
+            app = create_app(
+                engine, self.settings, ledger=ledger, metrics=AccountingMetrics(), scheduling=self.scheduling
+            )
             config = uvicorn.Config(app, host=self.host, port=self.port, log_config=None, access_log=False)
             self.server = uvicorn.Server(config)
             try:

@@ -36,9 +36,10 @@ async def test_metrics_names_and_values(seeded: Stack) -> None:
         (("reason", "needs N GiB on one GPU"),): 1,
         (("reason", "needs N GiB on one GPU, largest free N GiB"),): 1,
     }
-    ratio = m[("gpushare_pod_gpu_memory_usage_ratio", (("namespace", "team-a"), ("pod", "bert-1")))]
-    assert abs(ratio - 1200 / 2048) < 1e-9
-    assert m[("gpushare_pod_gpu_memory_usage_ratio", (("namespace", "team-b"), ("pod", "train-0")))] == 0.75
+    bert = (("namespace", "team-a"), ("pod", "bert-1"), ("workload", "bert"), ("workload_kind", "Deployment"))
+    assert abs(m[("gpushare_pod_gpu_memory_usage_ratio", bert)] - 1200 / 2048) < 1e-9
+    train = (("namespace", "team-b"), ("pod", "train-0"), ("workload", "train"), ("workload_kind", "Job"))
+    assert m[("gpushare_pod_gpu_memory_usage_ratio", train)] == 0.75
     # Latency histograms observed from the events: 3 bindings, 2 first assignments.
     assert m[("gpushare_reserved_to_bound_seconds_count", ())] == 3
     assert m[("gpushare_bound_to_assigned_seconds_count", ())] == 2
@@ -47,6 +48,7 @@ async def test_metrics_names_and_values(seeded: Stack) -> None:
 
     # Every metric uses the prefix and the project's label names.
     allowed = {"node", "Hostname", "gpu", "UUID", "modelName", "namespace", "pod", "reason", "le"}
+    allowed |= {"outcome", "workload_kind", "workload"}
     families = list(text_string_to_metric_families(r.text))
     assert {f.name for f in families} >= {
         "gpushare_node_gpu_memory_bytes",

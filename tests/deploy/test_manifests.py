@@ -24,6 +24,7 @@ CRD_KINDS = {"ServiceMonitor"}
 NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
 POLICY = "gpushare-device-env"
 ANNOTATION_POLICY = "gpushare-annotations"
+ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 EXEMPT = "gpushare.io/allow-device-env"
 # Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
 SCHEMA_VERSIONS = ("1.25.0", "latest")
@@ -352,11 +353,8 @@ def test_before_1_30_overlay_is_the_base_without_the_admission_policies(
 ) -> None:
     base = {key(o) for o in rendered["base"]}
     older = {key(o) for o in rendered["overlays/before-1.30"]}
-    assert base - older == {
-        (kind, name)
-        for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-        for name in (POLICY, ANNOTATION_POLICY)
-    }
+    policies = (POLICY, f"{POLICY}-workloads", ANNOTATION_POLICY)
+    assert base - older == {(kind, name) for name in policies for kind in ADMISSION_KINDS}
     assert older < base
 
 

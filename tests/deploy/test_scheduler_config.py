@@ -1,11 +1,13 @@
 """The kube-scheduler configurations shipped in k8s/scheduler/: the v1 files (default scheduler and second
 scheduler) are loaded by a real current kube-scheduler, the v1beta1 file and the legacy Policy by a real
-kube-scheduler 1.20; v1beta3 carries the same extender stanza."""
+kube-scheduler 1.20; v1beta3 carries the same extender stanza. `gpushare scheduler-config --from-policy` turns a
+Policy (the shipped one, and the gpushare guide's own) into the configuration each of those releases loads."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -219,3 +221,128 @@ def test_devstack_scheduler_config_merges_extra_connection_settings(tmp_path: Pa
     )
     assert cfg["clientConnection"] == {"kubeconfig": str(kubeconfig), "qps": 500, "burst": 500}
     assert cfg["podMaxBackoffSeconds"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `gpushare scheduler-config --from-policy`: the guide's Policy as a KubeSchedulerConfiguration, loaded by the real
+# kube-scheduler of the release it was made for.
+
+GUIDE_POLICY = {  # Aliyun gpushare's own scheduler-policy-config.json: filter and bind only, resources counted
+    "kind": "Policy",
+    "apiVersion": "v1",
+    "extenders": [
+        {
+            "urlPrefix": "http://127.0.0.1:32766/gpushare-scheduler",
+            "filterVerb": "filter",
+            "bindVerb": "bind",
+            "enableHttps": False,
+            "nodeCacheCapable": True,
+            "managedResources": [{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False}],
+            "ignorable": False,
+        }
+    ],
+}
+
+
+def _convert(tmp_path: Path, policy: dict[str, Any] | str, *args: str) -> tuple[int, str, str]:
+    """Run `gpushare scheduler-config --from-policy` as a user would: (exit status, stdout, stderr)."""
+    source = tmp_path / "scheduler-policy-config.json"
+    source.write_text(policy if isinstance(policy, str) else json.dumps(policy))
+    cmd = [sys.executable, "-m", "services.cli", "scheduler-config", "--from-policy", str(source), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(("release", "fixture"), [("1.20", "k8s_1_20_binaries"), ("v1.37.2", "k8s_binaries")])
+def test_the_shipped_policy_converts_into_what_each_kube_scheduler_loads(
+    request: pytest.FixtureRequest, tmp_path: Path, release: str, fixture: str
+) -> None:
+    policy = json.loads((SCHEDULER / "scheduler-policy-config.json").read_text())
+    code, out, err = _convert(tmp_path, policy, "--kubernetes-version", release)
+    assert code == 0 and err == "", err
+    config = yaml.safe_load(out)
+    assert config["apiVersion"] == (
+        "kubescheduler.config.k8s.io/v1beta1" if release == "1.20" else CONFIGS["kube-scheduler-config.v1.yaml"]
+    )
+    # the same file gpushare ships for that release, comments aside
+    shipped = "kube-scheduler-config.v1beta1.yaml" if release == "1.20" else "kube-scheduler-config.v1.yaml"
+    assert config == yaml.safe_load((SCHEDULER / shipped).read_text())
+    proc = _load(request.getfixturevalue(fixture), tmp_path, out)
+    loaded = _assert_loaded(proc, tmp_path)
+    assert _extender(loaded)["urlPrefix"] == "http://127.0.0.1:32766/gpushare-scheduler"
+    assert _extender(loaded)["weight"] == 5
+
+
+@pytest.mark.parametrize(("release", "fixture"), [("1.20", "k8s_1_20_binaries"), ("1.37", "k8s_binaries")])
+def test_the_guides_own_policy_converts_as_written_with_notes(
+    request: pytest.FixtureRequest, tmp_path: Path, release: str, fixture: str
+) -> None:
+    code, out, err = _convert(tmp_path, GUIDE_POLICY, "--kubernetes-version", release, "-o", str(tmp_path / "c.yaml"))
+    assert code == 0 and out == "", err
+    text = (tmp_path / "c.yaml").read_text()
+    ext = _extender(yaml.safe_load(text))
+    assert ext == {
+        "urlPrefix": "http://127.0.0.1:32766/gpushare-scheduler",
+        "filterVerb": "filter",
+        "bindVerb": "bind",
+        "enableHTTPS": False,
+        "nodeCacheCapable": True,
+        "managedResources": [{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False}],
+        "ignorable": False,
+    }
+    # what gpushare adds is said, not done: the conversion stays equivalent
+    assert "without prioritizeVerb: prioritize and preemptVerb: preempt" in err
+    assert "no httpTimeout: kube-scheduler's default is 5s" in err
+    assert text.count("# NOTE: ") == 2
+    cmd = [str(request.getfixturevalue(fixture).kube_scheduler), *_write_config(tmp_path, text)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = _extender(yaml.safe_load((tmp_path / "out.yaml").read_text()))
+    assert (loaded["filterVerb"], loaded["bindVerb"], loaded["nodeCacheCapable"]) == ("filter", "bind", True)
+    assert loaded["managedResources"] == [{"name": "aliyun.com/gpu-mem"}]  # false is omitted on output
+    assert loaded["httpTimeout"] == "5s"  # kube-scheduler's default, as the note said
+
+
+def test_tls_settings_and_other_policy_parts_carry_over_or_are_named(tmp_path: Path) -> None:
+    policy = json.loads(json.dumps(GUIDE_POLICY))
+    policy["extenders"][0].update(
+        urlPrefix="https://gpushare.example:12345/gpushare-scheduler",
+        enableHttps=True,
+        tlsConfig={"caFile": "/etc/ca.crt", "serverName": "gpushare-extender"},
+        httpTimeout=1_500_000_000,
+    )
+    policy["predicates"] = [{"name": "PodFitsResources"}]
+    code, out, err = _convert(tmp_path, policy, "--kubernetes-version", "1.24")
+    assert code == 0, err
+    config = yaml.safe_load(out)
+    ext = _extender(config)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1beta3"
+    assert (ext["enableHTTPS"], ext["httpTimeout"]) == (True, "1500ms")
+    assert ext["tlsConfig"] == {"caFile": "/etc/ca.crt", "serverName": "gpushare-extender"}
+    assert "the Policy's predicates is not converted (the default profile's plugins run)" in err
+    assert _convert(tmp_path, policy, "--kubernetes-version", "1.22")[1].count("kubescheduler.config.k8s.io/v1beta2")
+
+
+@pytest.mark.parametrize(
+    ("change", "args", "says"),
+    [
+        (lambda p: p["extenders"][0].update(nodeCacheCapabel=True), (), "unknown field(s) nodeCacheCapabel"),
+        (lambda p: p["extenders"][0].update(httpTimeout="30s"), (), "httpTimeout: '30s' is not nanoseconds"),
+        (lambda p: p["extenders"][0].update(prioritizeVerb="prioritize"), (), "weight: a positive weight is needed"),
+        (lambda p: p.update(kind="KubeSchedulerConfiguration"), (), "not a scheduler Policy"),
+        (lambda p: p.update(extenders=[]), (), "the Policy has no extenders"),
+        (lambda p: p["extenders"][0]["managedResources"].append("gpu"), (), "managedResources[1]: expected"),
+        (lambda p: None, ("--kubernetes-version", "1.18"), "reads the Policy itself"),
+        (lambda p: None, ("--kubernetes-version", "latest"), "expected a release such as 1.20"),
+    ],
+)
+def test_a_policy_that_cannot_be_converted_is_refused_with_the_reason(
+    tmp_path: Path, change: Any, args: tuple[str, ...], says: str
+) -> None:
+    policy = json.loads(json.dumps(GUIDE_POLICY))
+    change(policy)
+    code, out, err = _convert(tmp_path, policy, *args)
+    assert (code, out) == (2, "") and says in err, err
+    assert "Traceback" not in err
+    code, _, err = _convert(tmp_path, "{not json")
+    assert code == 2 and "is not JSON" in err

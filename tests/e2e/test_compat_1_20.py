@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 from kubernetes_asyncio import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.cluster import Paths
 from devstack.cluster.binaries import k8s_cache_dir
@@ -39,6 +41,24 @@ CRASH_MARKERS = ("unexpected fault address", "fatal error:", "panic:")
 async def test_seed_packing_on_1_20(stack, api, namespace) -> None:
     assert stack.control_plane.release == COMPAT
     await _seed_packing(stack, api, namespace)
+    # each pod's scheduling wait from 1.20's own timestamps (its Binding sets PodScheduled as the current release
+    # does): eight bound, and the one that waited for room (at least 5 s) counted so, not at its binding's moment
+    buckets = await poll(lambda: _wait_buckets(stack, namespace, 8), 30, what="eight scheduling waits observed")
+    assert buckets[2.0] <= 7 and buckets[float("inf")] == 8, buckets
+
+
+async def _wait_buckets(stack, namespace: str, count: int) -> dict[float, float] | None:
+    """le -> cumulative count of accounting's scheduling-wait histogram for the namespace's bound pods."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(f"{stack.accounting_url}/metrics")).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "gpushare_scheduling_wait_seconds_bucket" and labels.get("namespace") == namespace:
+                if labels.get("outcome") == "bound":
+                    out[float(labels["le"])] = sample.value
+    return out if out.get(float("inf")) == count else None
 
 
 async def test_terminating_rule_on_1_20(stack, api, namespace) -> None:

@@ -6,12 +6,15 @@ with the whole gpushare stack: one node, one 16 GiB GPU.
 - A native `ResourceQuota` on `requests.aliyun.com/gpu-mem` refuses at admission (403); the ledger quota
   leaves the pod pending with a quota reason.
 - The `gpushare-device-env` ValidatingAdmissionPolicy shipped in k8s/base refuses pods that set GPU
-  visibility in their own environment, unless exempted (runs last: it stays in force until removed).
+  visibility in their own environment, unless exempted (it stays in force until removed).
+- The gpushare guide's Deployments as written (k8s/examples/gpushare-guide/), under the admission policies `gpushare
+  up` applies: each placed, or refused with a message that says what to change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -80,6 +83,9 @@ async def test_a_gpu_sidecar_holds_its_share_beside_the_app(stack, api, namespac
 
     view = await h.wait_pending_reason(stack, namespace, "needs-six")
     assert "4096 MiB" in view["pending"]["reasons"][node], view
+    # how long it has waited, from its own creationTimestamp (accounting's pod watch)
+    created = (await client.CoreV1Api(api).read_namespaced_pod("needs-six", namespace)).metadata.creation_timestamp
+    assert view["pending"]["created_at"] == created.isoformat() and view["pending"]["waiting_seconds"] >= 0, view
     assert (await h.scheduled_condition(api, namespace, "needs-six")).startswith("False:Unschedulable")
     assert "needs-six" not in await h.ledger_allocations(stack.database_url, namespace)
 
@@ -191,10 +197,10 @@ async def _refusal(api, namespace: str, body: dict) -> str | None:
 
 
 async def test_device_env_admission_policy_refuses_hostile_pods_and_admits_the_rest(stack, api, namespace) -> None:
-    """Runs last in this module: the policy shipped in k8s/base, applied to the real current apiserver (its
-    ValidatingAdmissionPolicy admission plugin is on by default since 1.30)."""
+    """The pod policy shipped in k8s/base, applied to the real current apiserver (its ValidatingAdmissionPolicy
+    admission plugin is on by default since 1.30); removed again afterwards."""
     admission = client.AdmissionregistrationV1Api(api)
-    policy, binding = list(yaml.safe_load_all(POLICY_FILE.read_text()))
+    policy, binding = list(yaml.safe_load_all(POLICY_FILE.read_text()))[:2]  # the pods' (then the workloads')
     await admission.create_validating_admission_policy(policy)
     await admission.create_validating_admission_policy_binding(binding)
     allowed_ns = f"{namespace[:40]}-allowed"
@@ -246,3 +252,162 @@ async def test_device_env_admission_policy_refuses_hostile_pods_and_admits_the_r
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The gpushare guide's examples as written (k8s/examples/gpushare-guide/), with the admission policies `gpushare
+# up` applies (devstack.stack.admission, from k8s/base): each is placed, or refused saying what to change.
+
+GUIDE = Path(__file__).resolve().parents[2] / "k8s" / "examples" / "gpushare-guide"
+
+
+def guide_example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((GUIDE / f"{name}.yaml").read_text())
+
+
+async def _refused(apps: client.AppsV1Api, namespace: str, body: dict[str, Any]) -> tuple[int, str]:
+    with pytest.raises(ApiException) as refused:
+        await apps.create_namespaced_deployment(namespace, body)
+    return refused.value.status, str(json.loads(refused.value.body)["message"])
+
+
+async def test_the_guides_deployments_are_placed_or_refused_saying_what_to_change(stack, api, namespace) -> None:
+    from devstack.stack.admission import apply_policies, policy_objects, wait_enforced
+
+    apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
+    node = stack.node_names[0]
+    # the guide labels its GPU nodes gpushare=true (the stack's nodes carry it); the node agent adds gpu-type
+    await h.poll(
+        lambda: _labelled(core, node, {"gpushare": "true", "gpu-type": "t4"}), 30, what="the guide's node labels"
+    )
+    names = await apply_policies(api, stack.control_plane.release.minor)
+    assert names == ["gpushare-device-env", "gpushare-device-env-workloads", "gpushare-annotations"]
+    try:
+        assert await wait_enforced(api, namespace)
+
+        # BERT as written: NVIDIA_VISIBLE_DEVICES=all. Refused when the Deployment is applied, naming the variable
+        bert = guide_example("bert-training")
+        status, message = await _refused(apps, namespace, bert)
+        assert status == 403, message
+        assert "ValidatingAdmissionPolicy 'gpushare-device-env-workloads'" in message
+        assert "gpushare refused this Deployment: its pod template sets GPU visibility" in message
+        assert "(bert: NVIDIA_VISIBLE_DEVICES=all)" in message and "remove these variables" in message
+        # ... and with it removed (what the message says), placed by the guide's nodeSelector and toleration
+        del bert["spec"]["template"]["spec"]["containers"][0]["env"]
+        await apps.create_namespaced_deployment(namespace, bert)
+
+        # ResNet as written: `gpu-core: 30%` is not a Kubernetes quantity; kube-apiserver refuses it before any
+        # admission (its message, quoted in the example and the migration guide, which say to write 30)
+        resnet = guide_example("resnet-inference")
+        status, message = await _refused(apps, namespace, resnet)
+        assert status == 400 and "quantities must match the regular expression" in message, message
+        resnet["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-core"] = 30
+        await apps.create_namespaced_deployment(namespace, resnet)
+
+        # the 0.5 GB development pod: extended resources are whole numbers (the migration guide: the MiB unit, 512)
+        status, message = await _refused(apps, namespace, guide_example("dev-notebook"))
+        assert status == 422 and 'aliyun.com/gpu-mem]: Invalid value: "500m": must be an integer' in message
+
+        placed = await h.poll(lambda: _running_on(core, namespace, 3), 60, what="BERT and two ResNet pods placed")
+        assert set(placed.values()) == {node}
+        allocs = await h.wait_ledger(stack.database_url, namespace, list(placed))
+        assert sorted(a["memory_mib"] for a in allocs.values()) == [4096, 4096, 8192]
+        shown = [(await h.accounting_pod(stack, namespace, name))["allocation"] for name in sorted(placed)]
+        assert sorted(a["compute"] for a in shown) == [0, 30, 30]  # gpu-core 30: 30 % of the GPU each
+        (gpu,) = await h.gpu_rows(stack.database_url, node)
+        bert_pod = next(p for p in placed if p.startswith("bert-training-"))
+        env = await h.container_env(stack, node, namespace, bert_pod, "bert")
+        assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]  # the one GPU it was given, not `all`
+        # each one's scheduling wait, creation to Binding, in accounting's histogram (by namespace and outcome)
+        counted = f'gpushare_scheduling_wait_seconds_count{{namespace="{namespace}",outcome="bound"}} 3.0'
+        await h.poll(lambda: _metrics_say(stack, counted), 30, what="the three scheduling waits observed")
+
+        # a nodeSelector that no node matches (a hand-set label the node agent spells otherwise) waits with
+        # kube-scheduler's own reason
+        other = guide_example("bert-training")
+        del other["spec"]["template"]["spec"]["containers"][0]["env"]
+        other["metadata"]["name"] = other["spec"]["template"]["metadata"]["labels"]["app"] = "bert-a100"
+        other["spec"]["selector"]["matchLabels"]["app"] = "bert-a100"
+        other["spec"]["template"]["spec"]["nodeSelector"]["gpu-type"] = "A100"
+        await apps.create_namespaced_deployment(namespace, other)
+        waiting = await h.poll(lambda: _pod_named(core, namespace, "bert-a100-"), 30, what="the A100 pod")
+        cond = await h.poll(
+            lambda: _unschedulable(core, namespace, waiting), 30, what="kube-scheduler's reason for the A100 pod"
+        )
+        assert "didn't match Pod's node affinity/selector" in cond, cond
+    finally:
+        for dep in ("bert-training", "resnet-inference", "bert-a100"):
+            with contextlib.suppress(ApiException):
+                await apps.delete_namespaced_deployment(dep, namespace)
+        admission = client.AdmissionregistrationV1Api(api)
+        for obj in policy_objects():
+            delete = (
+                admission.delete_validating_admission_policy
+                if obj["kind"] == "ValidatingAdmissionPolicy"
+                else admission.delete_validating_admission_policy_binding
+            )
+            await delete(obj["metadata"]["name"])
+        await h.delete_all_pods(api, namespace)
+
+
+async def _labelled(core: client.CoreV1Api, node: str, labels: dict[str, str]) -> bool:
+    have = (await core.read_node(node)).metadata.labels or {}
+    return all(have.get(k) == v for k, v in labels.items())
+
+
+async def _running_on(core: client.CoreV1Api, namespace: str, count: int) -> dict[str, str] | None:
+    pods = (await core.list_namespaced_pod(namespace)).items
+    placed = {p.metadata.name: p.spec.node_name for p in pods if p.spec.node_name and p.status.phase == "Running"}
+    return placed if len(placed) >= count else None
+
+
+async def _pod_named(core: client.CoreV1Api, namespace: str, prefix: str) -> str | None:
+    pods = (await core.list_namespaced_pod(namespace)).items
+    return next((p.metadata.name for p in pods if p.metadata.name.startswith(prefix)), None)
+
+
+async def _unschedulable(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
+    pod = await core.read_namespaced_pod(name, namespace)
+    for cond in pod.status.conditions or []:
+        if cond.type == "PodScheduled" and cond.status == "False" and cond.message:
+            return cond.message
+    return None
+
+
+async def _metrics_say(stack: Any, line: str) -> bool:
+    async with httpx.AsyncClient(timeout=5) as http:
+        return line in (await http.get(f"{stack.accounting_url}/metrics")).text.splitlines()
+
+
+async def test_replica_sets_are_named_by_the_owner_the_api_server_shows(stack, api, namespace) -> None:
+    """Accounting's workload names come from the ReplicaSet's ownerReferences where the API server has it: a
+    ReplicaSet made by hand keeps its name even when it looks like a Deployment's, and a gone one falls back to the
+    name's shape."""
+    from services.accounting.owners import WorkloadNames
+
+    apps = client.AppsV1Api(api)
+    labels = {"app": "web"}
+    template = {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    spec = {"replicas": 0, "selector": {"matchLabels": labels}, "template": template}
+    await apps.create_namespaced_deployment(namespace, {"metadata": {"name": "web"}, "spec": spec})
+    orphan = {"metadata": {"name": "cache-5c9d7f6b8"}, "spec": {**spec, "selector": {"matchLabels": {"app": "x"}}}}
+    orphan["spec"]["template"] = {**template, "metadata": {"labels": {"app": "x"}}}
+    await apps.create_namespaced_replica_set(namespace, orphan)
+
+    async def web_replica_set() -> str | None:
+        items = (await apps.list_namespaced_replica_set(namespace, label_selector="app=web")).items
+        return items[0].metadata.name if items else None
+
+    rs = await h.poll(web_replica_set, 30, what="the Deployment's ReplicaSet")
+    names = WorkloadNames(stack.services_kubeconfig)
+    try:
+        keys = {(namespace, "ReplicaSet", rs), (namespace, "ReplicaSet", "cache-5c9d7f6b8")}
+        keys.add((namespace, "ReplicaSet", "gone-6c9f7d8b4"))
+        assert await names.resolve(keys) == {
+            (namespace, "ReplicaSet", rs): ("Deployment", "web"),  # read from its ownerReferences
+            (namespace, "ReplicaSet", "gone-6c9f7d8b4"): ("Deployment", "gone"),  # not found: from its name
+        }  # the hand-made one shaped like a Deployment's keeps its own name
+    finally:
+        await names.close()
+        await apps.delete_namespaced_deployment("web", namespace)
+        await apps.delete_namespaced_replica_set("cache-5c9d7f6b8", namespace)

@@ -8,6 +8,7 @@ from devstack.stack import spec
 from devstack.stack.demo import demo_deployments, demo_pod_count
 from devstack.stack.simulator import bind_args, filter_args, filter_result, pick_host, pods_of_deployments
 from shared.placement.demand import parse_pod
+from shared.settings import MemoryUnit
 
 
 def test_parse_gpus_accepts_counts_units_and_models() -> None:
@@ -204,3 +205,54 @@ def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.Monk
     first, second = embedded.free_port(), port_or_free(0)
     assert first == 40423 and second == 40425
     assert port_or_free(40425) == 40427  # a preferred port this process already gave out is not given again
+
+
+def test_gpushare_up_keeps_json_logs_in_its_log_file_and_plain_lines_on_the_terminal(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import logging
+
+    from devstack.stack.cli import configure_up_logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        path = configure_up_logging(tmp_path / "logs", "INFO", "json")
+        log = logging.getLogger("devstack.stack.processes")
+        log.info("started %s", "extender", extra={"service": "extender", "pid": 42})
+        log.warning("binder exited; see %s", "binder.log", extra={"service": "binder"})
+        for handler in root.handlers:
+            handler.flush()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert err == "WARNING: binder exited; see binder.log\n"  # a person's line, no JSON, no INFO chatter
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["level"], r["msg"], r.get("service")) for r in lines] == [
+        ("info", "started extender", "extender"),
+        ("warning", "binder exited; see binder.log", "binder"),
+    ]
+
+
+def test_the_demo_in_mib_asks_for_the_same_memory_and_adds_the_guides_half_gigabyte_pods() -> None:
+    from devstack.stack.demo import DemoError
+
+    def limits(deployments: list[dict]) -> dict[str, tuple[int, str]]:
+        return {
+            d["metadata"]["name"]: (
+                d["spec"]["replicas"],
+                d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"],
+            )
+            for d in deployments
+        }
+
+    assert limits(demo_deployments()) == {"bert-training": (2, "4"), "resnet-inference": (4, "2")}
+    mib = demo_deployments(unit_mib=1, dev_pods=3)
+    assert limits(mib) == {"bert-training": (2, "4096"), "resnet-inference": (4, "2048"), "dev-notebook": (3, "512")}
+    # the placement core reads 512 units of a MiB cluster as 512 MiB
+    pods = pods_of_deployments(mib, "demo")
+    assert sorted({parse_pod(p, MemoryUnit.MIB).memory_mib for p in pods}) == [512, 2048, 4096]
+    with pytest.raises(DemoError, match="add --memory-unit MiB"):
+        demo_deployments(dev_pods=1)  # half a GiB is no whole number of GiB

@@ -86,6 +86,26 @@ async def test_up_simulator_places_the_demo(tmp_path: Path, up_database: str, na
     assert "scheduler simulator" in out
     assert "Dashboard:  http://127.0.0.1:" in out
     assert "16/32" in out, out[-3000:]  # inspect: 2x4 + 4x2 GiB of 2x16 GiB
+    assert_plain(out, tmp_path)
+
+
+async def test_up_places_the_guides_half_gigabyte_pods_in_mib(tmp_path: Path, up_database: str, nats_url: str) -> None:
+    code, out = await _up(
+        tmp_path, up_database, nats_url, "--simulate", "--memory-unit", "MiB", "--dev-pods", "2", limit_s=120
+    )
+    assert code == 0, out[-5000:]
+    notebooks = re.findall(r"^\s+(dev-notebook-\S+)\s+-> (gpu-node-\d)$", out, re.M)
+    assert len(notebooks) == 2 and len(_placements(out)) == 6, out[-5000:]
+    # inspect counts MiB: 2 x 4096 + 4 x 2048 + 2 x 512 of 2 x 16384
+    assert "17408/32768" in out and "GPU Memory(MiB)" in out, out[-3000:]
+
+
+def assert_plain(out: str, tmp_path: Path) -> None:
+    """People's lines on the terminal; the JSON logs in the log file (before, they interleaved with the output)."""
+    machine = [line for line in out.splitlines() if line.lstrip().startswith("{")]
+    assert machine == [], machine[:5]
+    log = tmp_path / "data" / "logs" / "gpushare-up.log"
+    assert '"msg": "started extender"' in log.read_text()
 
 
 async def test_up_runs_the_demo_on_the_local_control_plane(
@@ -102,11 +122,20 @@ async def test_up_runs_the_demo_on_the_local_control_plane(
     assert "==> stopped" in out
     # the demo's simulated usage went through the node agents, the stream and accounting into right-sizing
     assert "Right-sizing from observed usage (simulated usage, rules in" in out, out[-5000:]
-    advice = dict(re.findall(r"^\s+((?:bert-training|resnet-inference)-\S+)\s+\d pod\(s\): (.*)$", out, re.M))
+    # named by their Deployments (accounting read each ReplicaSet's owner), not by a ReplicaSet's hash
+    advice = dict(re.findall(r"^\s+(bert-training|resnet-inference)\s+\d pod\(s\): (.*)$", out, re.M))
+    assert set(advice) == {"bert-training", "resnet-inference"}, out[-5000:]
     assert any("peaks at 922 MiB: 100 % more pods per GPU at 1 GiB" in a for a in advice.values()), out[-5000:]
     assert any("peaks at 4.4 GiB: needs 5 GiB" in a for a in advice.values()), out[-5000:]
     assert re.search(r"need 14 GiB instead of 16 GiB: frees 2 GiB", out), out[-5000:]
-    # --monitoring: Prometheus and prometheus-adapter (custom.metrics.k8s.io) beside it, and how to try the HPA
+    # --monitoring: Prometheus and prometheus-adapter (custom and external metrics) beside it, and how to try the HPA
     assert re.search(r"^Prometheus: http://127\.0\.0\.1:\d+/graph", out, re.M), out[-5000:]
     assert "HPA metric: kubectl get --raw '/apis/custom.metrics.k8s.io/v1beta2/namespaces/gpushare-demo/pods/*/" in out
     assert "Monitoring:" not in out, out[-5000:]
+    assert "/apis/external.metrics.k8s.io/v1beta1/namespaces/gpushare-demo/aliyun_gpu_mem_usage" in out
+    # k8s/base's admission policies are in force on the local cluster, as in a cluster with gpushare
+    assert (
+        "admission policies of k8s/base enforced: "
+        "gpushare-device-env, gpushare-device-env-workloads, gpushare-annotations" in out
+    )
+    assert_plain(out, tmp_path)

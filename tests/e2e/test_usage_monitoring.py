@@ -3,8 +3,9 @@
 The node agents run fake GPUs with simulated usage (`--simulate-usage @usage.rules`); a real Prometheus (Debian's
 package) scrapes the extender, binder, accounting and node agents; prometheus-adapter (built from its Go module)
 serves `custom.metrics.k8s.io` through kube-apiserver's aggregation layer with the rules gpushare ships
-(k8s/hpa/prometheus-adapter-config.yaml); kube-controller-manager's HPA controller scales a Deployment of GPU
-pods on the pods' GPU memory usage, the extender places the new replicas, and the ledger stays exact. Every
+(k8s/hpa/prometheus-adapter-config.yaml), and `external.metrics.k8s.io` for the gpushare guide's HPA metric
+`aliyun_gpu_mem_usage`; kube-controller-manager's HPA controller scales Deployments of GPU pods on the pods' GPU
+memory usage, through either metric, the extender places the new replicas, and the ledger stays exact. Every
 panel of the shipped Grafana dashboard then finds data in that Prometheus (or is listed with the event it needs).
 """
 
@@ -19,10 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from devstack.monitoring.adapter import hpa_metric
+from devstack.monitoring.adapter import GUIDE_HPA, external_hpa_metric, hpa_metric
 from devstack.stack.demo import DEMO_NAMESPACE, DEMO_USAGE_RULES, deployment, submit_demo
 from tests import system_tools
 from tests.e2e import helpers as h
@@ -106,9 +108,11 @@ async def running_pods(api: Any, namespace: str) -> dict[str, str]:
     }
 
 
+AT_ONCE = {"stabilizationWindowSeconds": 0, "policies": [{"type": "Percent", "value": 100, "periodSeconds": 1}]}
+
+
 def hpa_body(name: str, metric: str) -> dict[str, Any]:
     """2..4 replicas of Deployment `name` at 0.5 used/allocated GPU memory per pod, reacting at once both ways."""
-    at_once = {"stabilizationWindowSeconds": 0, "policies": [{"type": "Percent", "value": 100, "periodSeconds": 1}]}
     target = {"type": "AverageValue", "averageValue": "500m"}
     return {
         "apiVersion": "autoscaling/v2",
@@ -119,41 +123,85 @@ def hpa_body(name: str, metric: str) -> dict[str, Any]:
             "minReplicas": 2,
             "maxReplicas": 4,
             "metrics": [{"type": "Pods", "pods": {"metric": {"name": metric}, "target": target}}],
-            "behavior": {"scaleUp": at_once, "scaleDown": at_once},
+            "behavior": {"scaleUp": AT_ONCE, "scaleDown": AT_ONCE},
         },
     }
 
 
-async def test_hpa_scales_gpu_pods_on_simulated_gpu_memory_usage(stack, api, namespace, adapter) -> None:
+def guide_hpa_body(name: str) -> dict[str, Any]:
+    """The guide's HPA as shipped (k8s/hpa/guide-external-hpa.yaml: External aliyun_gpu_mem_usage, average 70),
+    aimed at Deployment `name` with 2..4 replicas, reacting at once both ways."""
+    body = yaml.safe_load(GUIDE_HPA.read_text())
+    body["metadata"] = {"name": name}
+    spec = body["spec"]
+    spec["scaleTargetRef"]["name"] = name
+    spec["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]["workload"] = name
+    spec.update(minReplicas=2, maxReplicas=4, behavior={"scaleUp": AT_ONCE, "scaleDown": AT_ONCE})
+    return body
+
+
+async def external_metric(stack: Any, namespace: str, metric: str, labels: dict[str, str]) -> dict[str, float]:
+    """Pod name -> value of External `metric` for `labels` as kube-apiserver serves it (the aggregation layer)."""
+    cp = stack.control_plane
+    url = f"{cp.server_url}/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/{metric}"
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    async with httpx.AsyncClient(verify=False, headers={"Authorization": f"Bearer {cp.token}"}, timeout=10) as http:
+        resp = await http.get(url, params={"labelSelector": selector})
+    if resp.status_code != 200:
+        return {}
+    return {i["metricLabels"]["pod"]: quantity(i["value"]) for i in resp.json()["items"]}
+
+
+PODS, EXTERNAL = "infer-pods", "infer-ext"  # one Deployment per HPA (neither name a prefix of the other)
+
+
+async def test_hpas_scale_gpu_pods_on_the_pods_metric_and_on_the_guides_external_metric(
+    stack, api, namespace, adapter
+) -> None:
+    """Two Deployments side by side under the same simulated usage: one scaled by an HPA on the Pods metric
+    (k8s/hpa/example-hpa.yaml's), one by the gpushare guide's HPA on the External metric aliyun_gpu_mem_usage
+    (k8s/hpa/guide-external-hpa.yaml, target average 70 %). Both hold 2 replicas at 0.3 of the share, go to 4
+    at 0.9 and back to 2 at 0.2."""
     metric = hpa_metric()
+    external, _ = external_hpa_metric()
     write_rules(stack, f"{namespace}/*=steady:0.3")
     apps, autoscaling = client.AppsV1Api(api), client.AutoscalingV2Api(api)
-    body = deployment("infer", replicas=2, gpu_mem=2, image="nvcr.io/nvidia/tritonserver:23.10-py3", command=["x"])
-    await apps.create_namespaced_deployment(namespace, body)
-    await autoscaling.create_namespaced_horizontal_pod_autoscaler(namespace, hpa_body("infer", metric))
-    try:
-        # 0.3 of each 2 GiB share in use: the metric reaches the HPA controller through Prometheus and the adapter
-        low = await eventually(
-            lambda: _all_near(custom_metric(stack, namespace, metric), 0.3, pods=2), what="the metric at 0.3", within=60
-        )
-        assert len(low) == 2
-        await eventually(lambda: _hpa_wants(autoscaling, namespace, 2, 0.3), what="the HPA to hold 2 at 0.3", within=30)
+    for name in (PODS, EXTERNAL):
+        body = deployment(name, replicas=2, gpu_mem=2, image="nvcr.io/nvidia/tritonserver:23.10-py3", command=["x"])
+        await apps.create_namespaced_deployment(namespace, body)
+    await autoscaling.create_namespaced_horizontal_pod_autoscaler(namespace, hpa_body(PODS, metric))
+    await autoscaling.create_namespaced_horizontal_pod_autoscaler(namespace, guide_hpa_body(EXTERNAL))
 
-        write_rules(stack, f"{namespace}/*=steady:0.9")  # 0.9 > 0.5: up to the maximum
-        await eventually(lambda: _replicas(apps, namespace, 4), what="the Deployment scaled to 4", within=60)
-        placed = await eventually(lambda: _running(api, namespace, 4), what="4 replicas placed and running", within=60)
+    def pods_metric(value: float, pods: int) -> Any:
+        return lambda: _all_near(_of(custom_metric(stack, namespace, metric), PODS), value, pods=pods)
+
+    def external_metric_at(value: float, pods: int) -> Any:  # percent; selected by the Deployment's name
+        return lambda: _all_near(external_metric(stack, namespace, external, {"workload": EXTERNAL}), value, pods=pods)
+
+    try:
+        # 0.3 of each 2 GiB share in use: both metrics reach the HPA controller through Prometheus and the adapter
+        low = await eventually(pods_metric(0.3, 2), what="the Pods metric at 0.3", within=60)
+        assert len(low) == 2
+        low = await eventually(external_metric_at(30, 2), what="aliyun_gpu_mem_usage at 30 %", within=60)
+        assert all(name.startswith(f"{EXTERNAL}-") for name in low), low
+        await eventually(lambda: _hpa_wants(autoscaling, namespace, PODS, 2, 0.3), what="the Pods HPA to hold 2")
+        await eventually(lambda: _hpa_wants(autoscaling, namespace, EXTERNAL, 2, 30), what="the guide's HPA to hold 2")
+
+        write_rules(stack, f"{namespace}/*=steady:0.9")  # 0.9 > 0.5 and 90 % > 70 %: up to the maximum
+        for name in (PODS, EXTERNAL):
+            await eventually(lambda n=name: _replicas(apps, namespace, n, 4), what=f"{name} scaled to 4", within=90)
+        placed = await eventually(lambda: _running(api, namespace, 8), what="8 replicas placed and running", within=60)
         allocs = await h.wait_ledger(stack.database_url, namespace, list(placed), timeout_s=30)
         assert {name: a["memory_mib"] for name, a in allocs.items()} == {name: 2048 for name in placed}
         assert {a["node"] for a in allocs.values()} <= set(stack.node_names)
         assert await h.ledger_disagreements(stack.database_url) == []
-        high = await eventually(
-            lambda: _all_near(custom_metric(stack, namespace, metric), 0.9, pods=4), what="4 pods at 0.9", within=30
-        )
-        assert set(high) == set(placed)
+        high = await eventually(external_metric_at(90, 4), what="4 pods at 90 %", within=30)
+        assert set(high) == {name for name in placed if name.startswith(f"{EXTERNAL}-")}
 
-        write_rules(stack, f"{namespace}/*=steady:0.2")  # 4 x 0.2 / 0.5 -> 2
-        await eventually(lambda: _replicas(apps, namespace, 2), what="the Deployment scaled back to 2", within=60)
-        kept = await eventually(lambda: _running(api, namespace, 2, exact=True), what="2 replicas left", within=60)
+        write_rules(stack, f"{namespace}/*=steady:0.2")  # 4 x 0.2 / 0.5 -> 2; 4 x 20 / 70 -> 2
+        for name in (PODS, EXTERNAL):
+            await eventually(lambda n=name: _replicas(apps, namespace, n, 2), what=f"{name} back to 2", within=90)
+        kept = await eventually(lambda: _running(api, namespace, 4, exact=True), what="4 replicas left", within=60)
 
         async def released() -> dict | None:
             live = await h.ledger_allocations(stack.database_url, namespace)
@@ -162,25 +210,34 @@ async def test_hpa_scales_gpu_pods_on_simulated_gpu_memory_usage(stack, api, nam
         await eventually(released, what="the scaled-down replicas' shares released", within=30)
         assert await h.ledger_disagreements(stack.database_url) == []
     finally:
-        await autoscaling.delete_namespaced_horizontal_pod_autoscaler("infer", namespace)
-        await apps.delete_namespaced_deployment("infer", namespace)
+        for name in (PODS, EXTERNAL):
+            await autoscaling.delete_namespaced_horizontal_pod_autoscaler(name, namespace)
+            await apps.delete_namespaced_deployment(name, namespace)
         await h.delete_all_pods(api, namespace)
+
+
+async def _of(values_now: Any, deployment_name: str) -> dict[str, float]:
+    return {pod: v for pod, v in (await values_now).items() if pod.startswith(f"{deployment_name}-")}
 
 
 async def _all_near(values_now: Any, value: float, *, pods: int) -> dict[str, float] | None:
     values = await values_now
-    return values if len(values) == pods and all(abs(v - value) < 0.02 for v in values.values()) else None
+    tolerance = 0.02 * max(1.0, value)  # 2 % of a ratio, or 2 points of a percent
+    return values if len(values) == pods and all(abs(v - value) < tolerance for v in values.values()) else None
 
 
-async def _hpa_wants(autoscaling: Any, namespace: str, replicas: int, value: float) -> bool:
-    status = (await autoscaling.read_namespaced_horizontal_pod_autoscaler("infer", namespace)).status
+async def _hpa_wants(autoscaling: Any, namespace: str, name: str, replicas: int, value: float) -> bool:
+    status = (await autoscaling.read_namespaced_horizontal_pod_autoscaler(name, namespace)).status
     metrics = status.current_metrics or []
-    current = [quantity(m.pods.current.average_value) for m in metrics if m.pods is not None]
-    return status.desired_replicas == replicas and len(current) == 1 and abs(current[0] - value) < 0.02
+    current = [
+        quantity((m.pods or m.external).current.average_value) for m in metrics if (m.pods or m.external) is not None
+    ]
+    tolerance = 0.02 * max(1.0, value)
+    return status.desired_replicas == replicas and len(current) == 1 and abs(current[0] - value) < tolerance
 
 
-async def _replicas(apps: Any, namespace: str, replicas: int) -> bool:
-    return (await apps.read_namespaced_deployment("infer", namespace)).spec.replicas == replicas
+async def _replicas(apps: Any, namespace: str, name: str, replicas: int) -> bool:
+    return (await apps.read_namespaced_deployment(name, namespace)).spec.replicas == replicas
 
 
 async def _running(api: Any, namespace: str, count: int, *, exact: bool = False) -> dict[str, str] | None:
@@ -241,6 +298,17 @@ async def test_every_dashboard_panel_finds_data(stack, api, namespace, prometheu
     by_pod = {s["metric"]["pod"]: float(s["value"][1]) for s in await asyncio.to_thread(prometheus.query, ratio)}
     inference = [v for pod, v in by_pod.items() if pod.startswith("resnet-inference-")]
     assert inference and all(abs(v - 0.45) < 0.01 for v in inference), by_pod
+    # each pod's SM utilisation (simulated: its memory's part of the GPU, 0.9 of 16 GiB) and its workload named by
+    # its Deployment (read from its ReplicaSet), in accounting's REST as in the node agents' gauge
+    async with httpx.AsyncClient(base_url=stack.accounting_url, timeout=10) as http:
+        pods = (await http.get("/v1/usage/pods", params={"namespace": DEMO_NAMESPACE})).json()["items"]
+        sizing = (await http.get("/v1/rightsizing", params={"namespace": DEMO_NAMESPACE})).json()["items"]
+    infer = [p for p in pods if p["pod_name"].startswith("resnet-inference-") and p["sm_utilization_pct"] is not None]
+    assert infer and all(abs(p["sm_utilization_pct"] - 100 * 0.45 * 2 / 16) < 0.1 for p in infer), pods
+    assert {(p["owner_kind"], p["owner_name"]) for p in infer} == {("Deployment", "resnet-inference")}
+    assert {("Deployment", "bert-training"), ("Deployment", "resnet-inference")} <= {
+        (i["owner_kind"], i["owner_name"]) for i in sizing
+    }, sizing
 
 
 def _panel(title_part: str) -> str:

@@ -16,6 +16,7 @@ from shared.events.catalogue import (
     GpuInfo,
     InventoryEvent,
     ReservedEvent,
+    UsageEvent,
     decode_event,
     encode_event,
     subject_for,
@@ -98,6 +99,27 @@ def test_sidecar_parts_round_trip_and_older_payloads_still_decode() -> None:
     assert decode_event(encode_event(event)) == event
     old["parts"][0].update(init=False, sidecar=True)
     with pytest.raises(EventDecodeError, match="init container"):
+        decode_event(json.dumps(old))
+
+
+def test_usage_samples_carry_sm_utilization_and_older_payloads_still_decode() -> None:
+    old = {
+        "kind": "usage",
+        "version": 1,
+        "event_id": str(uuid.uuid4()),
+        "occurred_at": "2026-11-01T00:00:00Z",
+        "node": "n1",
+        "samples": [{"gpu_uuid": "G", "pod_uid": "u", "used_memory_mib": 5, "utilization_pct": 40.0}],
+    }
+    decoded = decode_event(json.dumps(old))  # as agents before the field wrote it: no SM figure (unknown)
+    assert isinstance(decoded, UsageEvent) and decoded.samples[0].sm_utilization_pct is None
+    # a sample without the figure serialises as before: accounting from the previous release reads it
+    assert "sm_utilization_pct" not in json.loads(encode_event(decoded))["samples"][0]
+    known = decoded.model_copy(update={"samples": [decoded.samples[0].model_copy(update={"sm_utilization_pct": 0.0})]})
+    assert json.loads(encode_event(known))["samples"][0]["sm_utilization_pct"] == 0.0  # idle is a figure, not absent
+    assert decode_event(encode_event(known)) == known
+    old["samples"][0]["sm_utilization_pct"] = 101
+    with pytest.raises(EventDecodeError, match="sm_utilization_pct"):
         decode_event(json.dumps(old))
 
 

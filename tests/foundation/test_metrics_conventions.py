@@ -73,7 +73,7 @@ def _accounting() -> CollectorRegistry:
         namespaces={"team-a": (2048, 0)},
         quotas=[{"namespace": "team-a", "memory_mib": 4096}],
         pending_by_reason={"needs N GiB": 1},
-        pod_ratios=[("team-a", "p", 0.5)],
+        pod_ratios=[("team-a", "p", "Deployment", "web", 0.5)],
     )
     _give_values(metrics)
     return metrics.registry
@@ -148,7 +148,9 @@ def test_prometheus_conventions_and_dcgm_labels(service: str) -> None:
         assert labels <= LABELS, f"{name}: labels {sorted(labels - LABELS)} are not in docs/metrics.md's list"
         if "UUID" in labels or "gpu" in labels:
             # a GPU series carries exactly dcgm-exporter's labels; one about a pod on a GPU adds namespace and pod
-            assert labels - {"namespace", "pod"} == set(GPU_LABELS), f"{name}: a GPU series carries {GPU_LABELS}"
+            # (and container, as dcgm-exporter's Kubernetes mapping does)
+            pod = {"namespace", "pod", "container"}
+            assert labels - pod == set(GPU_LABELS), f"{name}: a GPU series carries {GPU_LABELS}"
         elif "Hostname" in labels:
             assert labels == set(NODE_LABELS), name
         if name.endswith("_ratio") or "utilization" in name:

@@ -42,3 +42,13 @@ def test_health_usage_and_utilization(nvml) -> None:  # type: ignore[no-untyped-
     assert set(nvml.utilization()) <= uuids
     for p in nvml.processes():
         assert p.gpu_uuid in uuids and p.used_memory_mib >= 0 and p.pid > 0
+
+
+def test_per_process_sm_utilization(nvml) -> None:  # type: ignore[no-untyped-def]
+    uuids = {d.uuid for d in nvml.devices()}
+    first = nvml.process_utilization()
+    again = nvml.process_utilization()  # from the newest timestamp read: older samples are not counted twice
+    for reading in (first, again):
+        assert set(reading) <= uuids
+        for by_pid in reading.values():
+            assert all(pid > 0 and 0.0 <= pct <= 100.0 for pid, pct in by_pid.items())

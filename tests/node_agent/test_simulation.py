@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def test_rules_match_namespace_and_pod_globs_first_rule_wins() -> None:
         ("demo=ramp:0.1:0.9", "expected ramp:F1:F2:SECONDS"),
         ("demo=steady:9", "fractions are 0..4"),
         ("demo=spike:0.1:1.2:10:20", "FOR at most EVERY"),
+        ("demo=steady:0.5,sm:2", "expected sm:F with F from 0 to 1"),
+        ("demo=steady:0.5,busy", "expected sm:F with F from 0 to 1"),
     ],
 )
 def test_bad_rules_are_named(text: str, says: str) -> None:
@@ -115,6 +118,37 @@ def test_utilization_is_the_share_in_use() -> None:
     sim = UsageSimulation(parse_rules("*=steady:0.5"))
     procs = sim.step([container("p1", gib=4), container("p2", gib=8)], now=0)
     assert utilization(procs, {"GPU-a": 16 * 1024}) == {"GPU-a": pytest.approx(37.5)}
+
+
+def test_sm_utilization_of_simulated_processes_follows_the_rule_or_the_share(tmp_path: Path) -> None:
+    """`,sm:F` sets the share of the GPU's SMs a pod's processes keep busy (`sm:0`: a share whose compute idles);
+    without it the SM figure is the memory's part of the GPU, as the GPU's utilisation always was."""
+    rules = parse_rules("ns/notebook-*=steady:0.3,sm:0; ns/train-*=steady:0.8,sm:0.45; *=steady:0.5")
+    assert [str(r) for r in rules] == ["ns/notebook-*=steady:0.3,sm:0", "ns/train-*=steady:0.8,sm:0.45", "*=steady:0.5"]
+    backend = FakeBackend(
+        "n1",
+        "1x16GiB",
+        simulate="ns/notebook-*=steady:0.3,sm:0; ns/train-*=steady:0.8,sm:0.45; *=steady:0.5",
+        proc_root=tmp_path,
+    )
+    gpu = backend.devices()[0].uuid
+    pods = [container("notebook-0", gib=1), container("train-0", gib=4), container("infer-0", gib=4)]
+    pods = [replace(c, shares=(Share(gpu, 0, c.shares[0].memory_mib),)) for c in pods]
+    backend.attach(lambda: pods)
+    try:
+        backend.processes()  # one round of the simulated workloads (writes their cgroup files)
+        sm = backend.process_utilization()[gpu]
+        names = {c.pod_uid: c.pod_name for c in pods}
+        by_pod = {names[_pod_of(pid, backend)]: pct for pid, pct in sm.items()}  # the agent's own mapping
+        assert by_pod == {"notebook-0": 0.0, "train-0": 45.0, "infer-0": pytest.approx(12.5)}
+        assert backend.utilization()[gpu] == pytest.approx(57.5)  # the GPU's figure is the processes' sum
+    finally:
+        backend.close()
+
+
+def _pod_of(pid: int, backend: FakeBackend) -> str:
+    assert backend.proc_root is not None
+    return pod_uid_from_cgroup((backend.proc_root / str(pid) / "cgroup").read_text())
 
 
 def test_rules_file_is_reread_when_it_changes_and_a_bad_one_keeps_the_rules(
@@ -217,6 +251,7 @@ async def test_simulated_usage_flows_through_samples_metrics_and_overuse(harness
     assert by_pod[uid["busy"]].gpu_uuid == harness.gpu(0) and by_pod[uid["busy"]].container == "main"
     assert by_pod[uid["calm"]].used_memory_mib == 1024 and by_pod[uid["calm"]].gpu_uuid == harness.gpu(1)
     assert by_pod[uid["calm"]].utilization_pct == pytest.approx(100 * 1024 / 16384)
+    assert by_pod[uid["calm"]].sm_utilization_pct == pytest.approx(100 * 1024 / 16384)  # its part of the GPU
     assert {s.pod_uid: s.used_memory_mib for s in second.samples}[uid["busy"]] == 1024
     # over-use: 3 GiB on a 2 GiB share past the (zero) grace, then back under
     reg = harness.agent.metrics.registry

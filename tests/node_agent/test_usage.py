@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from services.node_agent.discovery import ProcessUsage
-from shared.events.catalogue import decode_event
+from shared.events.catalogue import UsageEvent, decode_event, encode_event
 from tests.node_agent.conftest import Harness
 from tests.waiting import eventually
+
+
+async def sampled(harness: Harness) -> UsageEvent:
+    """One round of the agent's usage sampling, as the bus carried it."""
+    received: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
+        await received.put(decode_event(msg.data))
+
+    sub = await harness.bus.nc.subscribe(f"{harness.bus.names.prefix}.usage.>", cb=on_msg)
+    try:
+        await harness.agent.sample_usage()
+        return await asyncio.wait_for(received.get(), 5)
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_usage_sample_publication_and_overuse(harness: Harness) -> None:
@@ -20,17 +36,7 @@ async def test_usage_sample_publication_and_overuse(harness: Harness) -> None:
     (proc / "777" / "cgroup").write_text("0::/system.slice/sshd.service\n")
     g0 = harness.gpu(0)
     harness.backend.set_processes([ProcessUsage(4242, g0, 3000), ProcessUsage(777, g0, 100)], utilization={g0: 42.0})
-    received: asyncio.Queue = asyncio.Queue()
-
-    async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
-        await received.put(decode_event(msg.data))
-
-    sub = await harness.bus.nc.subscribe(f"{harness.bus.names.prefix}.usage.>", cb=on_msg)
-    try:
-        await harness.agent.sample_usage()
-        event = await asyncio.wait_for(received.get(), 5)
-    finally:
-        await sub.unsubscribe()
+    event = await sampled(harness)
     assert event.kind == "usage" and event.node == harness.agent.config.node
     by_pod = {s.pod_uid: s for s in event.samples}
     assert by_pod[uid].used_memory_mib == 3000 and by_pod[uid].pod_name == "busy"
@@ -148,3 +154,59 @@ async def test_an_ended_pods_gauges_are_removed_not_left_at_their_last_value(har
         assert reg.get_sample_value(f"gpushare_node_agent_pod_gpu_memory_{suffix}", gone) is None, suffix
     assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_allocated_bytes", kept) == 1024**3
     assert reg.get_sample_value("gpushare_node_agent_pod_gpu_memory_overuse", kept) == 0
+
+
+async def test_sm_utilization_is_attributed_to_pods_like_memory_and_labelled_like_dcgm_exporter(
+    harness: Harness,
+) -> None:
+    """NVML's per-process SM figures follow each PID's cgroup to its pod (summed over the pod's processes), travel
+    in the usage samples and make a gauge per pod and container with dcgm-exporter's GPU labels; a GPU whose
+    per-process figures are unknown gets none (not a made-up 0), and a pod that ends loses its series."""
+    train, _ = await harness.reserve("train", [("main", [(0, 4)])])
+    infer, infer_alloc = await harness.reserve("infer", [("main", [(0, 2)])])
+    proc = harness.root / "proc"
+    pids = {4001: train, 4002: train, 4003: infer}
+    for pid, pod in pids.items():
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(f"0::/kubepods/besteffort/pod{pod['metadata']['uid']}/cri-x\n")
+    g0, g1 = harness.gpu(0), harness.gpu(1)
+    harness.backend.set_processes(
+        [ProcessUsage(4001, g0, 1000), ProcessUsage(4002, g0, 500), ProcessUsage(4003, g0, 800)],
+        utilization={g0: 70.0},
+        process_sm={g0: {4001: 30.0, 4002: 25.5}},  # infer's process is on the list but was idle: 0
+    )
+    event = await sampled(harness)
+    by_pod = {s.pod_uid: s for s in event.samples}
+    assert by_pod[train["metadata"]["uid"]].sm_utilization_pct == 55.5
+    assert by_pod[train["metadata"]["uid"]].used_memory_mib == 1500
+    assert by_pod[infer["metadata"]["uid"]].sm_utilization_pct == 0.0
+    reg = harness.agent.metrics.registry
+    node = harness.agent.config.node
+    gpu = {"node": node, "Hostname": node, "gpu": "0", "UUID": g0, "modelName": "Tesla-T4"}
+    name = "gpushare_node_agent_pod_sm_utilization_ratio"
+    train_labels = {**gpu, "namespace": "default", "pod": "train", "container": "main"}
+    infer_labels = {**gpu, "namespace": "default", "pod": "infer", "container": "main"}
+    assert reg.get_sample_value(name, train_labels) == 0.555
+    assert reg.get_sample_value(name, infer_labels) == 0.0
+
+    # a GPU that cannot say (MIG, an old GPU): its pods' samples carry no SM figure, and no series is made up
+    (proc / "4004").mkdir()
+    (proc / "4004" / "cgroup").write_text(f"0::/kubepods/besteffort/pod{infer['metadata']['uid']}/cri-x\n")
+    harness.backend.set_processes([ProcessUsage(4001, g0, 1000), ProcessUsage(4004, g1, 100)], process_sm={g0: {}})
+    event = await sampled(harness)
+    by_gpu = {(s.pod_uid, s.gpu_uuid): s for s in event.samples}
+    assert by_gpu[(train["metadata"]["uid"], g0)].sm_utilization_pct == 0.0
+    assert by_gpu[(infer["metadata"]["uid"], g1)].sm_utilization_pct is None
+    (unknown,) = [s for s in json.loads(encode_event(event))["samples"] if s["gpu_uuid"] == g1]
+    assert "sm_utilization_pct" not in unknown  # as before the field existed: the previous release reads it
+    assert reg.get_sample_value(name, train_labels) == 0.0
+    assert reg.get_sample_value(name, {**gpu, "gpu": "1", "UUID": g1, "namespace": "default", "pod": "infer"}) is None
+    assert reg.get_sample_value(name, infer_labels) is None  # no sample of infer on g0 any more: its series went
+
+    await harness.ledger.release(infer_alloc, infer["metadata"]["uid"], "gpu-node-1", "deleted")
+    await eventually(lambda: harness.agent.view.version(infer_alloc) is None, what="the release in the view")
+    harness.backend.set_processes([ProcessUsage(4001, g0, 1000)], process_sm={g0: {4001: 10.0}})
+    await harness.agent.sample_usage()
+    assert reg.get_sample_value(name, train_labels) == 0.1
+    (family,) = [f for f in reg.collect() if f.name == name]
+    assert [s.labels["pod"] for s in family.samples] == ["train"]  # the ended pod's series is gone

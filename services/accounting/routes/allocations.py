@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from .. import queries
-from ..deps import Conn, found
+from ..deps import Conn, MaybeScheduling, found, with_waits
 from ..params import MAX_PAGE, NAME_RE, Name, Namespace, NsFilter, Since, StateFilter, Until, time_range
 from ..schemas import AllocationPage, PendingList, PodView, lookup, refusals
 
@@ -45,8 +45,10 @@ async def allocations(
 
 
 @router.get("/pods/{namespace}/{name}", **lookup("A pod: allocation, timeline, reasons", PodView))
-async def pod(conn: Conn, namespace: Namespace, name: Name) -> dict[str, Any]:
-    return found(await queries.pod_view(conn, namespace, name), f"accounting knows no pod {namespace}/{name}")
+async def pod(conn: Conn, scheduling: MaybeScheduling, namespace: Namespace, name: Name) -> dict[str, Any]:
+    view = found(await queries.pod_view(conn, namespace, name), f"accounting knows no pod {namespace}/{name}")
+    with_waits(view["pending"], scheduling)
+    return view
 
 
 @router.get(
@@ -55,5 +57,5 @@ async def pod(conn: Conn, namespace: Namespace, name: Name) -> dict[str, Any]:
     response_model=PendingList,
     responses=refusals(422),
 )
-async def pending(conn: Conn, namespace: NsFilter = None) -> dict[str, Any]:
-    return {"items": await queries.list_pending(conn, namespace=namespace)}
+async def pending(conn: Conn, scheduling: MaybeScheduling, namespace: NsFilter = None) -> dict[str, Any]:
+    return {"items": [with_waits(p, scheduling) for p in await queries.list_pending(conn, namespace=namespace)]}

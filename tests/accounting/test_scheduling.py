@@ -1,0 +1,129 @@
+"""Scheduling waits from the pods' own timestamps: once per pod across restarts and replicas (claims in the real
+PostgreSQL), pods bound while accounting was away found by the next listing, pending pods' waits from creation.
+
+The pods are shaped as kube-apiserver serves them: `creationTimestamp` and condition times in whole seconds, and
+the Binding sets `PodScheduled` True with `lastTransitionTime` now (pkg/registry/core/pod/storage/storage.go,
+`UpdatePodCondition`); a pod's earlier False condition (Unschedulable) is replaced by it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.accounting.scheduling import SchedulingWaits, finished_wait
+from shared.kube.watching import ADDED, DELETED, MODIFIED, SYNCED, WatchEvent
+
+from .conftest import Stack
+
+T0 = datetime(2026, 12, 6, 10, 0, 0, tzinfo=UTC)
+
+
+def stamp(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod(name: str, *, created: datetime, bound: datetime | None = None, gpu: bool = True, ns: str = "ml") -> dict:
+    limits = {"aliyun.com/gpu-mem": "2"} if gpu else {"cpu": "1"}
+    body: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": ns, "uid": f"uid-{name}", "creationTimestamp": stamp(created)},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "lastTransitionTime": stamp(created),
+                }
+            ],
+        },
+    }
+    if bound is not None:
+        body["spec"]["nodeName"] = "node-1"
+        body["status"]["conditions"] = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp(bound)}]
+    return body
+
+
+def test_a_wait_ends_when_the_pod_is_bound_or_deleted_unbound() -> None:
+    now = T0 + timedelta(minutes=5)
+    done = finished_wait(MODIFIED, pod("a", created=T0, bound=T0 + timedelta(seconds=7)), now)
+    assert done is not None and (done.outcome, done.seconds, done.namespace) == ("bound", 7.0, "ml")
+    assert finished_wait(MODIFIED, pod("a", created=T0), now) is None  # still waiting
+    gone = pod("b", created=T0)
+    gone["metadata"]["deletionTimestamp"] = stamp(T0 + timedelta(seconds=40))
+    done = finished_wait(DELETED, gone, now)
+    assert done is not None and (done.outcome, done.seconds) == ("deleted", 40.0)
+    assert finished_wait(MODIFIED, pod("c", created=T0, bound=T0, gpu=False), now) is None  # not a GPU pod
+    static = pod("d", created=T0)
+    static["spec"]["nodeName"], static["status"]["conditions"] = "node-1", []  # created bound: never scheduled
+    assert finished_wait(ADDED, static, now) is None
+
+
+async def test_each_pod_is_counted_once_across_restarts_and_none_bound_meanwhile_is_lost(engine: AsyncEngine) -> None:
+    clock = {"now": T0 + timedelta(seconds=30)}
+    seen: list[tuple[str, str, float]] = []
+
+    def start() -> SchedulingWaits:
+        return SchedulingWaits(engine, lambda *a: seen.append(a), horizon_s=3600, clock=lambda: clock["now"])
+
+    first = start()
+    first.handle(WatchEvent(ADDED, pod("fast", created=T0)))
+    first.handle(WatchEvent(ADDED, pod("slow", created=T0 + timedelta(seconds=5))))
+    first.handle(WatchEvent(ADDED, pod("cpu-only", created=T0, gpu=False)))
+    first.handle(WatchEvent(SYNCED))
+    assert first.waiting("uid-slow") == (T0 + timedelta(seconds=5), 25.0)
+    assert first.waiting("uid-cpu-only") is None
+    first.handle(WatchEvent(MODIFIED, pod("fast", created=T0, bound=T0 + timedelta(seconds=3))))
+    first.handle(WatchEvent(MODIFIED, pod("fast", created=T0, bound=T0 + timedelta(seconds=3))))  # status updates
+    assert await first.flush() == 1
+    assert seen == [("ml", "bound", 3.0)] and first.waiting("uid-fast") is None
+
+    # accounting restarts; meanwhile "slow" was bound and "gone" was created and deleted (that one is lost with
+    # the API server's memory of it: no listing shows it)
+    clock["now"] = T0 + timedelta(minutes=10)
+    second = start()
+    for body in (
+        pod("fast", created=T0, bound=T0 + timedelta(seconds=3)),
+        pod("slow", created=T0 + timedelta(seconds=5), bound=T0 + timedelta(minutes=2)),
+        pod("late", created=T0 + timedelta(minutes=9)),
+    ):
+        second.handle(WatchEvent(ADDED, body))
+    second.handle(WatchEvent(SYNCED))
+    assert await second.flush() == 1  # "fast" was claimed before the restart: not counted again
+    assert seen == [("ml", "bound", 3.0), ("ml", "bound", 115.0)]
+    assert second.waiting("uid-late") == (T0 + timedelta(minutes=9), 60.0)  # from its creation, not our start
+
+    # a pod deleted while waiting ends with outcome `deleted`; one no longer listed stops waiting
+    late = pod("late", created=T0 + timedelta(minutes=9))
+    second.handle(WatchEvent(DELETED, late))
+    assert await second.flush() == 1 and seen[-1] == ("ml", "deleted", 60.0)
+    second.handle(WatchEvent(ADDED, pod("vanishing", created=T0)))
+    second.handle(WatchEvent(SYNCED))
+    second.handle(WatchEvent(SYNCED))  # a relist without it: deleted while the watch was down
+    assert second.waiting("uid-vanishing") is None
+
+    # a replica beside it relisting the same pods counts nothing twice; a pod bound before the claims' horizon is
+    # not counted at all (its claim may have been pruned)
+    replica = start()
+    replica.handle(WatchEvent(ADDED, pod("slow", created=T0 + timedelta(seconds=5), bound=T0 + timedelta(minutes=2))))
+    replica.handle(WatchEvent(ADDED, pod("ancient", created=T0 - timedelta(days=2), bound=T0 - timedelta(days=2))))
+    replica.handle(WatchEvent(SYNCED))
+    assert await replica.flush() == 0 and len(seen) == 3
+
+
+async def test_pending_pods_show_how_long_they_waited(seeded: Stack) -> None:
+    waits = SchedulingWaits(seeded.engine, lambda *a: None, horizon_s=3600, clock=lambda: T0 + timedelta(seconds=95))
+    huge = pod("huge-0", created=T0, ns="team-b")
+    huge["metadata"]["uid"] = "uid-big"
+    waits.handle(WatchEvent(ADDED, huge))
+    before = (await seeded.client.get("/v1/pending")).json()["items"]
+    assert [(p["created_at"], p["waiting_seconds"]) for p in before] == [(None, None)]  # no pod watch: not known
+    seeded.app.state.scheduling = waits
+    (item,) = (await seeded.client.get("/v1/pending")).json()["items"]
+    assert (item["pod_name"], item["created_at"], item["waiting_seconds"]) == ("huge-0", T0.isoformat(), 95)
+    view = (await seeded.client.get("/v1/pods/team-b/huge-0")).json()
+    assert view["pending"]["waiting_seconds"] == 95
