@@ -84,7 +84,7 @@ async def test_extender_serves_tls_with_the_given_certificate(
                 except httpx.HTTPError:
                     await asyncio.sleep(0.2)
         assert response is not None, f"extender never answered over TLS:\n{tail(log)}"
-        assert response.status_code == 200 and response.json() == {"status": "ok"}
+        assert response.status_code == 200 and response.json() == {"status": "ok", "role": "active"}
         async with httpx.AsyncClient(timeout=2) as plain:
             refused = False
             try:
