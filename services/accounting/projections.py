@@ -10,6 +10,12 @@ claimed: their samples carry the event id, and a claim row per sample interval p
 samples.
 `rebuild_projections` refills the read models from what the streams still hold through the same `apply_many`.
 
+Several accounting replicas share the two durable consumers, each batch going to one of them. Batches are applied
+one at a time (a transaction-scoped advisory lock, `PROJECTION_LOCK`), so none reads the read models while
+another's rows are uncommitted; the order in which the replicas commit does not matter, since every effect
+depends on the events' times, not on when they are applied (an exchange applied before its allocation's
+reservation gets its pod when the reservation comes).
+
 A batch is applied in bulk (`apply_many`): its event ids are claimed in one statement, what its events ask of
 the read models is read with one query per question, `projection_plan.plan` folds the events in order over
 that (pure), and each table is written with one multi-row statement; the effects are those of applying the
@@ -42,6 +48,7 @@ from sqlalchemy import (
     literal,
     select,
     text,
+    update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, UUID, distinct_on
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -62,6 +69,9 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 REBUILD_BATCH = 500
+# Every projection transaction holds this transaction-scoped advisory lock: batches of the two consumers (ledger,
+# samples) and of every accounting replica apply one after the other, never interleaved.
+PROJECTION_LOCK = 0x6770_7573_6861_7265  # "gpushare"
 TIMELINE_COLUMNS = ("event_id", "allocation_id", "pod_uid", "node", "step", "ts", "detail")
 SAMPLE_COLUMNS = (
     "event_id",
@@ -156,6 +166,7 @@ async def _write(conn: AsyncConnection, planned: Plan) -> None:
     if planned.timeline_rows:
         rows = _rows(timeline, TIMELINE_COLUMNS, planned.timeline_rows)
         await conn.execute(pg_insert(timeline).from_select(TIMELINE_COLUMNS, rows).on_conflict_do_nothing())
+        await _name_exchanged_pods(conn, planned.timeline_rows)
     if planned.sample_rows:
         rows = _rows(usage_samples, SAMPLE_COLUMNS, planned.sample_rows)
         await conn.execute(insert(usage_samples).from_select(SAMPLE_COLUMNS, rows))
@@ -189,10 +200,32 @@ async def _write(conn: AsyncConnection, planned: Plan) -> None:
         await conn.execute(upsert, planned.pending_rows)
 
 
+async def _name_exchanged_pods(conn: AsyncConnection, rows: list[Row]) -> None:
+    """An exchange applied before its allocation's reservation (another replica committed that batch first)
+    named no pod: the reservation names it now, as applying the stream in order would have."""
+    named = {r["allocation_id"]: r["pod_uid"] for r in rows if r["step"] == RESERVED and r["pod_uid"]}
+    if not named:
+        return
+    reserved = (
+        func.unnest(_array(list(named), UUID(as_uuid=True)), _array(list(named.values()), Text()))
+        .table_valued(column("allocation_id", UUID(as_uuid=True)), column("pod_uid", Text()))
+        .render_derived(name="reserved")
+    )
+    await conn.execute(
+        update(timeline)
+        .where(timeline.c.allocation_id == reserved.c.allocation_id, timeline.c.pod_uid == "")
+        .values(pod_uid=reserved.c.pod_uid)
+    )
+
+
 async def apply_many(conn: AsyncConnection, events: list[Event], *, at: datetime | None = None) -> list[Applied]:
     """Apply a batch of events to the read models inside the caller's transaction, with the same effects as
     applying them one by one in order (idempotent: copies and events applied before change nothing). `at` is
-    when they are claimed (the database's clock by default). Returns what each event did, in order."""
+    when they are claimed (the database's clock by default). Returns what each event did, in order.
+
+    Batches are applied one at a time across every consumer and replica (`PROJECTION_LOCK`): each reads what
+    the batches before it wrote."""
+    await conn.execute(select(func.pg_advisory_xact_lock(PROJECTION_LOCK)))
     ids = claims(events)
     claimed = await _claim(conn, ids, at) if ids else set()
     planned = plan(events, claimed, await _known(conn, reads(events, claimed)))
