@@ -13,8 +13,8 @@ samples.
 Several accounting replicas share the two durable consumers, each batch going to one of them. Batches are applied
 one at a time (a transaction-scoped advisory lock, `PROJECTION_LOCK`), so none reads the read models while
 another's rows are uncommitted; the order in which the replicas commit does not matter, since every effect
-depends on the events' times, not on when they are applied (an exchange applied before its allocation's
-reservation gets its pod when the reservation comes).
+depends on the events' times, not on when they are applied (an exchange applied before any step of its
+allocation takes the allocation's pod from the ledger, where the allocation exists before any of its events).
 
 A batch is applied in bulk (`apply_many`): its event ids are claimed in one statement, what its events ask of
 the read models is read with one query per question, `projection_plan.plan` folds the events in order over
@@ -48,7 +48,6 @@ from sqlalchemy import (
     literal,
     select,
     text,
-    update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, UUID, distinct_on
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -57,7 +56,7 @@ from sqlalchemy.types import TypeEngine
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event
-from shared.ledger.models import applied_events
+from shared.ledger.models import allocations, applied_events
 from shared.ledger.replay import read_events
 
 from .projection_plan import ASSIGNED, BOUND, PROJECTED, RESERVED, Applied, Known, Plan, Reads, Row, claims, plan, reads
@@ -144,6 +143,14 @@ async def _known(conn: AsyncConnection, wanted: Reads) -> Known:
             .order_by(timeline.c.allocation_id, timeline.c.ts, timeline.c.id)
         )
         earliest = {allocation_id: (ts, pod_uid) for allocation_id, ts, pod_uid in rows}
+        unknown = [a for a in wanted.pod_allocations if a not in earliest]
+        if unknown:  # no step applied yet (another replica holds its batch): the ledger knows the allocation's pod
+            rows = await conn.execute(
+                select(allocations.c.id, allocations.c.reserved_at, allocations.c.pod_uid).where(
+                    allocations.c.id == _any(unknown, UUID(as_uuid=True))
+                )
+            )
+            earliest |= {allocation_id: (ts, pod_uid) for allocation_id, ts, pod_uid in rows}
     if wanted.refused_pods:
         rows = await conn.execute(
             select(timeline.c.pod_uid, func.max(timeline.c.ts))
@@ -166,7 +173,6 @@ async def _write(conn: AsyncConnection, planned: Plan) -> None:
     if planned.timeline_rows:
         rows = _rows(timeline, TIMELINE_COLUMNS, planned.timeline_rows)
         await conn.execute(pg_insert(timeline).from_select(TIMELINE_COLUMNS, rows).on_conflict_do_nothing())
-        await _name_exchanged_pods(conn, planned.timeline_rows)
     if planned.sample_rows:
         rows = _rows(usage_samples, SAMPLE_COLUMNS, planned.sample_rows)
         await conn.execute(insert(usage_samples).from_select(SAMPLE_COLUMNS, rows))
@@ -198,24 +204,6 @@ async def _write(conn: AsyncConnection, planned: Plan) -> None:
             where=pending.c.refused_at <= stmt.excluded.refused_at,
         )
         await conn.execute(upsert, planned.pending_rows)
-
-
-async def _name_exchanged_pods(conn: AsyncConnection, rows: list[Row]) -> None:
-    """An exchange applied before its allocation's reservation (another replica committed that batch first)
-    named no pod: the reservation names it now, as applying the stream in order would have."""
-    named = {r["allocation_id"]: r["pod_uid"] for r in rows if r["step"] == RESERVED and r["pod_uid"]}
-    if not named:
-        return
-    reserved = (
-        func.unnest(_array(list(named), UUID(as_uuid=True)), _array(list(named.values()), Text()))
-        .table_valued(column("allocation_id", UUID(as_uuid=True)), column("pod_uid", Text()))
-        .render_derived(name="reserved")
-    )
-    await conn.execute(
-        update(timeline)
-        .where(timeline.c.allocation_id == reserved.c.allocation_id, timeline.c.pod_uid == "")
-        .values(pod_uid=reserved.c.pod_uid)
-    )
 
 
 async def apply_many(conn: AsyncConnection, events: list[Event], *, at: datetime | None = None) -> list[Applied]:
