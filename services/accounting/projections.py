@@ -268,9 +268,10 @@ async def truncate_projections(conn: AsyncConnection, tables: tuple[Table, ...] 
 
 
 async def _complete(bus: EventBus, stream: str) -> bool:
-    """Whether `stream` still holds its first event (nothing aged out or was trimmed)."""
+    """Whether `stream` still holds its first event (nothing aged out or was trimmed). An empty stream is complete
+    only if it never had an event: once trimmed to nothing its first sequence is past the last one purged."""
     state = (await bus.js.stream_info(stream)).state
-    return state.messages == 0 or state.first_seq <= 1
+    return state.first_seq <= 1
 
 
 async def rebuild_projections(engine: AsyncEngine, bus: EventBus, progress: Progress | None = None) -> int:
