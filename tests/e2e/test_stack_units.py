@@ -204,3 +204,28 @@ def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.Monk
     first, second = embedded.free_port(), port_or_free(0)
     assert first == 40423 and second == 40425
     assert port_or_free(40425) == 40427  # a preferred port this process already gave out is not given again
+
+
+def test_replicated_services_get_their_own_names_ports_and_lease_identities() -> None:
+    common = spec.CommonFlags(database_url="postgresql://x/y", nats_url="nats://n:1")
+    assert spec.replica_names("binder", 1) == ["binder"]
+    assert spec.replica_names("binder", 2) == ["binder-1", "binder-2"]
+    binder = spec.binder_command(common, 4321, "/k", name="binder-2")
+    assert binder.name == "binder-2" and binder.port == 4321
+    assert binder.argv[binder.argv.index("--lease-identity") + 1] == "binder-2"
+    assert binder.argv[binder.argv.index("--lease-namespace") + 1] == "default"
+    assert spec.extender_command(common, 1234, 7, name="extender-1").name == "extender-1"
+
+
+def test_kube_schedulers_elect_a_leader_through_the_usual_lease_only_when_replicated(tmp_path) -> None:
+    from devstack.cluster.controlplane import scheduler_config
+
+    single = scheduler_config(tmp_path / "k")
+    assert single["leaderElection"] == {"leaderElect": False}
+    replicated = scheduler_config(tmp_path / "k", leader_elect=True)
+    assert replicated["leaderElection"] == {
+        "leaderElect": True,
+        "resourceLock": "leases",
+        "resourceName": "kube-scheduler",
+        "resourceNamespace": "kube-system",
+    }
