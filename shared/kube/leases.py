@@ -260,6 +260,7 @@ class LeaderElector:
         self._renewed: float | None = None  # monotonic time of our last successful write as holder
         self._lease: dict[str, Any] | None = None  # the Lease as last read or written (its resourceVersion)
         self._leading = False  # the role the duties were last started / stopped for
+        self.failure = ""  # why the last round failed ('' when it did not)
 
     @property
     def is_leader(self) -> bool:
@@ -344,8 +345,17 @@ class LeaderElector:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an answer we cannot use, or no answer: try again next round
-            level = logging.WARNING if self._leading else logging.DEBUG
-            log.log(level, "lease %s/%s: %s", self.namespace, self.name, _failure(exc))
+            failure = _failure(exc)
+            # losing a race for the lease is the election working; anything else (no answer, a refusal such as a
+            # missing RBAC rule) is said once, when it starts, and again when it changes
+            raced = isinstance(exc, ApiException) and exc.status == 409
+            level = logging.DEBUG if raced or failure == self.failure else logging.WARNING
+            log.log(level, "lease %s/%s: %s", self.namespace, self.name, failure, extra={"lease": self.name})
+            self.failure = "" if raced else failure
+            return
+        if self.failure:
+            log.info("lease %s/%s: the API server answers again", self.namespace, self.name)
+        self.failure = ""
 
     async def _try(self) -> None:
         coordination = client.CoordinationV1Api(self.api)

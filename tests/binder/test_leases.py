@@ -196,3 +196,21 @@ async def test_a_leader_cut_off_stands_down_before_the_standby_takes_over(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_lease_the_api_server_refuses_is_reported_once_and_nobody_leads(
+    kube: ApiClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal (here: the Lease's namespace does not exist; in a cluster, typically a missing RBAC rule) is a
+    warning naming the API server's answer, said once and not every retry period, and the replica stays standby."""
+    config = ElectionConfig("lease-x", namespace=f"missing-{uuid.uuid4().hex[:6]}", identity="a", timing=FAST)
+    elector = LeaderElector(kube, config)
+    stop = asyncio.Event()
+    with caplog.at_level("DEBUG", logger="shared.kube.leases"):
+        task = asyncio.create_task(elector.run(stop))
+        await asyncio.sleep(4 * FAST.retry_period_s * 2.2)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "404" in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert not elector.is_leader and elector.failure
