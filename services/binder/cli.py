@@ -77,14 +77,14 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     lease.add_argument(
         "--lease-duration",
         type=_positive,
-        default=15.0,
-        help="seconds a standby waits after the lease last changed before taking it (default 15)",
+        default=10.0,
+        help="seconds a standby waits after the lease last changed before taking it (default 10)",
     )
     lease.add_argument(
         "--renew-deadline",
         type=_positive,
-        default=10.0,
-        help="seconds the leader keeps leading without a successful renewal (default 10)",
+        default=7.0,
+        help="seconds the leader keeps leading without a successful renewal (default 7)",
     )
     lease.add_argument(
         "--retry-period", type=_positive, default=2.0, help="seconds between election rounds (default 2)"
