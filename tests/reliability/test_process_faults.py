@@ -62,6 +62,9 @@ async def test_a_process_fault_mid_burst_loses_no_pod_and_binds_none_twice(e2e_s
     ROUNDS.extend(rounds)
     print("\n" + "\n".join(table(ROUNDS)))
     assert e2e_stack.check_alive() == [], f"services died: {e2e_stack.check_alive()}"
+    # both kube-schedulers call one address; every extender replica behind it took their connections
+    endpoints = e2e_stack.service_proxies["extender"].endpoints
+    assert all(e.connections > 0 for e in endpoints), [(e.port, e.connections) for e in endpoints]
     for r in rounds:
         assert not r.lost, f"{fault}: pods never bound: {r.lost}"
         assert not r.double_binds, f"{fault}: {r.double_binds}"
