@@ -25,7 +25,7 @@ from tests.waiting import eventually, stream_events
 pytestmark = pytest.mark.e2e
 
 PODS = 12
-LEASE = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5"]
+LEASE = ["--lease-duration", "6", "--renew-deadline", "5", "--retry-period", "0.5"]  # short, with room for load
 
 
 class Replica:
