@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -107,18 +107,30 @@ def dump_json(value: Any) -> bytes:
         return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
+ACTIVE = "active"
+"""The role of a replica that does all of its service's work (every extender, accounting and node agent)."""
+
+
+def active_role() -> dict[str, object]:
+    """/healthz's role of a process without leader election."""
+    return {"role": ACTIVE}
+
+
 def install_common(
     app: FastAPI,
     *,
     ready: Callable[[], bool] = lambda: True,
     registry: CollectorRegistry = REGISTRY,
+    role: Callable[[], Mapping[str, object]] = active_role,
 ) -> None:
     """Add `/healthz`, `/readyz`, `/metrics` and JSON error handlers (4xx with a reason, never a
-    traceback; an unexpected error is logged and answered 500 with a generic JSON body)."""
+    traceback; an unexpected error is logged and answered 500 with a generic JSON body). `/healthz` also says
+    which role the process holds (`role()`: `{"role": "active"}`, or a leader election's `leader` / `standby`
+    with its lease and holder)."""
 
     @app.get("/healthz", include_in_schema=False)
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> dict[str, object]:
+        return {"status": "ok", **role()}
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:

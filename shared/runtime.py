@@ -100,10 +100,14 @@ class _Switchable:
         await self.app(scope, receive, send)
 
 
+STARTING = "starting"
+"""/healthz's role while a service waits for its servers (it holds no other role yet)."""
+
+
 def waiting_app(name: str) -> FastAPI:
-    """What a service serves while it waits for NATS and PostgreSQL: alive, not ready."""
+    """What a service serves while it waits for NATS and PostgreSQL: alive, not ready, role `starting`."""
     app = FastAPI(title=f"gpushare {name} (starting)", docs_url=None, redoc_url=None, openapi_url=None)
-    install_common(app, ready=lambda: False)
+    install_common(app, ready=lambda: False, role=lambda: {"role": STARTING})
     return app
 
 

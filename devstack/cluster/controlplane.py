@@ -115,6 +115,11 @@ def _as_extender(ext: ExtenderSpec) -> ExtenderConfig | None:
     return ExtenderConfig(url_prefix=ext) if isinstance(ext, str) else ext
 
 
+SCHEDULER_LEASE = {"resourceLock": "leases", "resourceName": "kube-scheduler", "resourceNamespace": "kube-system"}
+"""The Lease kube-scheduler replicas compete for (the defaults of its configuration, written out: 1.20's v1beta1
+defaults the lock to `endpointsleases`)."""
+
+
 def scheduler_config(
     kubeconfig: Path,
     extender: ExtenderSpec = None,
@@ -122,18 +127,21 @@ def scheduler_config(
     healthz_address: str | None = None,
     extra: dict[str, Any] | None = None,
     release: Release = CURRENT,
+    leader_elect: bool = False,
 ) -> dict[str, Any]:
     """Build the KubeSchedulerConfiguration `release` reads (v1 from 1.25, v1beta1 for 1.20).
 
     `healthz_address` only applies to releases whose configuration still has `healthzBindAddress` (before
-    v1); later ones serve /healthz on `--secure-port`. `extra` adds top-level fields; a mapping given for one
-    that is already a mapping (`clientConnection`, say) is merged into it.
+    v1); later ones serve /healthz on `--secure-port`. `leader_elect`: the replicas elect one through the Lease
+    `kube-system/kube-scheduler` (lease duration, renew deadline and retry period as kube-scheduler defaults
+    them, 15 s, 10 s and 2 s, unless `extra` sets them under `leaderElection`). `extra` adds top-level fields; a
+    mapping given for one that is already a mapping (`clientConnection`, say) is merged into it.
     """
     cfg: dict[str, Any] = {
         "apiVersion": release.scheduler_api_version,
         "kind": "KubeSchedulerConfiguration",
         "clientConnection": {"kubeconfig": str(kubeconfig)},
-        "leaderElection": {"leaderElect": False},
+        "leaderElection": {"leaderElect": True, **SCHEDULER_LEASE} if leader_elect else {"leaderElect": False},
         "profiles": [{"schedulerName": scheduler_name}],
     }
     if healthz_address and release.has_insecure_port_flags:
@@ -175,7 +183,9 @@ class _Proc:
 class ControlPlane:
     """Runs etcd + kube-apiserver + kube-controller-manager + kube-scheduler locally.
 
-    ``extender`` is a URL prefix string, an ``ExtenderConfig``, or None (no extender).
+    ``extender`` is a URL prefix string, an ``ExtenderConfig``, or None (no extender). ``schedulers`` > 1 runs
+    that many kube-scheduler processes (``kube-scheduler``, ``kube-scheduler-2``, ...) electing a leader through
+    the Lease ``kube-system/kube-scheduler``, as a highly available control plane does.
     Attributes after ``start()``: ``kubeconfig_path``, ``server_url``, ``token``,
     ``work_dir``, ``logs`` (component name -> log file).
     """
@@ -195,7 +205,11 @@ class ControlPlane:
         authorization_mode: str = "AlwaysAllow",
         users: dict[str, str] | None = None,
         controller_manager_extra: Sequence[str] = (),
+        schedulers: int = 1,
     ) -> None:
+        if schedulers < 1:
+            raise ValueError(f"at least one kube-scheduler, not {schedulers}")
+        self.schedulers = schedulers
         self.extender = _as_extender(extender)
         self.authorization_mode = authorization_mode  # e.g. "RBAC": then `users` get only what is bound to them
         self.users = dict(users or {})  # user name -> bearer token, in no group (the admin is in system:masters)
@@ -256,7 +270,7 @@ class ControlPlane:
         """Terminate all components (SIGTERM, then SIGKILL) and remove temp dirs."""
         if not self._started:
             return
-        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+        for name in (*self.scheduler_names, "kube-controller-manager", "kube-apiserver", "etcd"):
             self._stop_proc(name)
         self._started = False
         atexit.unregister(self.stop)
@@ -292,14 +306,37 @@ class ControlPlane:
         return {n: p.popen is not None and p.popen.poll() is None for n, p in self._procs.items()}
 
     # ------------------------------------------------------------------ restarts
+    @property
+    def scheduler_names(self) -> list[str]:
+        """The kube-scheduler processes' names: `kube-scheduler`, then `kube-scheduler-2`, ..."""
+        return ["kube-scheduler", *(f"kube-scheduler-{i}" for i in range(2, self.schedulers + 1))]
+
     def restart_scheduler(self, extender: ExtenderSpec | bool = False, *, scheduler_name: str | None = None) -> None:
-        """Restart only kube-scheduler; ``extender`` replaces the config unless False."""
+        """Restart only kube-scheduler (every replica); ``extender`` replaces the config unless False."""
         if extender is not False:
             self.extender = _as_extender(extender)  # type: ignore[arg-type]
         if scheduler_name is not None:
             self.scheduler_name = scheduler_name
-        self._stop_proc("kube-scheduler")
+        for name in self.scheduler_names:
+            self._stop_proc(name)
         self._start_scheduler()
+
+    def kill_component(self, name: str) -> None:
+        """SIGKILL one component (no clean shutdown: a leader releases nothing); ``start_component`` revives it."""
+        proc = self._procs.get(name)
+        if proc is not None and proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait(10)
+
+    def leading_scheduler(self) -> str | None:
+        """The running kube-scheduler that holds the leader lease now, by its log (client-go logs "Successfully
+        acquired lease" once per incarnation; the lease's holder identity is host name + a random UUID, the same
+        host for every replica here). None while no replica leads."""
+        running = self.running()
+        for name in self.scheduler_names:
+            if running.get(name) and LEASE_ACQUIRED in _current_incarnation(self.logs[name]):
+                return name
+        return None
 
     def restart_apiserver(self, down_seconds: float = 0.0, grace: float = 2.0) -> None:
         """Stop kube-apiserver, optionally stay down a while, start it on the same port.
@@ -380,7 +417,7 @@ class ControlPlane:
     def _prepare_files(self) -> None:
         wd = self.work_dir
         (wd / "certs").mkdir(exist_ok=True)
-        self._etcd_port, self._etcd_peer_port, self._api_port, self._sched_port = free_ports(4)
+        self._etcd_port, self._etcd_peer_port, self._api_port, *self._sched_ports = free_ports(3 + self.schedulers)
         self.server_url = f"https://127.0.0.1:{self._api_port}"
         tokens = [f'{self.token},admin,admin,"system:masters"'] + [f"{t},{u},{u}" for u, t in self.users.items()]
         (wd / "tokens.csv").write_text("\n".join(tokens) + "\n")
@@ -612,8 +649,14 @@ class ControlPlane:
         self._check_alive("kube-controller-manager")
 
     def _start_scheduler(self) -> None:
+        for name, port in zip(self.scheduler_names, self._sched_ports, strict=True):
+            self._start_one_scheduler(name, port)
+        running = "kube-scheduler running" if self.schedulers == 1 else f"{self.schedulers} kube-schedulers running"
+        self.progress(running + (f" with extender {self.extender.url_prefix}" if self.extender else ""))
+
+    def _start_one_scheduler(self, name: str, port: int) -> None:
         assert self._paths is not None
-        healthz = f"127.0.0.1:{self._sched_port}"
+        healthz = f"127.0.0.1:{port}"
         cfg = scheduler_config(
             self.kubeconfig_path,
             self.extender,
@@ -621,21 +664,33 @@ class ControlPlane:
             healthz_address=healthz,
             extra=self.scheduler_extra,
             release=self.release,
+            leader_elect=self.schedulers > 1,
         )
-        cfg_path = self.work_dir / "kube-scheduler.json"
+        cfg_path = self.work_dir / f"{name}.json"
         cfg_path.write_text(json.dumps(cfg, indent=2))
         args = [str(self._paths.kube_scheduler), f"--config={cfg_path}", f"--v={self.verbosity}"]
         if self.release.has_insecure_port_flags:
             args.append("--secure-port=0")
             healthz_url = f"http://{healthz}/healthz"
         else:  # /healthz is served on the secure port only, and open to anyone by default
-            args += ["--bind-address=127.0.0.1", f"--secure-port={self._sched_port}"]
+            args += ["--bind-address=127.0.0.1", f"--secure-port={port}"]
             healthz_url = f"https://{healthz}/healthz"
-        self._spawn(_Proc("kube-scheduler", args, self.work_dir / "kube-scheduler.log"))
-        self._wait("kube-scheduler", lambda: self._http_ok(healthz_url), "healthy")
-        self.progress(
-            "kube-scheduler running" + (f" with extender {self.extender.url_prefix}" if self.extender else "")
-        )
+        self._spawn(_Proc(name, args, self.work_dir / f"{name}.log"))
+        self._wait(name, lambda: self._http_ok(healthz_url), "healthy")
+
+
+# client-go's leaderelection.go logs "Successfully acquired lease" (1.20's: "successfully acquired lease")
+LEASE_ACQUIRED = "uccessfully acquired lease"
+START_MARK = b"\n==== starting "  # what `_spawn` writes into a component's log before each start
+
+
+def _current_incarnation(log: Path) -> str:
+    """The part of a component's log written since its last start."""
+    try:
+        data = log.read_bytes()
+    except OSError:
+        return ""
+    return data[data.rfind(START_MARK) + 1 :].decode(errors="replace")
 
 
 def start_control_plane(extender: ExtenderSpec = None, **kwargs: Any) -> ControlPlane:

@@ -55,6 +55,19 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--binder-port", type=int, default=8081, help="binder port (default 8081; busy: any free)")
     p.add_argument("--accounting-port", type=int, default=8080, help="accounting port (default 8080; busy: any free)")
     p.add_argument("--bind-timeout", type=float, default=30.0, help="extender's wait for a Binding, seconds")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas of the extender, binder and accounting (default 1; more: the extenders and accountings each "
+        "behind one address, the binders electing a leader, as in docs/operations.md)",
+    )
+    p.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="kube-scheduler processes of the local control plane; more than one elect a leader (default 1)",
+    )
     p.add_argument("--demo-timeout", type=float, default=120.0, help="how long to wait for the demo's placement")
     p.add_argument("--exit-after-demo", action="store_true", help="stop once the demo is placed (for scripts)")
     p.add_argument(
@@ -141,6 +154,8 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
     spec.parse_gpus(args.gpus)  # fail early on a bad spec
     if args.nodes < 1 or args.nodes > 64:
         raise SystemExit("--nodes must be between 1 and 64")
+    if not 1 <= args.replicas <= 5 or not 1 <= args.schedulers <= 5:
+        raise SystemExit("--replicas and --schedulers must be between 1 and 5")
     kubeconfig = None if args.ignore_kubeconfig or args.simulate else os.environ.get("KUBECONFIG") or None
     data_dir = args.data_dir or settings.data_dir
     usage, args.usage_note = agent_usage(args, data_dir)
@@ -152,6 +167,8 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         binder_port=args.binder_port,
         accounting_port=args.accounting_port,
         bind_timeout=args.bind_timeout,
+        replicas=args.replicas,
+        schedulers=args.schedulers,
         database_url=settings.database_url.get_secret_value() if settings.database_url else None,
         nats_url=settings.nats_url,
         stream_name=settings.stream_name,

@@ -106,6 +106,12 @@ class ServiceCommand:
             return ""
         return self.ready_url.split("://", 1)[1].split("/", 1)[0]
 
+    @property
+    def port(self) -> int:
+        """The port it serves HTTP on (0 when unknown)."""
+        target = self.metrics_target
+        return int(target.rsplit(":", 1)[1]) if ":" in target else 0
+
 
 @dataclass(frozen=True)
 class AgentUsage:
@@ -128,7 +134,7 @@ def gpushare_argv(subcommand: str, *args: str, common: CommonFlags | None = None
 
 
 def extender_command(
-    common: CommonFlags, port: int, bind_timeout: float, kubeconfig: str | None = None
+    common: CommonFlags, port: int, bind_timeout: float, kubeconfig: str | None = None, *, name: str = "extender"
 ) -> ServiceCommand:
     """The scheduler extender (kube-scheduler calls it at http://127.0.0.1:PORT/gpushare-scheduler).
 
@@ -148,27 +154,45 @@ def extender_command(
         *pods,
         common=common,
     )
-    return ServiceCommand(
-        "extender", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}{EXTENDER_PREFIX}"
-    )
+    return ServiceCommand(name, argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}{EXTENDER_PREFIX}")
 
 
-def binder_command(common: CommonFlags, port: int, kubeconfig: str) -> ServiceCommand:
-    """The binder (creates Bindings for reserved pods)."""
+def binder_command(
+    common: CommonFlags, port: int, kubeconfig: str, *, name: str = "binder", lease_namespace: str = "default"
+) -> ServiceCommand:
+    """The binder (creates Bindings for reserved pods). Replicas share one host here, so each is named in the
+    leader election's Lease by its process name (in Kubernetes the pod name does that), and the Lease lives in
+    `lease_namespace` of the stack's cluster (not the namespace of a pod the stack itself may run in)."""
     argv = gpushare_argv(
-        "binder", "--host", "127.0.0.1", "--port", str(port), "--kubeconfig", kubeconfig, common=common
+        "binder",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kubeconfig",
+        kubeconfig,
+        "--lease-identity",
+        name,
+        "--lease-namespace",
+        lease_namespace,
+        common=common,
     )
-    return ServiceCommand("binder", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
+    return ServiceCommand(name, argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
 
 
 def accounting_command(
-    common: CommonFlags, port: int, admin_token: str | None, kubeconfig: str | None = None
+    common: CommonFlags,
+    port: int,
+    admin_token: str | None,
+    kubeconfig: str | None = None,
+    *,
+    name: str = "accounting",
 ) -> ServiceCommand:
     """Accounting (REST /v1, dashboard /ui); with `kubeconfig` it shows that cluster's ResourceQuotas too."""
     kube = ["--kubeconfig", kubeconfig] if kubeconfig else ["--no-kubernetes"]
     argv = gpushare_argv("accounting", "--host", "127.0.0.1", "--port", str(port), *kube, common=common)
     env = {"GPUSHARE_ADMIN_TOKEN": admin_token} if admin_token else {}
-    return ServiceCommand("accounting", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}", env)
+    return ServiceCommand(name, argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}", env)
 
 
 def node_agent_command(
@@ -256,6 +280,12 @@ def fleet_command(
     if usage is not None and usage.simulate:
         argv += usage.argv()
     return ServiceCommand("node-fleet", argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")
+
+
+def replica_names(service: str, replicas: int) -> list[str]:
+    """The process names of a service's replicas: the service's own name for one, `binder-1`, `binder-2`, ... for
+    more."""
+    return [service] if replicas == 1 else [f"{service}-{i}" for i in range(1, replicas + 1)]
 
 
 def summary_lines(listens: Sequence[tuple[str, str]]) -> list[str]:

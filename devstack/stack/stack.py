@@ -68,6 +68,10 @@ class StackConfig:
     kubeconfig: str | None = None
     simulate: bool = False
     scheduler_extra: dict[str, Any] | None = None
+    # replicas of the extender, binder and accounting: the extenders behind one address (a Service stand-in,
+    # `service_proxy.py`) that kube-scheduler calls, the accountings behind another, the binders electing a leader
+    replicas: int = 1
+    schedulers: int = 1  # kube-scheduler processes; more than one elect a leader (the local control plane only)
     control_plane_paths: Any = None
     node_labels: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 90.0
@@ -115,6 +119,7 @@ class Stack:
         self._heartbeat: Any = None
         self._socket_dir: Path | None = None
         self._stopped = False
+        self.service_proxies: dict[str, Any] = {}  # service -> ServiceProxy, with replicas
         self.prometheus: Any = None
         self.adapter: Any = None
         self.monitoring_error = ""  # why monitoring was asked for and is not there
@@ -179,6 +184,35 @@ class Stack:
             accounting_url=self.accounting_url or None,
         )
 
+    def replicas(self, service: str) -> list[ServiceProcess]:
+        """The running-or-not processes of one service's replicas (`extender`, `binder`, `accounting`)."""
+        names = spec.replica_names(service, self.config.replicas)
+        return [self.processes[n] for n in names if n in self.processes]
+
+    def _spawn_replicas(
+        self, service: str, port: int, make: Callable[[str, int], spec.ServiceCommand]
+    ) -> list[ServiceProcess | None]:
+        """Start a service's replicas: one on `port`, or (with replicas) each on a free port, behind `port` later."""
+        names = spec.replica_names(service, self.config.replicas)
+        ports = [port] if len(names) == 1 else [free_port() for _ in names]
+        return [self._spawn(make(name, p)) for name, p in zip(names, ports, strict=True)]
+
+    async def _start_service_proxies(self, ports: dict[str, int]) -> None:
+        """With replicas: one address in front of each service's replicas (what its Service would be)."""
+        if self.config.replicas == 1:
+            return
+        from devstack.stack.service_proxy import Endpoint, ServiceProxy
+
+        for service, port in ports.items():
+            endpoints = [
+                Endpoint("127.0.0.1", p.command.port, p.command.ready_url)
+                for p in self.replicas(service)
+                if p.command.ready_url
+            ]
+            if endpoints:
+                self.service_proxies[service] = await ServiceProxy(service, endpoints, port=port).start()
+                self.progress(f"{service}: {len(endpoints)} replicas behind 127.0.0.1:{port}")
+
     def _spawn(self, command: spec.ServiceCommand) -> ServiceProcess | None:
         subcommand = command.argv[3]
         if command.argv[2] == "services.cli" and subcommand not in available_subcommands():
@@ -196,22 +230,38 @@ class Stack:
         acc_port = port_or_free(c.accounting_port)
         self.extender_url = f"http://127.0.0.1:{ext_port}{spec.EXTENDER_PREFIX}"
         self.accounting_url = f"http://127.0.0.1:{acc_port}"
-        self.progress("starting extender and accounting")
+        self.progress("starting extender and accounting" + (f" ({c.replicas} replicas each)" if c.replicas > 1 else ""))
         # bind reads pods from the API server: the local control plane writes its kubeconfig here when it starts
         kubeconfig = self._future_kubeconfig()
         first = [
-            self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout, kubeconfig)),
-            self._spawn(spec.accounting_command(self._common("accounting"), acc_port, c.admin_token, kubeconfig)),
+            *self._spawn_replicas(
+                "extender",
+                ext_port,
+                lambda name, port: spec.extender_command(
+                    self._common("extender"), port, c.bind_timeout, kubeconfig, name=name
+                ),
+            ),
+            *self._spawn_replicas(
+                "accounting",
+                acc_port,
+                lambda name, port: spec.accounting_command(
+                    self._common("accounting"), port, c.admin_token, kubeconfig, name=name
+                ),
+            ),
         ]
         cluster = asyncio.create_task(self._obtain_cluster())
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
+        await self._start_service_proxies({"extender": ext_port, "accounting": acc_port})
         await cluster
         if self.mode == MODE_SIMULATOR:
-            if kubeconfig is not None and "extender" in self.processes:  # no API server after all
-                await asyncio.to_thread(self.processes.pop("extender").stop)
-                restarted = self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout))
-                if restarted is not None:
-                    await restarted.wait_ready(c.ready_timeout)
+            if kubeconfig is not None:  # no API server after all
+                for old in self.replicas("extender"):
+                    await asyncio.to_thread(self.processes.pop(old.name).stop)
+                    restarted = self._spawn(
+                        spec.extender_command(self._common("extender"), old.command.port, c.bind_timeout, name=old.name)
+                    )
+                    if restarted is not None:
+                        await restarted.wait_ready(c.ready_timeout)
             await self._record_simulated_inventory()
             return
         await self._create_nodes()
@@ -219,8 +269,17 @@ class Stack:
             await self._apply_admission_policies()
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
-        self.progress("starting binder")
-        rest = [self._spawn(spec.binder_command(self._common("binder"), bnd_port, str(self.services_kubeconfig)))]
+        self.progress("starting binder" + (f" ({c.replicas} replicas electing a leader)" if c.replicas > 1 else ""))
+        rest = self._spawn_replicas(
+            "binder",
+            bnd_port,
+            lambda name, port: spec.binder_command(
+                self._common("binder"), port, str(self.services_kubeconfig), name=name
+            ),
+        )
+        if c.replicas > 1:  # the first replica answers on the binder port, as the one binder would
+            first_binder = self.replicas("binder")[0].command.ready_url
+            self.binder_url = first_binder.rsplit("/", 1)[0] if first_binder else self.binder_url
         self._socket_dir = Path(tempfile.mkdtemp(prefix="gpushare-up-"))
         if c.fleet:
             rest.append(self._spawn(self._fleet_command()))
@@ -322,6 +381,7 @@ class Stack:
             ),
             scheduler_extra=c.scheduler_extra,
             controller_manager_extra=c.controller_manager_extra,
+            schedulers=c.schedulers,
             work_dir=self.data_dir / "cluster",
             paths=c.control_plane_paths,
             progress=lambda m: self.progress(f"control plane: {m}"),
@@ -470,6 +530,7 @@ class Stack:
         elif self.kubeconfig:
             out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
         out += [(name, proc.command.listens) for name, proc in self.processes.items()]
+        out += [(f"{name} (service)", f"http://{proxy.address}") for name, proxy in self.service_proxies.items()]
         if self.prometheus is not None:
             out.append(("prometheus", self.prometheus.url))
         if self.adapter is not None:
@@ -509,8 +570,11 @@ class Stack:
             with contextlib.suppress(Exception):
                 await kubelet.stop()
             self.kubelets.pop(node, None)
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs if p.name == "binder"))
+        binders = self.replicas("binder")
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in binders))
         await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+        for proxy in self.service_proxies.values():
+            await proxy.stop()
         if self._api is not None:
             with contextlib.suppress(Exception):
                 await self._api.close()

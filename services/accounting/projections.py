@@ -10,6 +10,12 @@ claimed: their samples carry the event id, and a claim row per sample interval p
 samples.
 `rebuild_projections` refills the read models from what the streams still hold through the same `apply_many`.
 
+Several accounting replicas share the two durable consumers, each batch going to one of them. Batches are applied
+one at a time (a transaction-scoped advisory lock, `PROJECTION_LOCK`), so none reads the read models while
+another's rows are uncommitted; the order in which the replicas commit does not matter, since every effect
+depends on the events' times, not on when they are applied (an exchange applied before any step of its
+allocation takes the allocation's pod from the ledger, where the allocation exists before any of its events).
+
 A batch is applied in bulk (`apply_many`): its event ids are claimed in one statement, what its events ask of
 the read models is read with one query per question, `projection_plan.plan` folds the events in order over
 that (pure), and each table is written with one multi-row statement; the effects are those of applying the
@@ -50,7 +56,7 @@ from sqlalchemy.types import TypeEngine
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event
-from shared.ledger.models import applied_events
+from shared.ledger.models import allocations, applied_events
 from shared.ledger.replay import read_events
 
 from .projection_plan import ASSIGNED, BOUND, PROJECTED, RESERVED, Applied, Known, Plan, Reads, Row, claims, plan, reads
@@ -62,6 +68,9 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 REBUILD_BATCH = 500
+# Every projection transaction holds this transaction-scoped advisory lock: batches of the two consumers (ledger,
+# samples) and of every accounting replica apply one after the other, never interleaved.
+PROJECTION_LOCK = 0x6770_7573_6861_7265  # "gpushare"
 TIMELINE_COLUMNS = ("event_id", "allocation_id", "pod_uid", "node", "step", "ts", "detail")
 SAMPLE_COLUMNS = (
     "event_id",
@@ -135,6 +144,14 @@ async def _known(conn: AsyncConnection, wanted: Reads) -> Known:
             .order_by(timeline.c.allocation_id, timeline.c.ts, timeline.c.id)
         )
         earliest = {allocation_id: (ts, pod_uid) for allocation_id, ts, pod_uid in rows}
+        unknown = [a for a in wanted.pod_allocations if a not in earliest]
+        if unknown:  # no step applied yet (another replica holds its batch): the ledger knows the allocation's pod
+            rows = await conn.execute(
+                select(allocations.c.id, allocations.c.reserved_at, allocations.c.pod_uid).where(
+                    allocations.c.id == _any(unknown, UUID(as_uuid=True))
+                )
+            )
+            earliest |= {allocation_id: (ts, pod_uid) for allocation_id, ts, pod_uid in rows}
     if wanted.refused_pods:
         rows = await conn.execute(
             select(timeline.c.pod_uid, func.max(timeline.c.ts))
@@ -193,7 +210,11 @@ async def _write(conn: AsyncConnection, planned: Plan) -> None:
 async def apply_many(conn: AsyncConnection, events: list[Event], *, at: datetime | None = None) -> list[Applied]:
     """Apply a batch of events to the read models inside the caller's transaction, with the same effects as
     applying them one by one in order (idempotent: copies and events applied before change nothing). `at` is
-    when they are claimed (the database's clock by default). Returns what each event did, in order."""
+    when they are claimed (the database's clock by default). Returns what each event did, in order.
+
+    Batches are applied one at a time across every consumer and replica (`PROJECTION_LOCK`): each reads what
+    the batches before it wrote."""
+    await conn.execute(select(func.pg_advisory_xact_lock(PROJECTION_LOCK)))
     ids = claims(events)
     claimed = await _claim(conn, ids, at) if ids else set()
     planned = plan(events, claimed, await _known(conn, reads(events, claimed)))
@@ -248,9 +269,10 @@ async def truncate_projections(conn: AsyncConnection, tables: tuple[Table, ...] 
 
 
 async def _complete(bus: EventBus, stream: str) -> bool:
-    """Whether `stream` still holds its first event (nothing aged out or was trimmed)."""
+    """Whether `stream` still holds its first event (nothing aged out or was trimmed). An empty stream is complete
+    only if it never had an event: once trimmed to nothing its first sequence is past the last one purged."""
     state = (await bus.js.stream_info(stream)).state
-    return state.messages == 0 or state.first_seq <= 1
+    return state.first_seq <= 1
 
 
 async def rebuild_projections(engine: AsyncEngine, bus: EventBus, progress: Progress | None = None) -> int:

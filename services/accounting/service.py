@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 BATCH = 1000
 LINGER_S = 0.25
+# A batch held by a replica that died goes to another replica this long after its last heartbeat.
+ACK_WAIT_S = 10.0
+HEARTBEAT_S = 3.0
 
 
 def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetrics) -> list[DurableConsumer]:
@@ -48,7 +51,17 @@ def build_consumers(engine: AsyncEngine, bus: EventBus, metrics: AccountingMetri
     # event; the read models lag by at most LINGER_S. A failing batch is handled again one event at a time
     # (DurableConsumer.handle_batch), so a poison event is retried or parked on its own.
     return [
-        DurableConsumer(bus, durable, handle, batch_handler=handle_many, batch=BATCH, linger_s=LINGER_S, stream=stream)
+        DurableConsumer(
+            bus,
+            durable,
+            handle,
+            batch_handler=handle_many,
+            batch=BATCH,
+            linger_s=LINGER_S,
+            stream=stream,
+            ack_wait_s=ACK_WAIT_S,
+            heartbeat_s=HEARTBEAT_S,
+        )
         for durable, stream in ((CONSUMER, bus.names.stream), (SAMPLES_CONSUMER, bus.names.samples_stream))
     ]
 

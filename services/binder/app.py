@@ -12,12 +12,13 @@ def make_app(binder: Binder) -> FastAPI:
     """A FastAPI app serving the binder's health, readiness and metrics."""
     app = FastAPI(title="gpushare binder", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=64 * 1024)
-    install_common(app, ready=binder.ready, registry=binder.metrics.registry)
+    install_common(app, ready=binder.ready, registry=binder.metrics.registry, role=binder.describe)
 
     @app.get("/status")
     async def status() -> dict[str, object]:
         m = binder.metrics
         return {
+            **binder.describe(),
             "ready": binder.ready(),
             "applied": binder.consumer.applied,
             "parked": binder.consumer.parked,

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from shared.kube.leases import ElectionConfig
 
 log = logging.getLogger("gpushare.binder")
 
@@ -47,7 +51,60 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         help="never release a reservation younger than this many seconds (default 30)",
     )
     p.add_argument("--concurrency", type=_count, default=16, help="reservations bound in parallel (default 16)")
+    lease = p.add_argument_group(
+        "leader election",
+        "Every replica binds and serves the node agents; the pod and node watches, reconciliation and node nudges "
+        "run on one replica, the holder of a coordination.k8s.io Lease (docs/binder.md, 'Replicas').",
+    )
+    lease.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="elect one replica for the cluster-wide duties (default on; --no-leader-elect: this process does "
+        "them, for exactly one replica)",
+    )
+    lease.add_argument("--lease-name", default="gpushare-binder", help="the Lease's name (default gpushare-binder)")
+    lease.add_argument(
+        "--lease-namespace",
+        default=None,
+        help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's namespace, else default)",
+    )
+    lease.add_argument(
+        "--lease-identity",
+        default=None,
+        help="this replica's name in the Lease, unique among replicas (default: the host name, i.e. the pod's name)",
+    )
+    lease.add_argument(
+        "--lease-duration",
+        type=_positive,
+        default=10.0,
+        help="seconds a standby waits after the lease last changed before taking it (default 10)",
+    )
+    lease.add_argument(
+        "--renew-deadline",
+        type=_positive,
+        default=7.0,
+        help="seconds the leader keeps leading without a successful renewal (default 7)",
+    )
+    lease.add_argument(
+        "--retry-period", type=_positive, default=2.0, help="seconds between election rounds (default 2)"
+    )
     p.set_defaults(func=run)
+
+
+def election_config(args: argparse.Namespace) -> ElectionConfig | None:
+    """The leader election the flags ask for (None with --no-leader-elect); ValueError names a bad timing."""
+    from shared.kube.leases import ElectionConfig, ElectionTiming, default_identity, default_namespace
+
+    if not args.leader_elect:
+        return None
+    timing = ElectionTiming(args.lease_duration, args.renew_deadline, args.retry_period)
+    return ElectionConfig(
+        args.lease_name,
+        namespace=args.lease_namespace or default_namespace(),
+        identity=args.lease_identity or default_identity(),
+        timing=timing,
+    )
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -68,6 +125,11 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
     settings.require_database_url()
     settings.require_nats_url()
     try:
+        election = election_config(args)
+    except ValueError as exc:
+        log.error("leader election: %s", exc)
+        return 2
+    try:
         api = await api_client(args.kubeconfig)
     except (ConfigException, OSError) as exc:
         log.error("cannot reach Kubernetes: %s", exc)
@@ -77,6 +139,7 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
         concurrency=args.concurrency,
         reconcile_interval_s=args.reconcile_interval,
         reserve_grace_s=args.reserve_grace,
+        election=election,
     )
     try:
         async with ServiceRuntime("binder", settings, pool_size=5, listen=Listen(args.host, args.port)) as rt:

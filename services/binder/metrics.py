@@ -83,6 +83,24 @@ class BinderMetrics:
             "gpushare_binder_open_conflicts", "Conflicts found by the last reconciliation pass", registry=r
         )
 
+        self.leader = Gauge(
+            "gpushare_binder_leader",
+            "1 while this replica holds the binder lease (runs the watches, reconciliation and node nudges), "
+            "0 on a standby",
+            registry=r,
+        )
+        self.leader_changes = Counter(
+            "gpushare_binder_leader_changes_total",
+            "Changes of this replica's role: acquired, took_over (a failover), lost, released",
+            ["change"],
+            registry=r,
+        )
+
+    def leadership(self, leading: bool, change: str) -> None:
+        """This replica's role changed (`shared.kube.leases.LeaderElector`'s `on_change`)."""
+        self.leader.set(1 if leading else 0)
+        self.leader_changes.labels(change=change).inc()
+
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (tests and logs), 0 when absent."""
         return self.registry.get_sample_value(name, labels or None) or 0.0

@@ -1,12 +1,20 @@
 """The binder assembled: reservation consumer, annotation follower, the node agents' ledger gateway, pod and node
-watches, periodic reconciliation."""
+watches, periodic reconciliation.
+
+Every replica serves the shared work: the durable consumers (each reservation and each annotation update goes to
+one replica) and the agents' gateway (a queue group). The watches, reconciliation and node nudges are cluster-wide
+duties that one replica does: the holder of the `gpushare-binder` Lease (`shared.kube.leases`), or, without
+leader election, the one process.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubernetes_asyncio import client
 
@@ -20,6 +28,7 @@ from services.binder.reconcile import Reconciler
 from shared.events.bus import EventBus
 from shared.events.catalogue import ReservedEvent, kind_of
 from shared.events.consumer import DurableConsumer
+from shared.kube.leases import ElectionConfig, LeaderElector
 from shared.kube.retry import RetryPolicy
 from shared.ledger.ledger import Ledger
 from shared.settings import MemoryUnit
@@ -27,6 +36,10 @@ from shared.settings import MemoryUnit
 log = logging.getLogger(__name__)
 
 DURABLE = "binder"
+# A reservation held by a replica that died is delivered to another one this long after its last heartbeat; while a
+# replica works on it, the heartbeat keeps it from being delivered twice.
+ACK_WAIT_S = 5.0
+HEARTBEAT_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class BinderConfig:
     reserve_grace_s: float = 30.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     durable: str = DURABLE
+    election: ElectionConfig | None = None  # None: this process leads alone (one replica)
 
 
 class Binder:
@@ -59,7 +73,8 @@ class Binder:
             kinds=[kind_of(ReservedEvent)],
             concurrency=config.concurrency,
             batch=max(16, config.concurrency * 4),
-            ack_wait_s=30.0,
+            ack_wait_s=ACK_WAIT_S,
+            heartbeat_s=HEARTBEAT_S,
             max_deliver=20,
         )
         self.annotations = AnnotationSync(
@@ -74,7 +89,8 @@ class Binder:
             kinds=["assigned", "exchanged"],
             concurrency=max(1, config.concurrency // 2),
             batch=max(16, config.concurrency * 2),
-            ack_wait_s=30.0,
+            ack_wait_s=ACK_WAIT_S,
+            heartbeat_s=HEARTBEAT_S,
             max_deliver=20,
         )
         # an applied exchange rewrites both pods' annotations at once, not behind the consumer's queue of
@@ -92,38 +108,88 @@ class Binder:
             rebind=self.handler,
             annotate=self.annotations.sync,
         )
+        self.elector = (
+            LeaderElector(api, config.election, on_change=self.metrics.leadership) if config.election else None
+        )
+        if self.elector is None:
+            self.metrics.leader.set(1)
+        self._term_passes = 0  # reconciliation passes before the current term began
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica does the cluster-wide duties now."""
+        return self.elector is None or self.elector.is_leader
+
+    @property
+    def role(self) -> str:
+        """`leader` or `standby` (`leader` without leader election)."""
+        return "leader" if self.leading else "standby"
+
+    def describe(self) -> dict[str, object]:
+        """The role and, with leader election, the lease and its holder (for /healthz and /status)."""
+        return self.elector.describe() if self.elector is not None else {"role": self.role}
 
     def ready(self) -> bool:
-        """Consuming, both watches listed, and one reconciliation done."""
+        """Every duty of this replica's role is up: the consumers and the gateway on every replica; on the
+        leader also both watches listed and one reconciliation done in its term."""
+        shared = (
+            self.consumer.ready.is_set() and self.annotation_consumer.ready.is_set() and self.gateway.ready.is_set()
+        )
+        if not self.leading:
+            return shared
         return (
-            self.consumer.ready.is_set()
-            and self.annotation_consumer.ready.is_set()
-            and self.gateway.ready.is_set()
+            shared
             and self.lifecycle.pods_synced.is_set()
             and self.lifecycle.nodes_synced.is_set()
-            and self.reconciler.passes > 0
+            and self.reconciler.passes > self._term_passes
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run every part until `stop` is set; a part that crashes takes the others down (and is logged)."""
-        tasks = [
-            asyncio.create_task(self.reconciler.run(stop, self.config.reconcile_interval_s), name="reconcile"),
-            asyncio.create_task(self.lifecycle.watch_pods(stop), name="pod-watch"),
-            asyncio.create_task(self.lifecycle.watch_nodes(stop), name="node-watch"),
-            asyncio.create_task(self.consumer.run(stop), name="consumer"),
-            asyncio.create_task(self.annotation_consumer.run(stop), name="annotations"),
-            asyncio.create_task(self.gateway.run(stop), name="agent-gateway"),
-        ]
-        stopper = asyncio.create_task(stop.wait())
+        lead = self.elector.run(stop, self.lead) if self.elector is not None else self.lead(stop)
+        await _together(
+            {
+                "consumer": self.consumer.run(stop),
+                "annotations": self.annotation_consumer.run(stop),
+                "agent-gateway": self.gateway.run(stop),
+                "election" if self.elector is not None else "lead": lead,
+            },
+            stop,
+        )
+
+    async def lead(self, term_ended: asyncio.Event) -> None:
+        """The cluster-wide duties, for one term of leadership: reconciliation, the pod and node watches (and the
+        nudges that follow releases). When the term ends, what the watches showed is forgotten: a standby binds
+        from fresh reads, and a later term lists again."""
+        self._term_passes = self.reconciler.passes
         try:
-            done, _ = await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stopper and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            await _together(
+                {
+                    "reconcile": self.reconciler.run(term_ended, self.config.reconcile_interval_s),
+                    "pod-watch": self.lifecycle.watch_pods(term_ended),
+                    "node-watch": self.lifecycle.watch_nodes(term_ended),
+                },
+                term_ended,
+            )
         finally:
-            for task in [*tasks, stopper]:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            self.lifecycle.pods_synced.clear()
+            self.lifecycle.nodes_synced.clear()
+            self.pods.reset()
             await self.lifecycle.nudger.close()
+
+
+async def _together(parts: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:
+    """Run `parts` until `stop` is set; the first that fails takes the others down and its error is raised."""
+    tasks = [asyncio.create_task(coro, name=name) for name, coro in parts.items()]
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stopper and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in [*tasks, stopper]:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, EventDecodeError, decode_event
@@ -55,6 +57,7 @@ class DurableConsumer:
         stream: str | None = None,
         max_backoff_s: float = 10.0,
         transient: Callable[[BaseException], bool] = is_transient_failure,
+        heartbeat_s: float | None = None,
     ) -> None:
         self.bus = bus
         self.stream = stream or bus.names.stream  # the ledger stream unless told (the samples stream, say)
@@ -71,6 +74,11 @@ class DurableConsumer:
         self.linger_s = linger_s if self.batch_handler is not None else 0.0
         self.max_backoff_s = max_backoff_s
         self.transient = transient
+        # with a heartbeat, a message being handled is marked in progress every `heartbeat_s`: a short `ack_wait`
+        # then only decides how soon the messages of a consumer that died are delivered to another one
+        if heartbeat_s is not None and not 0 < heartbeat_s < ack_wait_s:
+            raise ValueError(f"heartbeat_s must be between 0 and ack_wait_s ({ack_wait_s:g}), not {heartbeat_s:g}")
+        self.heartbeat_s = heartbeat_s
         self.applied = 0
         self.parked = 0
         self.outage_retries = 0  # handler calls retried because the database or the bus was away
@@ -101,9 +109,28 @@ class DurableConsumer:
             filter_subject=None if several else self._filter_subject(),
             filter_subjects=several,
         )
+        await self._follow_ack_wait(config)
         return await self.bus.js.pull_subscribe(
             self._filter_subject(), durable=self.durable, stream=self.stream, config=config
         )
+
+    async def _follow_ack_wait(self, config: ConsumerConfig) -> None:
+        """A durable that exists keeps the configuration it was created with; give it this consumer's ack wait
+        (the binder's became shorter with its heartbeat: a release that changes it must not wait for a new durable).
+        NATS updates a consumer created again under its name with an editable change."""
+        try:
+            info = await self.bus.js.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            return
+        if info.config.ack_wait is not None and abs(info.config.ack_wait - self.ack_wait_s) > 0.001:
+            log.info(
+                "consumer %s: ack wait %.1fs -> %.1fs",
+                self.durable,
+                info.config.ack_wait,
+                self.ack_wait_s,
+                extra={"consumer": self.durable},
+            )
+            await self.bus.js.add_consumer(self.stream, config=dataclasses.replace(config, name=self.durable))
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until `stop` is set (or forever), surviving NATS outages.
@@ -216,7 +243,8 @@ class DurableConsumer:
             return
         events = [event for _, event in wanted]
         try:
-            await self._through_outages(lambda: self.batch_handler(events), [m for m, _ in wanted], events[0])
+            async with self._in_progress([m for m, _ in wanted]):
+                await self._through_outages(lambda: self.batch_handler(events), [m for m, _ in wanted], events[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -253,7 +281,8 @@ class DurableConsumer:
         if event is None:
             return
         try:
-            await self._through_outages(lambda: self.handler(event), [msg], event)
+            async with self._in_progress([msg]):
+                await self._through_outages(lambda: self.handler(event), [msg], event)
         except PermanentError as exc:
             await self._park(msg, f"rejected by handler: {exc}")
             return
@@ -279,6 +308,28 @@ class DurableConsumer:
             return
         await msg.ack()
         self.applied += 1
+
+    @contextlib.asynccontextmanager
+    async def _in_progress(self, msgs: list[Any]) -> AsyncIterator[None]:
+        """With a heartbeat: mark `msgs` in progress every `heartbeat_s` while the body runs."""
+        if self.heartbeat_s is None:
+            yield
+            return
+
+        async def beat(period: float) -> None:
+            while True:
+                await asyncio.sleep(period)
+                for msg in msgs:
+                    with contextlib.suppress(Exception):  # the bus may be away: then the message is redelivered
+                        await msg.in_progress()
+
+        task = asyncio.create_task(beat(self.heartbeat_s))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _through_outages(self, call: Callable[[], Awaitable[None]], msgs: list[Any], event: Event) -> None:
         """Await `call()`, retrying it while it fails with a transient error (database or bus away), with capped

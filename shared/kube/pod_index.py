@@ -53,6 +53,11 @@ class PodIndex:
         self._cycle += 1
         self.ready = True
 
+    def reset(self) -> None:
+        """Forget everything and answer nothing until the next list finishes (the watch stopped)."""
+        self._pods = {}
+        self.ready = False
+
     def get(self, namespace: str, name: str) -> Pod | None:
         """The pod as last seen, or None when unknown (or before the first list finished)."""
         if not self.ready:

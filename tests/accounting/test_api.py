@@ -223,7 +223,7 @@ async def test_openapi_docs_and_dashboard_are_served(stack: Stack) -> None:
     )
     ui = await stack.client.get("/ui")
     assert ui.status_code == 200 and "<script>" in ui.text and "http" not in ui.text.split("<script>")[1]
-    assert (await stack.client.get("/healthz")).json() == {"status": "ok"}
+    assert (await stack.client.get("/healthz")).json() == {"status": "ok", "role": "active"}
 
 
 def test_gib_hours_keep_small_amounts() -> None:

@@ -133,3 +133,19 @@ async def test_rebuild_yields_the_same_answers(stack: Stack, database_url: str, 
     assert (
         await projections.rebuild_projections(s.engine, s.bus, None) == 3 + 5 + 3 + 2 + 1 + 1 + 6
     )  # refused, reserved, bound, assigned, released, failed, usage
+
+
+async def test_a_rebuild_after_the_snapshot_trimmed_the_whole_stream_keeps_the_rows(seeded: Stack) -> None:
+    """The ledger snapshot purges every event all consumers read: an empty ledger stream then holds nothing to
+    rebuild from, and the rows derived from what is gone must stay (they were emptied, as for a stream that never
+    had an event, and `gpushare ledger rebuild` lost accounting's whole timeline)."""
+    s = seeded
+    async with s.engine.connect() as conn:
+        before = (await conn.execute(select(func.count()).select_from(timeline))).scalar_one()
+    assert before > 0
+    await s.bus.js.purge_stream(s.bus.names.stream)  # what trim_ledger_stream does when everything is covered
+    assert (await s.bus.js.stream_info(s.bus.names.stream)).state.messages == 0
+    await projections.rebuild_projections(s.engine, s.bus, None)
+    async with s.engine.connect() as conn:
+        after = (await conn.execute(select(func.count()).select_from(timeline))).scalar_one()
+    assert after == before

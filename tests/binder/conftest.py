@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -191,6 +192,20 @@ def request_for(
             ),
         ),
     )
+
+
+@pytest.fixture
+def binder_env(database_url: str, nats_url: str, bus: EventBus, control_plane: ControlPlane) -> dict[str, str]:
+    """The environment a `gpushare binder` subprocess of the test runs with (its database, stream, cluster)."""
+    return {
+        **os.environ,
+        "GPUSHARE_DATABASE_URL": database_url,
+        "GPUSHARE_NATS_URL": nats_url,
+        "GPUSHARE_STREAM_NAME": bus.names.stream,
+        "GPUSHARE_SUBJECT_PREFIX": bus.names.prefix,
+        "GPUSHARE_LOG_FORMAT": "text",
+        "KUBECONFIG": str(control_plane.kubeconfig_path),
+    }
 
 
 @pytest.fixture

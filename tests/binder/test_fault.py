@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -44,23 +43,13 @@ async def _ready(port: int) -> bool:
         return False
 
 
-async def test_kill_mid_batch_and_restart(
-    cluster, ledger, engine, bus, database_url, nats_url, control_plane, tmp_path
-) -> None:
+async def test_kill_mid_batch_and_restart(cluster, ledger, engine, bus, binder_env, tmp_path) -> None:
     node = await cluster.node(ledger)
     pods = [await cluster.pod(gib=1) for _ in range(PODS)]
     reservations = {
         p.metadata.uid: await ledger.reserve(request_for(p, node, gib=1, gpu=i % 2)) for i, p in enumerate(pods)
     }
-    env = {
-        **os.environ,
-        "GPUSHARE_DATABASE_URL": database_url,
-        "GPUSHARE_NATS_URL": nats_url,
-        "GPUSHARE_STREAM_NAME": bus.names.stream,
-        "GPUSHARE_SUBJECT_PREFIX": bus.names.prefix,
-        "GPUSHARE_LOG_FORMAT": "text",
-        "KUBECONFIG": str(control_plane.kubeconfig_path),
-    }
+    env = binder_env
     log = tmp_path / "binder.log"
     port = free_ports(1)[0]
 

@@ -137,11 +137,12 @@ def _parse(path: Path) -> ast.Module:
 
 @cache
 def shared_helpers() -> dict[str, set[Need]]:
-    """Each public function of shared/kube/ -> the API calls it makes (following calls between helpers)."""
+    """Each public function and class of shared/kube/ -> the API calls it makes (a class: all its methods'),
+    following calls between helpers."""
     functions: dict[str, ast.AST] = {}
     for path in sorted((ROOT / "shared" / "kube").glob("*.py")):
         for node in _parse(path).body:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 functions[node.name] = node
     helpers: dict[str, set[Need]] = {name: set() for name in functions}
     changed = True

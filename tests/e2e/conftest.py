@@ -44,9 +44,11 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # plane, one per test module. A module sets STACK_NODES / STACK_GPUS to shape its cluster, STACK_K8S ("1.20")
 # to run on another Kubernetes release than the current one, STACK_USAGE_RULES to give the node agents
 # simulated usage (the rules go to `<data dir>/usage.rules`, which the test may rewrite; samples every second,
-# over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags and
-# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, and
-# STACK_SCHEDULER_COUNTS for managed resources kube-scheduler counts per node itself (ignoredByScheduler: false).
+# over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags,
+# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, STACK_REPLICAS /
+# STACK_SCHEDULERS for replicated services and kube-schedulers, STACK_SCHEDULER_EXTRA for more kube-scheduler
+# configuration, and STACK_SCHEDULER_COUNTS for managed resources kube-scheduler counts per node itself
+# (ignoredByScheduler: false).
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,13 @@ async def stack(
         log_format="json",
         log_level="INFO",
         admin_token=ADMIN_TOKEN,
-        scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
+        scheduler_extra={
+            "podInitialBackoffSeconds": 1,
+            "podMaxBackoffSeconds": 2,
+            **getattr(request.module, "STACK_SCHEDULER_EXTRA", {}),
+        },
+        replicas=getattr(request.module, "STACK_REPLICAS", 1),
+        schedulers=getattr(request.module, "STACK_SCHEDULERS", 1),
         control_plane_paths=control_plane_binaries,
         usage=usage,
         controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),

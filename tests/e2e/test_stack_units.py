@@ -256,3 +256,28 @@ def test_the_demo_in_mib_asks_for_the_same_memory_and_adds_the_guides_half_gigab
     assert sorted({parse_pod(p, MemoryUnit.MIB).memory_mib for p in pods}) == [512, 2048, 4096]
     with pytest.raises(DemoError, match="add --memory-unit MiB"):
         demo_deployments(dev_pods=1)  # half a GiB is no whole number of GiB
+
+
+def test_replicated_services_get_their_own_names_ports_and_lease_identities() -> None:
+    common = spec.CommonFlags(database_url="postgresql://x/y", nats_url="nats://n:1")
+    assert spec.replica_names("binder", 1) == ["binder"]
+    assert spec.replica_names("binder", 2) == ["binder-1", "binder-2"]
+    binder = spec.binder_command(common, 4321, "/k", name="binder-2")
+    assert binder.name == "binder-2" and binder.port == 4321
+    assert binder.argv[binder.argv.index("--lease-identity") + 1] == "binder-2"
+    assert binder.argv[binder.argv.index("--lease-namespace") + 1] == "default"
+    assert spec.extender_command(common, 1234, 7, name="extender-1").name == "extender-1"
+
+
+def test_kube_schedulers_elect_a_leader_through_the_usual_lease_only_when_replicated(tmp_path) -> None:
+    from devstack.cluster.controlplane import scheduler_config
+
+    single = scheduler_config(tmp_path / "k")
+    assert single["leaderElection"] == {"leaderElect": False}
+    replicated = scheduler_config(tmp_path / "k", leader_elect=True)
+    assert replicated["leaderElection"] == {
+        "leaderElect": True,
+        "resourceLock": "leases",
+        "resourceName": "kube-scheduler",
+        "resourceNamespace": "kube-system",
+    }

@@ -77,14 +77,19 @@ async def test_extender_serves_tls_with_the_given_certificate(
         response = None
         deadline = time.monotonic() + 60
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cert)), timeout=2) as client:
-            while response is None and time.monotonic() < deadline:
+            # until it answers as the started service (while it waits for its servers it answers role `starting`)
+            while time.monotonic() < deadline:
                 assert proc.poll() is None, f"extender exited:\n{tail(log)}"
                 try:
                     response = await client.get(f"https://127.0.0.1:{port}/healthz")
                 except httpx.HTTPError:
                     await asyncio.sleep(0.2)
+                    continue
+                if response.json().get("role") != "starting":
+                    break
+                await asyncio.sleep(0.2)
         assert response is not None, f"extender never answered over TLS:\n{tail(log)}"
-        assert response.status_code == 200 and response.json() == {"status": "ok"}
+        assert response.status_code == 200 and response.json() == {"status": "ok", "role": "active"}
         async with httpx.AsyncClient(timeout=2) as plain:
             refused = False
             try:

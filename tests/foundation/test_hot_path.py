@@ -41,7 +41,7 @@ async def test_a_hot_post_skips_fastapi_and_everything_else_reaches_it() -> None
     assert reply.headers["content-type"] == "application/json"
     assert seen == ["hot"]
     assert (await _call(app, "GET", "/x/verb")).status_code == 405  # FastAPI's answer for another method
-    assert (await _call(app, "GET", "/healthz")).json() == {"status": "ok"}
+    assert (await _call(app, "GET", "/healthz")).json() == {"status": "ok", "role": "active"}
     assert seen == ["hot"]
 
 

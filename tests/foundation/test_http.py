@@ -32,7 +32,7 @@ def _limited_app() -> BodyLimitMiddleware:
 
 async def test_health_readiness_and_metrics_endpoints() -> None:
     async with _client(_limited_app()) as client:
-        assert (await client.get("/healthz")).json() == {"status": "ok"}
+        assert (await client.get("/healthz")).json() == {"status": "ok", "role": "active"}
         assert (await client.get("/readyz")).status_code == 503
         metrics = await client.get("/metrics")
         assert metrics.status_code == 200 and "python_info" in metrics.text

@@ -12,6 +12,7 @@ import pytest
 from devstack.cluster import Paths
 from devstack.embedded import EmbeddedNats
 from tests import system_tools
+from tests.e2e.conftest import stack as e2e_stack  # noqa: F401  (the e2e module stack, shaped by STACK_* names)
 
 
 @pytest.fixture(scope="session")

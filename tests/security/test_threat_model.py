@@ -51,6 +51,7 @@ def test_the_binders_http_face_reads_only() -> None:
     """The binder takes its work from NATS: its port serves health, readiness, metrics and a status read."""
     binder = SimpleNamespace(
         ready=lambda: True,
+        describe=lambda: {"role": "leader"},
         metrics=SimpleNamespace(registry=CollectorRegistry(), value=lambda name: 0),
         consumer=SimpleNamespace(applied=0, parked=0),
         reconciler=SimpleNamespace(passes=0),
