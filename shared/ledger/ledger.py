@@ -160,11 +160,14 @@ class Ledger:
 
     async def mark_bound_many(self, bindings: list[tuple[uuid.UUID, str, str]]) -> list[bool]:
         """`mark_bound` for many (allocation id, pod UID, node) in one transaction (the binder's group commit);
-        True per allocation that moved to `bound`. Every event is staged, as `record` stages each."""
+        True per allocation that moved to `bound`. Only those events are staged: a `bound` that moved nothing (two
+        replicas, or reconciliation and a redelivery, binding the same reservation) would reach the stream twice."""
         events = [BoundEvent(allocation_id=a, pod_uid=p, node=n, source=self.source) for a, p, n in bindings]
         async with self.engine.begin() as conn:
             changed = await transitions.apply_bound_many(conn, events)
-            await outbox.stage(conn, self.prefix, *events)
+            moved = [e for e, c in zip(events, changed, strict=True) if c]
+            if moved:
+                await outbox.stage(conn, self.prefix, *moved)
         self._committed()
         return changed
 

@@ -287,6 +287,11 @@ async def test_racing_bound_batches_move_each_allocation_once(engine: AsyncEngin
     assert sum(answers) == 40
     for r in held:
         assert await _row(engine, r.allocation_id) == ("bound", True)
+    # ... and the stream hears of each binding once: a `bound` that moved nothing stages no event (a second one
+    # would show the step twice in accounting's timeline)
+    async with engine.connect() as conn:
+        staged = (await conn.execute(select(func.count()).where(outbox.c.subject.like("gc.bound.%")))).scalar_one()
+    assert staged == 40
 
 
 async def test_the_binders_grouped_reads_answer_each_reservation_with_its_own_facts(engine: AsyncEngine) -> None:
