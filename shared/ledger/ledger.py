@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
+    ClaimReservedEvent,
     ExchangedEvent,
     FailedEvent,
     HealthEvent,
@@ -26,7 +27,7 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger import batch_reserve, idempotency, inventory, outbox, quotas, reservations, transitions
+from shared.ledger import batch_reserve, claims, idempotency, inventory, outbox, quotas, reservations, transitions
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ LedgerEvent = (
     | HealthEvent
     | QuotaEvent
     | ReservedEvent
+    | ClaimReservedEvent
     | BoundEvent
     | AssignedEvent
     | ReleasedEvent
@@ -49,6 +51,8 @@ LedgerEvent = (
 async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
     """Apply any ledger event to the tables inside the caller's transaction."""
     match event:
+        case ClaimReservedEvent():  # before ReservedEvent: a claim's reservation is one too
+            return await claims.reserve_claim(conn, event)
         case ReservedEvent():
             return await reservations.reserve(conn, event)
         case BoundEvent() | AssignedEvent() | ReleasedEvent() | FailedEvent():
@@ -151,6 +155,20 @@ class Ledger:
         if any(isinstance(a, Reservation) and a.created for a in answers):
             self._committed()
         return answers
+
+    async def reserve_claim(self, event: ClaimReservedEvent) -> Reservation:
+        """Record a DRA claim's allocation (`claims.reserve_claim`), or return it when recorded before.
+
+        Raises `InsufficientCapacity` / `QuotaExceeded` / `claims.PathConflict` / `ReservationError` (nothing is
+        written then). The event is staged only when the allocation is new.
+        """
+        async with self.engine.begin() as conn:
+            result = await claims.reserve_claim(conn, event)
+            if result.created:
+                await outbox.stage(conn, self.prefix, event)
+        if result.created:
+            self._committed()
+        return result
 
     async def mark_bound(self, allocation_id: uuid.UUID, pod_uid: str, node: str) -> bool:
         """The pod's Binding exists."""
