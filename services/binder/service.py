@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kubernetes_asyncio import client
 
 from services.binder.annotate import AnnotationSync
+from services.binder.claims import ClaimGate
 from services.binder.gateway import LedgerGateway
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
@@ -79,6 +80,9 @@ class Binder:
         )
         self.gateway = LedgerGateway(ledger, bus, metrics=self.metrics, concurrency=config.concurrency)
         self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
+        # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
+        self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
+        self.lifecycle.claims = self.claims
         self.reconciler = Reconciler(
             ledger,
             api,
@@ -98,6 +102,7 @@ class Binder:
             and self.lifecycle.pods_synced.is_set()
             and self.lifecycle.nodes_synced.is_set()
             and self.reconciler.passes > 0
+            and self.claims.synced.is_set()
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -109,6 +114,8 @@ class Binder:
             asyncio.create_task(self.consumer.run(stop), name="consumer"),
             asyncio.create_task(self.annotation_consumer.run(stop), name="annotations"),
             asyncio.create_task(self.gateway.run(stop), name="agent-gateway"),
+            asyncio.create_task(self.claims.watch(stop), name="claim-watch"),
+            asyncio.create_task(self.claims.run(stop, self.config.reconcile_interval_s), name="claim-reconcile"),
         ]
         stopper = asyncio.create_task(stop.wait())
         try:
@@ -123,3 +130,4 @@ class Binder:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await self.lifecycle.nudger.close()
+            await self.claims.close()

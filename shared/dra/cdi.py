@@ -11,7 +11,7 @@ claim's UID so that no name is ever reused.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 CDI_VERSION = "0.6.0"
@@ -36,19 +36,25 @@ def spec_file_name(claim_uid: str) -> str:
     return f"{VENDOR}-{CLASS}_{_NAME.sub('-', claim_uid)}.json"
 
 
-def cdi_spec(claim_uid: str, env_by_request: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
-    """The CDI spec of a prepared claim: one device per request, whose edits set that request's environment."""
-    return {
-        "cdiVersion": CDI_VERSION,
-        "kind": KIND,
-        "devices": [
-            {
-                "name": device_name(claim_uid, request),
-                "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(env.items())]},
-            }
-            for request, env in env_by_request.items()
-        ],
-    }
+def cdi_spec(
+    claim_uid: str,
+    env_by_request: Mapping[str, Mapping[str, str]],
+    mounts_by_request: Mapping[str, Sequence[tuple[str, str, bool]]] | None = None,
+) -> dict[str, Any]:
+    """The CDI spec of a prepared claim: one device per request, whose edits set that request's environment and,
+    when given, bind mounts `(host path, container path, read only)` (an MPS client's directories, the GPU list
+    as volume mounts)."""
+    devices = []
+    for request, env in env_by_request.items():
+        edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in sorted(env.items())]}
+        mounts = (mounts_by_request or {}).get(request) or []
+        if mounts:
+            edits["mounts"] = [
+                {"hostPath": host, "containerPath": path, "options": ["ro" if ro else "rw", "bind"]}
+                for host, path, ro in mounts
+            ]
+        devices.append({"name": device_name(claim_uid, request), "containerEdits": edits})
+    return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": devices}
 
 
 def env_of(spec: Mapping[str, Any], device: str) -> dict[str, str]:
