@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -139,6 +140,8 @@ class ClaimGate:
         self._running: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._bound: dict[str, None] = {}
+        # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
+        self.nudge: Callable[[str], None] | None = None
         self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
 
     # -- following claims ---------------------------------------------------------------------------------------
@@ -357,7 +360,13 @@ class ClaimGate:
 
     # -- pods ---------------------------------------------------------------------------------------------------
     async def on_pod(self, event_type: str, pod: Pod) -> bool:
-        """The pod watch's hook: a gated pod that kube-scheduler bound is `bound` in the ledger (True when marked)."""
+        """The pod watch's hook: a gated pod that kube-scheduler bound is `bound` in the ledger (True when marked).
+
+        Then the node is nudged (a label stamp, which makes kube-scheduler retry the pods waiting for DRA devices):
+        while a pod waits in PreBind for its binding conditions, kube-scheduler 1.37.2 counts its claim's consumed
+        capacity twice (the claim is still in flight and already in the informer's allocated state:
+        `claimTracker.GatherAllocatedState`, in flight until PreBind returns), so pods placed meanwhile may have
+        been found not to fit; no claim event requeues them once the first pod is bound."""
         ann = pods.annotations(pod)
         uid = pods.pod_uid(pod)
         node = pods.node_name(pod)
@@ -372,7 +381,10 @@ class ClaimGate:
         self._bound[uid] = None
         while len(self._bound) > REMEMBERED_BOUND:
             self._bound.pop(next(iter(self._bound)))
-        return await self.bound.submit((allocation, uid, node))
+        marked = await self.bound.submit((allocation, uid, node))
+        if marked and self.nudge is not None:
+            self.nudge(node)
+        return marked
 
     # -- reconciliation -----------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, interval_s: float) -> None:

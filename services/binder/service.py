@@ -83,6 +83,7 @@ class Binder:
         # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
         self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
         self.lifecycle.claims = self.claims
+        self.claims.nudge = self.lifecycle.nudger.capacity_freed
         self.reconciler = Reconciler(
             ledger,
             api,

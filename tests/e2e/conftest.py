@@ -37,7 +37,8 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # to run on another Kubernetes release than the current one, STACK_USAGE_RULES to give the node agents
 # simulated usage (the rules go to `<data dir>/usage.rules`, which the test may rewrite; samples every second,
 # over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags and
-# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it.
+# STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, STACK_DRA_NODES to make
+# that many of the nodes (the last ones) DRA nodes (tests/dra).
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,7 @@ async def stack(
         usage=usage,
         controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),
         monitoring=getattr(request.module, "STACK_MONITORING", False),
+        dra_nodes=getattr(request.module, "STACK_DRA_NODES", 0),
         scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
         service_roles=True,  # each service as its own PostgreSQL role: least privilege, end to end
