@@ -145,6 +145,22 @@ async def test_four_4gib_pods_pack_one_16gib_gpu_and_a_fifth_waits(stack, api, n
     assert "FailedScheduling" in events
 
 
+async def test_a_pod_found_not_to_fit_while_another_waits_at_the_gate_binds_soon_after(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
+    """While pod `a` waits in PreBind for its binding condition, kube-scheduler 1.37.2 counts its claim's 4 GiB twice
+    (in flight and allocated), so `b` (10 GiB: 4 + 10 fit 16) is found not to fit; nothing in DRA requeues it once
+    `a` is bound, so it would wait for the scheduler's 5-minute flush. The binder nudges the node when `a` binds."""
+    await w.create(
+        api,
+        namespace,
+        w.template("gpu-4", [("main", "4Gi", None, 1)]),
+        w.template("gpu-10", [("main", "10Gi", None, 1)]),
+        w.pod("a", [("main", "main")], template_name="gpu-4"),
+    )
+    await w.wait_claim_allocated(api, namespace, "a")
+    await w.create(api, namespace, w.pod("b", [("main", "main")], template_name="gpu-10"))
+    await helpers.wait_bound(api, namespace, ["a", "b"], timeout_s=40)
+
+
 async def test_a_namespace_quota_refuses_at_the_gate_and_the_pod_binds_once_raised(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
     assert (await helpers.set_quota(stack, ADMIN_TOKEN, namespace, 2)).status_code == 200
     await w.create(
