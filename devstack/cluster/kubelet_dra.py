@@ -106,8 +106,16 @@ class ClaimInfo:
 class DraKubeletStandIn:
     """kubelet's DRA manager and plugin watcher for one node. `start()` watches the registration directory."""
 
-    def __init__(self, api: client.ApiClient, registration_dir: Path | str, cdi_dir: Path | str) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        registration_dir: Path | str,
+        cdi_dir: Path | str,
+        *,
+        services: tuple[str, ...] = KUBELET_SERVICES,
+    ) -> None:
         self.api = api
+        self.services = services  # the DRAPlugin versions this kubelet knows (an older kubelet: v1beta1 only)
         self.registration_dir = Path(registration_dir)
         self.cdi_dir = Path(cdi_dir)
         self.plugins: dict[str, RegisteredDraPlugin] = {}
@@ -174,11 +182,11 @@ class DraKubeletStandIn:
                 raise ValueError(f"no handler for plugin type {info.type!r}")
             endpoint = info.endpoint or str(socket)
             versions = list(info.supported_versions)
-            chosen = next((v for v in versions if v in KUBELET_SERVICES), "")
+            chosen = next((v for v in versions if v in self.services), "")
             if not chosen:
                 error = (
                     f"none of services supported by the plugin ({versions}) are supported by the kubelet "
-                    f"({list(KUBELET_SERVICES)})"
+                    f"({list(self.services)})"
                 )
                 await notify(False, f"RegisterPlugin error -- plugin validation failed with err: {error}")
                 raise ValueError(error)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from devstack.cluster.releases import selected_release
-from tests.e2e.conftest import api, control_plane_binaries, namespace, stack  # noqa: F401 (fixtures)
+from tests.e2e.conftest import api, control_plane, control_plane_binaries, namespace, stack  # noqa: F401 (fixtures)
+from tests.node_agent.conftest import gateway  # noqa: F401 (fixture)
 
 MIN_MINOR = 36  # consumable capacity and binding conditions are on by default from 1.36 (docs/dra.md)
 
