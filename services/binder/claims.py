@@ -134,6 +134,7 @@ class ClaimGate:
         self.resource = client.ResourceV1Api(api)
         self.core = client.CoreV1Api(api)
         self.synced = asyncio.Event()
+        self.served: bool | None = None  # whether the API server serves resource.k8s.io/v1 (None: not asked yet)
         self.passes = 0
         self._slots = asyncio.Semaphore(concurrency)
         self._latest: dict[str, tuple[str, dict[str, Any], int]] = {}  # claim UID -> (event type, claim, attempt)
@@ -147,7 +148,16 @@ class ClaimGate:
     # -- following claims ---------------------------------------------------------------------------------------
     async def watch(self, stop: asyncio.Event) -> None:
         """Follow every ResourceClaim until `stop`; after each (re)list the ledger is reconciled with the claims
-        (claims deleted while no watch was open are not reported by the watch)."""
+        (claims deleted while no watch was open are not reported by the watch). Without `resource.k8s.io/v1`
+        (Kubernetes before 1.34, or DRA turned off) there is nothing to follow: the gate stays idle."""
+        self.served = await self._kube(self._resource_api_served, "GET /apis/resource.k8s.io/v1")
+        if not self.served:
+            log.info(
+                "the API server does not serve resource.k8s.io/v1: no DRA claims to gate (device-plugin path only)"
+            )
+            self.synced.set()
+            await stop.wait()
+            return
         async for event in watch_objects(
             self.resource.list_resource_claim_for_all_namespaces, what="resourceclaims", stop=stop
         ):
@@ -159,6 +169,15 @@ class ClaimGate:
                 self.synced.set()
                 continue
             self.submit(event.type, event.object)
+
+    async def _resource_api_served(self) -> bool:
+        try:
+            await read_json(await self.resource.get_api_resources(_preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def submit(self, event_type: str, claim: dict[str, Any], attempt: int = 0) -> None:
         """Handle a claim event; events of one claim are handled in order, the latest one wins."""
@@ -403,6 +422,8 @@ class ClaimGate:
 
     async def reconcile_once(self) -> None:
         """Read the ledger's live claim allocations, then list the claims, and make them agree."""
+        if not self.served:
+            return
         live = await live_claim_allocations(self.ledger.engine)
         body = await read_json(
             await self.resource.list_resource_claim_for_all_namespaces(_preload_content=False, _request_timeout=120)
