@@ -171,10 +171,19 @@ class ClaimGate:
             self.submit(event.type, event.object)
 
     async def _resource_api_served(self) -> bool:
+        """Whether there are claims to gate: resource.k8s.io/v1 served, and the binder allowed to list claims (a
+        binder whose RBAC predates DRA says so once and keeps serving the device-plugin path)."""
         try:
             await read_json(await self.resource.get_api_resources(_preload_content=False))
+            await read_json(await self.resource.list_resource_claim_for_all_namespaces(limit=1, _preload_content=False))
         except ApiException as exc:
             if exc.status == 404:
+                return False
+            if exc.status == 403:
+                log.error(
+                    "the binder may not list resourceclaims: DRA claims are not gated, so pods on DRA nodes stay "
+                    "Pending; grant the rules of k8s/base/rbac.yaml (gpushare-binder) and restart the binder"
+                )
                 return False
             raise
         return True
