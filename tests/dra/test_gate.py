@@ -6,10 +6,8 @@ Each gated bind waits for kube-scheduler's PreBind poll (5 s), so the module kee
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from tests.dra import workloads as w
 from tests.dra.conftest import needs_dra
 from tests.e2e import helpers
 from tests.e2e.conftest import ADMIN_TOKEN
+from tests.reliability.harness import ledger_rebuild
 from tests.waiting import eventually
 
 pytestmark = needs_dra
@@ -302,29 +301,9 @@ async def test_the_stream_rebuilds_the_ledger_with_its_dra_rows(stack, api, name
     await helpers.wait_bound(api, namespace, ["r"])
     await eventually(lambda: _state_when(stack.database_url, namespace, "r", "assigned"), what="assigned", within=30)
     await eventually(lambda: _outbox_empty(stack.database_url), what="the outbox published", within=30)
-    c = stack.config
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.cli",
-        "ledger",
-        "rebuild",
-        "--database-url",
-        stack.database_url,
-        "--nats-url",
-        stack.nats_url,
-        "--stream-name",
-        c.stream_name,
-        "--subject-prefix",
-        c.subject_prefix,
-        "--log-format",
-        "text",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _out, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()[-3000:]
-    assert "ledger verified" in err.decode()
+    done = await ledger_rebuild(stack)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ledger verified" in done.stderr
     dra_rows = await w.ledger_rows(
         stack.database_url, "SELECT count(*) AS n FROM allocations WHERE claim_uid IS NOT NULL"
     )
