@@ -63,12 +63,14 @@ async def create_gpu_node(
     memory: str = "128Gi",
     pods: str = "110",
     taints: Sequence[Mapping[str, str]] = (),
+    dra: bool = False,
 ) -> client.V1Node:
     """Create a schedulable simulated node with GPU extended resources.
 
     ``gpus`` lists ``(mem_gib, model)`` per device; the list is also stored as JSON
-    in the ``gpushare.devcluster/gpus`` annotation.  Returns the node after the
-    status patch.
+    in the ``gpushare.devcluster/gpus`` annotation.  With ``dra`` the node advertises
+    no ``aliyun.com/*`` resources: its GPUs are published as a ResourceSlice by its
+    node agent (``--dra``). Returns the node after the status patch.
     """
     core = client.CoreV1Api(api_client)
     ann = {
@@ -87,7 +89,9 @@ async def create_gpu_node(
     }
     await core.create_node(body)
     await untaint_not_ready(api_client, name)
-    return await set_node_status(api_client, name, gpus, cpu=cpu, memory=memory, pods=pods)
+    return await set_node_status(
+        api_client, name, () if dra else gpus, cpu=cpu, memory=memory, pods=pods, extended=not dra
+    )
 
 
 async def untaint_not_ready(api_client: ApiClient, name: str, *, attempts: int = 10) -> None:
@@ -126,10 +130,11 @@ async def set_node_status(
     pods: str = "110",
     ready: bool = True,
     allocatable: Mapping[str, str] | None = None,
+    extended: bool = True,
 ) -> client.V1Node:
-    """Patch a node's status: capacity/allocatable (GPU resources too) and Ready."""
+    """Patch a node's status: capacity/allocatable (GPU resources too, unless not `extended`) and Ready."""
     core = client.CoreV1Api(api_client)
-    capacity = {"cpu": cpu, "memory": memory, "pods": pods, **gpu_resources(gpus)}
+    capacity = {"cpu": cpu, "memory": memory, "pods": pods, **(gpu_resources(gpus) if extended else {})}
     alloc = {**capacity, **(allocatable or {})}
     body: dict[str, Any] = {
         "status": {

@@ -38,6 +38,16 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument(
         "--gpus", default=spec.DEFAULT_GPUS, help=f"GPUs per node, COUNTxMEM:MODEL[,...] (default {spec.DEFAULT_GPUS})"
     )
+    p.add_argument(
+        "--dra",
+        action="store_true",
+        help="make every simulated node a DRA node: its node agent publishes a ResourceSlice and serves kubelet's DRA "
+        "plugin API, kube-scheduler allocates the demo's ResourceClaims and the ledger records them before binding "
+        "(docs/dra.md; not with --simulate)",
+    )
+    p.add_argument(
+        "--dra-nodes", type=int, default=0, help="make only the last N simulated nodes DRA nodes (a mixed cluster)"
+    )
     p.add_argument("--no-demo", dest="demo", action="store_false", help="do not submit the demo workload")
     p.add_argument(
         "--dev-pods",
@@ -156,6 +166,11 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         raise SystemExit("--nodes must be between 1 and 64")
     if not 1 <= args.replicas <= 5 or not 1 <= args.schedulers <= 5:
         raise SystemExit("--replicas and --schedulers must be between 1 and 5")
+    dra_nodes = args.nodes if args.dra else args.dra_nodes
+    if not 0 <= dra_nodes <= args.nodes:
+        raise SystemExit(f"--dra-nodes must be between 0 and --nodes ({args.nodes})")
+    if dra_nodes and args.simulate:
+        raise SystemExit("--dra needs the local control plane: the scheduler simulator has no DRA allocator")
     kubeconfig = None if args.ignore_kubeconfig or args.simulate else os.environ.get("KUBECONFIG") or None
     data_dir = args.data_dir or settings.data_dir
     usage, args.usage_note = agent_usage(args, data_dir)
@@ -182,6 +197,7 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         usage=usage,
         monitoring=args.monitoring,
         admission_policies=True,  # the cluster refuses what a cluster with k8s/base refuses
+        dra_nodes=dra_nodes,
     )
 
 

@@ -28,7 +28,8 @@ async def run_demo(stack: Stack, timeout_s: float = 120.0, *, dev_pods: int = 0)
     from kubernetes_asyncio import client
 
     api = await stack.api_client()
-    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods)
+    dra = bool(stack.dra_node_names) and len(stack.dra_node_names) == len(stack.node_names)
+    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods, dra=dra)
     want = demo_pod_count(deployments)
     stack.progress(f"submitted the demo: {', '.join(d['metadata']['name'] for d in deployments)} ({want} pods)")
     core = client.CoreV1Api(api)

@@ -80,6 +80,7 @@ class NodeKubelet:
         *,
         interval: float = 0.5,
         release: Release | None = None,
+        dra: Any = None,
     ) -> None:
         from devstack.cluster.kubelet import KubeletStandIn
 
@@ -88,6 +89,7 @@ class NodeKubelet:
         self.interval = interval
         self.release = release  # None: the API server's, asked at start
         self.standin = KubeletStandIn(device_plugin_dir, pod_resources_socket)
+        self.dra = dra  # a DraKubeletStandIn on DRA nodes: claims prepared before, unprepared after (kubelet_dra.py)
         self.envs: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
         self.errors: dict[tuple[str, str], str] = {}
         self._attempts: dict[str, int] = {}
@@ -101,6 +103,8 @@ class NodeKubelet:
         it, someone hands it the node's pods through `sync`)."""
         self.standin.release = self.release or await api_release(self.api)
         await self.standin.start()
+        if self.dra is not None:
+            await self.dra.start()
         if poll:
             self._task = asyncio.create_task(self._loop())
         return self
@@ -114,6 +118,8 @@ class NodeKubelet:
         """Stop watching and stop the stand-in's servers."""
         await self.pause()
         await self.standin.stop()
+        if self.dra is not None:
+            await self.dra.stop()
 
     def container_env(self, namespace: str, pod: str, container: str) -> dict[str, str] | None:
         """The env the node agent returned for a container (None until admitted)."""
@@ -136,10 +142,13 @@ class NodeKubelet:
         """Admit new pods of this node (in kubelet's order) and forget the ones that are gone."""
         live = {p["metadata"]["uid"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
         for uid in [u for u in self._not_started if u not in live]:
-            self.standin.remove_pod(self._not_started.pop(uid)[0])
+            gone = self._not_started.pop(uid)[0]
+            self.standin.remove_pod(gone)
+            await self._unprepare(gone)
         for uid in [u for u in self._admitted if u not in live]:
             pod = self._admitted.pop(uid)
             self.standin.remove_pod(pod)
+            await self._unprepare(pod)
             self.envs.pop((pod["metadata"]["namespace"], pod["metadata"]["name"]), None)
             log.info("pod ended", extra={"node": self.node, "pod": pod["metadata"]["name"]})
         # pods that reach the node in one poll arrive as kubelet's watch would deliver them: in the order their
@@ -161,6 +170,7 @@ class NodeKubelet:
 
     async def _admit(self, uid: str, pod: dict[str, Any]) -> None:
         from devstack.cluster.kubelet import AdmissionError
+        from devstack.cluster.kubelet_dra import DraPrepareError
 
         meta = pod["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -170,9 +180,10 @@ class NodeKubelet:
                 pod, envs = self._not_started[uid]
             else:
                 envs = await self.standin.admit(pod, start=False)
+                envs = await self._prepare(pod, envs)
                 self._not_started[uid] = (pod, envs)
             await self.standin.start_pod(pod)
-        except AdmissionError as exc:
+        except (AdmissionError, DraPrepareError) as exc:
             self._attempts[uid] = self._attempts.get(uid, 0) + 1
             self.errors[key] = str(exc)
             log.warning("admission failed: %s", exc, extra={"node": self.node, "pod": meta["name"]})
@@ -183,6 +194,27 @@ class NodeKubelet:
         self.errors.pop(key, None)
         log.info("pod admitted", extra={"node": self.node, "namespace": key[0], "pod": key[1]})
         await self._report_running(pod)
+
+    async def _prepare(self, pod: dict[str, Any], envs: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        """kubelet prepares a pod's claims before its containers start; each container then gets its CDI devices'
+        environment on top of what the device plugins gave it."""
+        if self.dra is None or not (pod.get("spec") or {}).get("resourceClaims"):
+            return envs
+        await self.dra.prepare(pod)
+        spec = pod.get("spec") or {}
+        out = dict(envs)
+        for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
+            out[c["name"]] = {**envs.get(c["name"], {}), **self.dra.container_env(pod, c)}
+        return out
+
+    async def _unprepare(self, pod: dict[str, Any]) -> None:
+        """kubelet unprepares a pod's claims once its containers stopped (a failure is logged, kubelet retries)."""
+        if self.dra is None:
+            return
+        try:
+            await self.dra.unprepare(pod)
+        except Exception as exc:
+            log.warning("unprepare failed: %s", exc, extra={"node": self.node, "pod": pod["metadata"]["name"]})
 
     async def _report_running(self, pod: dict[str, Any]) -> None:
         """Patch the pod's status to Running, as kubelet does once its containers started (a pod already gone

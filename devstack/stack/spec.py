@@ -206,9 +206,10 @@ def node_agent_command(
     kubeconfig: str | None,
     address: str = "",
     usage: AgentUsage | None = None,
+    extra: Sequence[str] = (),
 ) -> ServiceCommand:
     """One node agent in fake-GPU mode (no database URL: agents reach the ledger over NATS only), with simulated
-    usage when `usage` has rules."""
+    usage when `usage` has rules; `extra` arguments are passed on (`--dra` and its directories)."""
     args = [
         "--node",
         node,
@@ -226,6 +227,7 @@ def node_agent_command(
     if kubeconfig:
         args += ["--kubeconfig", kubeconfig]
     args += (usage or AgentUsage()).argv()
+    args += list(extra)
     argv = gpushare_argv("node-agent", *args, common=dataclasses.replace(common, database_url=""))
     return ServiceCommand(
         f"node-agent-{node}", argv, f"http://127.0.0.1:{metrics_port}/healthz", f"http://127.0.0.1:{metrics_port}"

@@ -87,6 +87,9 @@ class StackConfig:
     # each service connects as its own PostgreSQL role (migration 0007: least privilege); None: when the stack
     # runs its own PostgreSQL (which trusts local connections, so the roles need no passwords)
     service_roles: bool | None = None
+    # how many of the nodes (the last ones) are DRA nodes: their agents run --dra, kube-scheduler places their
+    # shares from ResourceClaims and the kubelet stand-in plays kubelet's DRA side (docs/dra.md)
+    dra_nodes: int = 0
 
 
 class Stack:
@@ -107,6 +110,9 @@ class Stack:
         self.services_kubeconfig: str | None = config.kubeconfig
         self.control_plane: Any = None
         self.node_names = spec.node_names(config.node_prefix, config.nodes)
+        self.dra_node_names = self.node_names[len(self.node_names) - config.dra_nodes :] if config.dra_nodes else []
+        if config.dra_nodes and config.fleet:
+            raise ValueError("DRA nodes run their own node agents: they cannot run in the fleet process")
         self.processes: dict[str, ServiceProcess] = {}
         self.kubelets: dict[str, Any] = {}
         self.missing: list[str] = []
@@ -421,17 +427,26 @@ class Stack:
         api = await self.api_client()
         unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
         gpus = spec.node_gpus(self.config.gpus, unit_mib)
-        # `gpushare=true`: the label the gpushare guide puts on GPU nodes (and k8s/base's node agent selects)
-        labels = {"gpushare.io/simulated": "true", "gpushare": "true", **self.config.node_labels}
+        base_labels = {"gpushare.io/simulated": "true", **self.config.node_labels}
+        if self.dra_node_names:
+            await self._ensure_device_class(api)
         for node in self.node_names:
-            self.progress(f"creating simulated node {node} with GPUs {self.config.gpus}")
+            dra = node in self.dra_node_names
+            # DRA nodes carry the DRA pool's label; the others `gpushare=true`, the label the gpushare guide puts on
+            # GPU nodes (and k8s/base's node agent selects)
+            labels = {**base_labels, "gpushare.io/allocator": "dra"} if dra else {**base_labels, "gpushare": "true"}
+            kind = "DRA node" if dra else "node"
+            self.progress(f"creating simulated {kind} {node} with GPUs {self.config.gpus}")
+            make = functools.partial(
+                create_gpu_node, api, node, gpus=gpus, labels=labels, pods=str(self.config.max_pods), dra=dra
+            )
             try:
-                await create_gpu_node(api, node, gpus=gpus, labels=labels, pods=str(self.config.max_pods))
+                await make()
             except ApiException as exc:
                 if exc.status != 409:
                     raise
                 await delete_node(api, node)
-                await create_gpu_node(api, node, gpus=gpus, labels=labels, pods=str(self.config.max_pods))
+                await make()
         core = client.CoreV1Api(api)
         for node in self.node_names:
             # an address for `inspect`'s IPADDRESS column (loopback: nothing listens there for the node)
@@ -453,6 +468,19 @@ class Stack:
         enforced = await wait_enforced(api, "default")
         self.progress(f"admission policies of k8s/base {'enforced' if enforced else 'created'}: {', '.join(names)}")
 
+    async def _ensure_device_class(self, api: Any) -> None:
+        """The `gpushare-gpu` DeviceClass DRA claims ask for (kept when it exists)."""
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        from shared.dra.classes import device_class
+
+        try:
+            await client.ResourceV1Api(api).create_device_class(device_class(), _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
     def node_address(self, node: str) -> str:
         """The loopback address a simulated node reports (InternalIP and the ledger's node address)."""
         i = self.node_names.index(node)
@@ -469,7 +497,14 @@ class Stack:
             self.missing.append("node-agent")
             self.progress("WARNING: `gpushare node-agent` is not installed here; pods bind but get no devices")
             return None
-        self.kubelets[node] = await self._start_kubelet(node, dp_dir, pr_socket)
+        extra: list[str] = []
+        if node in self.dra_node_names:
+            dirs = {"registration": base / "plugins_registry", "plugin": base / "plugins", "cdi": base / "cdi"}
+            extra = ["--dra", "--dra-registration-dir", str(dirs["registration"])]
+            extra += ["--dra-plugin-dir", str(dirs["plugin"]), "--cdi-dir", str(dirs["cdi"])]
+            self.kubelets[node] = await self._start_kubelet(node, dp_dir, pr_socket, dra_dirs=dirs)
+        else:
+            self.kubelets[node] = await self._start_kubelet(node, dp_dir, pr_socket)
         command = spec.node_agent_command(
             self._common(),
             node=node,
@@ -480,13 +515,22 @@ class Stack:
             kubeconfig=self.services_kubeconfig,
             address=self.node_address(node),
             usage=self.config.usage,
+            extra=extra,
         )
         return self._spawn(command)
 
-    async def _start_kubelet(self, node: str, dp_dir: Path, pr_socket: Path) -> Any:
-        from devstack.stack.kubelets import start_kubelet
+    async def _start_kubelet(
+        self, node: str, dp_dir: Path, pr_socket: Path, *, dra_dirs: dict[str, Path] | None = None
+    ) -> Any:
+        from devstack.stack.kubelets import NodeKubelet, start_kubelet
 
-        return await start_kubelet(await self.api_client(), node, dp_dir, pr_socket)
+        api = await self.api_client()
+        if dra_dirs is None:
+            return await start_kubelet(api, node, dp_dir, pr_socket)
+        from devstack.cluster.kubelet_dra import DraKubeletStandIn
+
+        dra = DraKubeletStandIn(api, dra_dirs["registration"], dra_dirs["cdi"])
+        return await NodeKubelet(api, node, dp_dir, pr_socket, dra=dra).start()
 
     async def _record_simulated_inventory(self) -> None:
         """Without a cluster there are no node agents: put the simulated GPUs in the ledger (and the stream)."""

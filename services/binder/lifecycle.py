@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from typing import Any
 
 from kubernetes_asyncio import client
 
@@ -67,6 +68,7 @@ class Lifecycle:
         self.nodes_synced = asyncio.Event()
         self._released: OrderedDict[str, None] = OrderedDict()
         self._marked: OrderedDict[str, None] = OrderedDict()
+        self.claims: Any = None  # the ClaimGate: marks DRA pods bound once kube-scheduler bound them
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """Follow every pod in the cluster until `stop`."""
@@ -99,6 +101,8 @@ class Lifecycle:
         if not is_gpu_pod(pod):
             return 0
         self.index.update(event.type, pod)
+        if self.claims is not None:
+            await self.claims.on_pod(event.type, pod)
         reason = release_reason(event.type, pod)
         uid = pods.pod_uid(pod)
         if not uid or uid in self._released:

@@ -76,6 +76,12 @@ class BinderMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
+        self.claims = Counter(
+            "gpushare_binder_claims_total",
+            "DRA claim events handled by the ledger's gate, by outcome: reserved, refused_*, ended, *_already",
+            ["reason"],
+            registry=r,
+        )
         self.nodes_retired = Counter(
             "gpushare_binder_nodes_retired_total", "Nodes retired in the ledger after their deletion", registry=r
         )

@@ -32,6 +32,7 @@ class LiveAllocation:
     reserved_at: datetime
     terminating_at: datetime | None = None
     version: int = 1
+    claim_uid: str | None = None  # a DRA allocation's claim (its gate reconciles it: services/binder/claims.py)
 
 
 async def allocation_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> str | None:
@@ -114,6 +115,7 @@ async def live_allocations(engine: AsyncEngine) -> list[LiveAllocation]:
                     allocations.c.reserved_at,
                     allocations.c.terminating_at,
                     allocations.c.version,
+                    allocations.c.claim_uid,
                 ).where(allocations.c.state.in_(LIVE_STATE_VALUES))
             )
         ).all()

@@ -36,6 +36,7 @@ from services.binder.lifecycle import is_gpu_pod
 from services.binder.metrics import BinderMetrics
 from services.binder.reads import LiveAllocation
 from shared.annotations import ALLOCATION, GPU_MEM_IDX, RESOURCE_MEM, parse_allocation, record_version
+from shared.dra import CLAIM_ANNOTATION
 from shared.events.catalogue import AllocationPart, ReservedEvent
 from shared.kube import pods
 from shared.kube.pods import Pod, list_pods
@@ -60,6 +61,7 @@ def stale_reservations(
         a
         for a in live
         if a.state == AllocationState.RESERVED
+        and a.claim_uid is None  # a claim's allocation is bound by kube-scheduler, not by a Binding of ours
         and (now - a.reserved_at).total_seconds() >= grace_s
         and a.pod_uid in pods_by_uid
         and not pods.is_terminated(pods_by_uid[a.pod_uid])
@@ -147,8 +149,8 @@ def adoption_candidates(all_pods: list[Pod], live_uids: set[str]) -> list[Pod]:
     out = []
     for pod in all_pods:
         ann = pods.annotations(pod)
-        if not (ALLOCATION in ann or GPU_MEM_IDX in ann):
-            continue
+        if not (ALLOCATION in ann or GPU_MEM_IDX in ann) or CLAIM_ANNOTATION in ann:
+            continue  # a claim's allocation is adopted through its claim (services/binder/claims.py)
         if not pods.node_name(pod) or pods.is_terminated(pod) or pods.pod_uid(pod) in live_uids:
             continue
         out.append(pod)

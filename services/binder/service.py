@@ -19,6 +19,7 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from services.binder.annotate import AnnotationSync
+from services.binder.claims import ClaimGate
 from services.binder.gateway import LedgerGateway
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
@@ -99,6 +100,10 @@ class Binder:
             ledger, bus, metrics=self.metrics, concurrency=config.concurrency, on_exchanged=self.annotations
         )
         self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
+        # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
+        self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
+        self.lifecycle.claims = self.claims
+        self.claims.nudge = self.lifecycle.nudger.capacity_freed
         self.reconciler = Reconciler(
             ledger,
             api,
@@ -142,6 +147,7 @@ class Binder:
             and self.lifecycle.pods_synced.is_set()
             and self.lifecycle.nodes_synced.is_set()
             and self.reconciler.passes > self._term_passes
+            and self.claims.synced.is_set()
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -159,8 +165,8 @@ class Binder:
 
     async def lead(self, term_ended: asyncio.Event) -> None:
         """The cluster-wide duties, for one term of leadership: reconciliation, the pod and node watches (and the
-        nudges that follow releases). When the term ends, what the watches showed is forgotten: a standby binds
-        from fresh reads, and a later term lists again."""
+        nudges that follow releases), and the DRA claim gate (its watch and reconciliation). When the term ends,
+        what the watches showed is forgotten: a standby binds from fresh reads, and a later term lists again."""
         self._term_passes = self.reconciler.passes
         try:
             await _together(
@@ -168,6 +174,8 @@ class Binder:
                     "reconcile": self.reconciler.run(term_ended, self.config.reconcile_interval_s),
                     "pod-watch": self.lifecycle.watch_pods(term_ended),
                     "node-watch": self.lifecycle.watch_nodes(term_ended),
+                    "claim-watch": self.claims.watch(term_ended),
+                    "claim-reconcile": self.claims.run(term_ended, self.config.reconcile_interval_s),
                 },
                 term_ended,
             )
@@ -176,6 +184,8 @@ class Binder:
             self.lifecycle.nodes_synced.clear()
             self.pods.reset()
             await self.lifecycle.nudger.close()
+            self.claims.synced.clear()
+            await self.claims.close()
 
 
 async def _together(parts: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:

@@ -11,7 +11,7 @@ from services.extender import metrics
 from services.extender.outcomes import OutcomeWaiter
 from services.extender.pods import PodCache, PodUnavailable
 from services.extender.resync import ViewSync
-from services.extender.view import NO_INVENTORY, ClusterView
+from services.extender.view import DRA_NODE, NO_INVENTORY, ClusterView
 from services.extender.wire import BindingArgs
 from shared.ledger.db import LedgerUnavailable, retry_transient
 from shared.ledger.group_commit import GroupCommit
@@ -125,6 +125,8 @@ class Bind:
                 node = self.view.nodes.get(args.node)
             if node is None:
                 return Refused("no_fit", f"node {args.node}: {NO_INVENTORY}")
+            if args.node in self.view.dra_nodes:
+                return Refused("no_fit", f"node {args.node}: {DRA_NODE}")
             try:
                 placement = pick(node, demand, self.policy)
             except NoFit as exc:

@@ -10,7 +10,7 @@ from services.extender import metrics
 from services.extender.pods import PodCache
 from services.extender.refusals import RefusalPublisher
 from services.extender.scores import NodeScores, ScoreCache
-from services.extender.view import NO_INVENTORY, ClusterView
+from services.extender.view import DRA_NODE, NO_INVENTORY, ClusterView
 from services.extender.wire import ExtenderArgs, filter_result
 from shared.placement import DemandError, PodDemand, Policy, filter_nodes, parse_pod, quota_refusal
 from shared.placement.columns import columns_apply, score_list, split_fitting
@@ -58,6 +58,8 @@ class Filter:
             metrics.NODE_DECISIONS.labels(reason="fits").inc(len(passed))
             metrics.NODE_DECISIONS.labels(reason="full").inc(len(failed))
             metrics.NODE_DECISIONS.labels(reason="never_fits").inc(len(never))
+        if self.view.dra_nodes:  # one GPU, one path: the DRA path serves these nodes (docs/dra.md)
+            passed, failed, never = without_dra_nodes(self.view.dra_nodes, passed, failed, never)
         if not passed:
             reason = "quota" if over else ("full" if failed else "never_fits")
             metrics.REFUSALS.labels(reason=reason).inc()
@@ -101,3 +103,17 @@ class Filter:
         if len(passed) > 1:  # kube-scheduler prioritizes only when more than one node is left
             scores = NodeScores(passed, score_list(self.view.columns, self.view.nodes, passed, demand, self.policy))
             self.scores.put(demand, version, self.policy, scores)
+
+
+def without_dra_nodes(
+    dra: set[str], passed: list[str], failed: dict[str, str], never: dict[str, str]
+) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Verdicts with every DRA node moved to "never fits" (pure): the extender places nothing there."""
+    moved = [n for n in passed if n in dra] + [n for n in failed if n in dra]
+    if not moved:
+        return passed, failed, never
+    return (
+        [n for n in passed if n not in dra],
+        {n: r for n, r in failed.items() if n not in dra},
+        {**never, **dict.fromkeys(moved, DRA_NODE)},
+    )

@@ -63,6 +63,10 @@ def _remember(ids: dict[uuid.UUID, None], key: uuid.UUID, limit: int) -> None:
 
 _STATES = {s.value: s.value for s in AllocationState}  # one string object per state name
 NO_INVENTORY = "node has no gpushare inventory (no node agent reported GPUs)"
+DRA_NODE = (
+    "node is a DRA node (its node agent runs --dra): kube-scheduler allocates its GPUs from ResourceClaims, so "
+    "aliyun.com/* pods go to device-plugin nodes only (docs/dra.md)"
+)
 
 Charges = tuple[tuple[str, int, int], ...]  # (gpu uuid, MiB, compute) per GPU, sorted by uuid
 
@@ -221,6 +225,7 @@ class _State:
         self.allocations: dict[str, LiveAllocation] = {}
         self.quotas: dict[str, tuple[int | None, int | None]] = {}
         self.cuda: dict[str, str] = {}
+        self.dra_nodes: set[str] = set()  # nodes whose shares kube-scheduler places (DRA): never the extender's
         self.gpus: dict[str, _Gpu] = {}  # uuid -> GPU
         self.retired: dict[str, _Gpu] = {}  # uuid -> a GPU the ledger retired (its counters kept until allocations end)
         self.node_gpus: dict[str, dict[str, _Gpu]] = {}  # node -> uuid -> GPU
@@ -246,6 +251,7 @@ class ClusterView:
         self.allocations = state.allocations
         self.quotas = state.quotas
         self._cuda = state.cuda
+        self.dra_nodes = state.dra_nodes
         self._gpus = state.gpus
         self._retired = state.retired
         self._node_gpus = state.node_gpus
@@ -284,9 +290,11 @@ class ClusterView:
         intern = sys.intern
         async with engine.connect() as conn:
             async for r in await conn.stream(
-                select(nodes.c.name, nodes.c.cuda_version).where(nodes.c.retired_at.is_(None))
+                select(nodes.c.name, nodes.c.cuda_version, nodes.c.allocator).where(nodes.c.retired_at.is_(None))
             ):
                 new.cuda[intern(r.name)] = r.cuda_version
+                if r.allocator == "dra":
+                    new.dra_nodes.add(r.name)
             gpu_query = select(
                 gpus.c.uuid,
                 gpus.c.node,
@@ -533,6 +541,7 @@ class ClusterView:
         it no longer reports are retired with their counters (a GPU reported again finds what it holds)."""
         node = sys.intern(event.node)
         self._cuda[node] = event.cuda_version
+        (self.dra_nodes.add if event.allocator == "dra" else self.dra_nodes.discard)(node)
         on_node = self._node_gpus.setdefault(node, {})
         reported = {g.uuid for g in event.gpus}
         for old in [u for u in on_node if u not in reported]:
@@ -601,6 +610,7 @@ class ClusterView:
                 # as the ledger does: the node's GPUs are retired with their counters, its allocations stay
                 # counted until their own release events (`Ledger.retire_node` releases them first)
                 self._cuda.pop(event.node, None)
+                self.dra_nodes.discard(event.node)
                 for u, g in self._node_gpus.pop(event.node, {}).items():
                     self._retire(u, g)
                 self._rebuild(event.node)

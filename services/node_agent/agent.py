@@ -39,6 +39,7 @@ from services.node_agent.usage import (
 )
 from services.node_agent.view import NodeView, allocated_by_gpu
 from shared.annotations import RESOURCE_CORE, RESOURCE_MEM, RESOURCES
+from shared.dra import CDI_DIR, PLUGIN_DIR, REGISTRATION_DIR
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, GpuInfo, HealthEvent, InventoryEvent, UnallocatedUseEvent, UsageEvent
 from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
@@ -70,6 +71,10 @@ class AgentConfig:
     proc_root: Path = Path("/proc")
     address: str = ""
     metrics_debounce_s: float = 0.5  # ledger events within this window refresh the GPU gauges once
+    dra: bool = False  # a DRA node: the DRA plugin and a ResourceSlice, no device plugins (services/node_agent/dra.py)
+    dra_registration_dir: Path = Path(REGISTRATION_DIR)
+    dra_plugin_dir: Path = Path(PLUGIN_DIR)
+    cdi_dir: Path = Path(CDI_DIR)
 
 
 @dataclass
@@ -83,6 +88,7 @@ class NodeAgent:
     patch_node_labels: Callable[[str, dict[str, str]], Awaitable[None]] | None = None
     evict_pod: Callable[[str, str], Awaitable[None]] | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    kube_api: Any = None  # the API client: needed with --dra (the slice, the claims)
 
     def __post_init__(self) -> None:
         self.gpus: list[GpuDevice] = []
@@ -113,16 +119,21 @@ class NodeAgent:
             mps_root=MpsRoot(self.config.mps_root) if self.config.mps_root else None,
             on_outcome=lambda reason: self.metrics.plugin_outcomes.labels(self.config.node, reason).inc(),
         )
-        self.plugins = [
-            PluginServer(
-                self.config.device_plugin_dir,
-                r,
-                self,
-                pre_start=(r == RESOURCE_MEM),
-                device_list=self.config.device_list_strategy,
-            )
-            for r in RESOURCES
-        ]
+        self.dra: Any = None  # DraNode with --dra (started in `start`)
+        self.plugins = (
+            []
+            if self.config.dra
+            else [
+                PluginServer(
+                    self.config.device_plugin_dir,
+                    r,
+                    self,
+                    pre_start=(r == RESOURCE_MEM),
+                    device_list=self.config.device_list_strategy,
+                )
+                for r in RESOURCES
+            ]
+        )
 
     # -- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +143,21 @@ class NodeAgent:
         ledger holds the inventory and the view is loaded.
         """
         await self.discover()
+        if self.config.dra:
+            from services.node_agent.dra import DraNode
+
+            if self.kube_api is None:
+                raise RuntimeError("--dra needs Kubernetes access (the ResourceSlice and the claims)")
+            self.dra = DraNode(
+                self,
+                self.kube_api,
+                registration_dir=self.config.dra_registration_dir,
+                plugin_dir=self.config.dra_plugin_dir,
+                cdi_dir=self.config.cdi_dir,
+            )
+            await self.dra.start()
+            self._spawn(self.dra.slice_loop(self.stop))
+            self._spawn(self.dra.server.watch(self.stop))
         for p in self.plugins:
             await p.start()
             self._spawn(p.watch(self.stop))
@@ -142,7 +168,12 @@ class NodeAgent:
 
     def ready(self) -> bool:
         """GPUs discovered, the inventory recorded, the view loaded and the ledger reachable."""
-        return bool(self.gpus) and self._inventory_sent and self.view.loaded and self.link.reachable
+        ready = bool(self.gpus) and self._inventory_sent and self.view.loaded and self.link.reachable
+        return ready and (self.dra is None or self.dra.published.is_set())
+
+    def inventory_recorded(self) -> bool:
+        """Whether the ledger holds the inventory last discovered."""
+        return self._inventory_sent
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -163,6 +194,8 @@ class NodeAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for p in self.plugins:
             await p.stop()
+        if self.dra is not None:
+            await self.dra.close()
         await self.link.unfollow()
         if self._metrics_due is not None:
             self._metrics_due.cancel()
@@ -264,6 +297,7 @@ class NodeAgent:
                 driver_version=self.driver,
                 cuda_version=self.cuda,
                 address=self.config.address,
+                allocator="dra" if self.config.dra else "extender",
                 source="node-agent",
             ),
             deadline_s=self.config.ledger_deadline_s,

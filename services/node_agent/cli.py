@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from shared.dra import CDI_DIR, PLUGIN_DIR, REGISTRATION_DIR
 from shared.kubelet_api import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET
 from shared.settings import Settings
 
@@ -55,6 +56,28 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "accept-nvidia-visible-devices-envvar-when-unprivileged = false a pod's own GPU list is ignored)",
     )
     p.add_argument("--type-label-key", default="gpu-type", help="node label key for the short GPU type ('' = none)")
+    p.add_argument(
+        "--dra",
+        action="store_true",
+        help="a DRA node: publish a ResourceSlice and serve kubelet's DRA plugin API (driver gpu.gpushare.io) instead "
+        "of the device plugins; kube-scheduler then places the shares and the ledger records them before binding "
+        "(needs Kubernetes 1.36+, or 1.34-1.35 with DRAConsumableCapacity and DRADeviceBindingConditions; docs/dra.md)",
+    )
+    p.add_argument(
+        "--dra-registration-dir",
+        default=REGISTRATION_DIR,
+        help=f"with --dra: kubelet's plugin registration directory (default {REGISTRATION_DIR})",
+    )
+    p.add_argument(
+        "--dra-plugin-dir",
+        default=PLUGIN_DIR,
+        help=f"with --dra: where the plugin's socket lives (default {PLUGIN_DIR})",
+    )
+    p.add_argument(
+        "--cdi-dir",
+        default=CDI_DIR,
+        help=f"with --dra: where the container runtime reads CDI specs (default {CDI_DIR})",
+    )
     p.add_argument("--kubeconfig", help="kubeconfig for node labels and evictions (default: in-cluster)")
     p.add_argument("--usage-interval", type=float, default=5.0, help="seconds between usage samples (default 5)")
     p.add_argument(
@@ -192,13 +215,19 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         evict_overusers=args.evict_overusers,
         proc_root=Path(args.proc_root or "/proc"),
         address=args.node_address,
+        dra=args.dra,
+        dra_registration_dir=Path(args.dra_registration_dir),
+        dra_plugin_dir=Path(args.dra_plugin_dir),
+        cdi_dir=Path(args.cdi_dir),
     )
     listen = Listen(port=args.metrics_port)
     async with ServiceRuntime("node-agent", settings, database=False, listen=listen) as rt:
         kube = await _kube(args.kubeconfig)
         api = kube.pop("api", None)
+        if args.dra and api is None:
+            raise SystemExit("--dra needs Kubernetes access (the ResourceSlice and the claims): pass --kubeconfig")
         assert rt.bus is not None
-        agent = NodeAgent(config, backend, bus=rt.bus, stop=rt.stop, **kube)
+        agent = NodeAgent(config, backend, bus=rt.bus, stop=rt.stop, kube_api=api, **kube)
         if isinstance(backend, FakeBackend) and backend.rules is not None:
             backend.attach(agent.view.containers)
             log.warning(

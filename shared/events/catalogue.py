@@ -130,6 +130,20 @@ class InventoryEvent(_EventBase):
     driver_version: Annotated[str, Field(max_length=64)] = ""
     cuda_version: Annotated[str, Field(max_length=64)] = ""
     address: Annotated[str, Field(max_length=253)] = ""
+    allocator: Literal["extender", "dra"] = Field(
+        default="extender",
+        description="Who places shares on the node: the scheduler extender (device plugins) or kube-scheduler's "
+        "Dynamic Resource Allocation (the node agent's DRA plugin)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_default_allocator(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a device-plugin node's inventory serialises exactly as before the field existed, so a reader from the
+        # previous release (extra="forbid") still decodes it during a rolling update
+        data = handler(self)
+        if self.allocator == "extender":
+            data.pop("allocator", None)
+        return data
 
 
 class NodeRetiredEvent(_EventBase):
@@ -154,6 +168,31 @@ class ReservedEvent(_EventBase):
     pod_created_at: datetime | None = Field(
         default=None, description="The pod's creationTimestamp: kubelet admits pods in this order"
     )
+
+
+class ClaimResult(BaseModel):
+    """One allocation result of a ResourceClaim that the ledger recorded (its request, device and share)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request: Name
+    device: Annotated[str, Field(min_length=1, max_length=63)]
+    share_id: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class ClaimReservedEvent(ReservedEvent):
+    """kube-scheduler allocated a pod's gpushare ResourceClaim and the binder recorded it in the ledger, before the
+    pod was bound (DRA's binding conditions, docs/dra.md).
+
+    Everything a `reserved` event says (so every view that folds reservations counts it), plus the claim it came
+    from. A kind of its own, because the binder's `reserved` consumer would create a Binding that kube-scheduler
+    makes itself on DRA nodes.
+    """
+
+    kind: Literal["claim_reserved"] = "claim_reserved"  # type: ignore[assignment]
+    claim_uid: Name
+    claim_name: Name
+    results: Annotated[list[ClaimResult], Field(min_length=1, max_length=1024)]
 
 
 class BoundEvent(_EventBase):
@@ -335,6 +374,7 @@ Event = Annotated[
     InventoryEvent
     | NodeRetiredEvent
     | ReservedEvent
+    | ClaimReservedEvent
     | BoundEvent
     | FailedEvent
     | AssignedEvent

@@ -28,6 +28,7 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
         cuda_version=event.cuda_version,
         retired_at=None,
         updated_at=at,
+        allocator=event.allocator,
     )
     await conn.execute(
         stmt.on_conflict_do_update(
@@ -36,6 +37,7 @@ async def apply_inventory(conn: AsyncConnection, event: InventoryEvent) -> None:
                 "driver_version": stmt.excluded.driver_version,
                 "cuda_version": stmt.excluded.cuda_version,
                 "labels": stmt.excluded.labels,
+                "allocator": stmt.excluded.allocator,
                 "retired_at": None,
                 "updated_at": at,
             },

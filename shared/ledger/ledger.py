@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
+    ClaimReservedEvent,
     ExchangedEvent,
     FailedEvent,
     HealthEvent,
@@ -26,7 +27,17 @@ from shared.events.catalogue import (
     ReservedEvent,
     TerminatingEvent,
 )
-from shared.ledger import batch_reserve, idempotency, inventory, locks, outbox, quotas, reservations, transitions
+from shared.ledger import (
+    batch_reserve,
+    claims,
+    idempotency,
+    inventory,
+    locks,
+    outbox,
+    quotas,
+    reservations,
+    transitions,
+)
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
 
 log = logging.getLogger(__name__)
@@ -37,6 +48,7 @@ LedgerEvent = (
     | HealthEvent
     | QuotaEvent
     | ReservedEvent
+    | ClaimReservedEvent
     | BoundEvent
     | AssignedEvent
     | ReleasedEvent
@@ -49,6 +61,8 @@ LedgerEvent = (
 async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
     """Apply any ledger event to the tables inside the caller's transaction."""
     match event:
+        case ClaimReservedEvent():  # before ReservedEvent: a claim's reservation is one too
+            return await claims.reserve_claim(conn, event)
         case ReservedEvent():
             await locks.lock_for_reservations(conn, [event])  # quota and GPUs before the allocation (`locks`)
             return await reservations.reserve(conn, event)
@@ -153,6 +167,20 @@ class Ledger:
             self._committed()
         return answers
 
+    async def reserve_claim(self, event: ClaimReservedEvent) -> Reservation:
+        """Record a DRA claim's allocation (`claims.reserve_claim`), or return it when recorded before.
+
+        Raises `InsufficientCapacity` / `QuotaExceeded` / `claims.PathConflict` / `ReservationError` (nothing is
+        written then). The event is staged only when the allocation is new.
+        """
+        async with self.engine.begin() as conn:
+            result = await claims.reserve_claim(conn, event)
+            if result.created:
+                await outbox.stage(conn, self.prefix, event)
+        if result.created:
+            self._committed()
+        return result
+
     async def mark_bound(self, allocation_id: uuid.UUID, pod_uid: str, node: str) -> bool:
         """The pod's Binding exists."""
         (changed,) = await self.mark_bound_many([(allocation_id, pod_uid, node)])
@@ -160,14 +188,15 @@ class Ledger:
 
     async def mark_bound_many(self, bindings: list[tuple[uuid.UUID, str, str]]) -> list[bool]:
         """`mark_bound` for many (allocation id, pod UID, node) in one transaction (the binder's group commit);
-        True per allocation that moved to `bound`. Only those events are staged: a `bound` that moved nothing (two
-        replicas, or reconciliation and a redelivery, binding the same reservation) would reach the stream twice."""
+        True per allocation that moved to `bound`. Only the events that wrote something are staged: a `bound` that
+        changed nothing (two replicas, or reconciliation and a redelivery, binding the same reservation) would reach
+        the stream twice."""
         events = [BoundEvent(allocation_id=a, pod_uid=p, node=n, source=self.source) for a, p, n in bindings]
         async with self.engine.begin() as conn:
-            changed = await transitions.apply_bound_many(conn, events)
-            moved = [e for e, c in zip(events, changed, strict=True) if c]
-            if moved:
-                await outbox.stage(conn, self.prefix, *moved)
+            changed, wrote = await transitions.bind_many(conn, events)
+            written = [e for e, w in zip(events, wrote, strict=True) if w]
+            if written:
+                await outbox.stage(conn, self.prefix, *written)
         self._committed()
         return changed
 

@@ -58,6 +58,9 @@ nodes = Table(
     Column("cuda_version", Text, nullable=False, server_default=""),
     Column("retired_at", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # who places shares on the node: "extender" (device plugins) or "dra" (kube-scheduler's DRA allocator)
+    Column("allocator", Text, nullable=False, server_default="extender"),
+    CheckConstraint("allocator IN ('extender', 'dra')", name="known_allocator"),
 )
 
 gpus = Table(
@@ -106,8 +109,17 @@ allocations = Table(
     Column("terminating_at", DateTime(timezone=True)),  # the pod got a deletionTimestamp; the share stays held
     Column("version", Integer, nullable=False, server_default="1"),  # raised by every exchange
     Column("pod_created_at", DateTime(timezone=True)),  # kubelet admits pods in creation order
+    # a DRA allocation: the ResourceClaim kube-scheduler allocated (NULL: placed by the extender)
+    Column("claim_uid", Text),
+    Column("claim_name", Text),
     CheckConstraint(_state_in(tuple(s.value for s in AllocationState)), name="known_state"),
     Index("uq_allocations_live_pod", "pod_uid", unique=True, postgresql_where=text(LIVE_SQL)),
+    Index(
+        "uq_allocations_live_claim",
+        "claim_uid",
+        unique=True,
+        postgresql_where=text(f"{LIVE_SQL} AND claim_uid IS NOT NULL"),
+    ),
     Index("ix_allocations_node_state", "node", "state"),
     Index("ix_allocations_namespace_state", "namespace", "state"),
     Index("ix_allocations_reserved_at", "reserved_at"),

@@ -140,7 +140,11 @@ async def load_state(conn: AsyncConnection) -> LedgerState:
     state = LedgerState()
     for r in (await conn.execute(select(nodes))).all():
         state.nodes[r.name] = NodeRow(
-            r.driver_version, r.cuda_version, r.retired_at is not None, str((r.labels or {}).get("address", ""))
+            r.driver_version,
+            r.cuda_version,
+            r.retired_at is not None,
+            str((r.labels or {}).get("address", "")),
+            r.allocator,
         )
     for r in (await conn.execute(select(gpus))).all():
         state.gpus[r.uuid] = GpuRow(
@@ -184,6 +188,8 @@ async def load_state(conn: AsyncConnection) -> LedgerState:
             pod_created_at=r.pod_created_at,
             parts=tuple(part_from_row(p) for p in rows),
             assigned_containers={p.container: p.assigned_at for p in rows if p.assigned_at is not None},
+            claim_uid=r.claim_uid,
+            claim_name=r.claim_name,
         )
         if r.state in LIVE_STATE_VALUES:
             state.live_by_pod[r.pod_uid] = r.id
@@ -220,6 +226,7 @@ async def write_state(engine: AsyncEngine, state: LedgerState) -> None:
                         "driver_version": r.driver_version,
                         "cuda_version": r.cuda_version,
                         "labels": {"address": r.address},
+                        "allocator": r.allocator,
                         "retired_at": _retired_stamp(r.retired),
                     }
                     for n, r in state.nodes.items()
@@ -256,6 +263,8 @@ async def write_state(engine: AsyncEngine, state: LedgerState) -> None:
                         "terminating_at": a.terminating_at,
                         "version": a.version,
                         "pod_created_at": a.pod_created_at,
+                        "claim_uid": a.claim_uid,
+                        "claim_name": a.claim_name,
                     }
                     for i, a in state.allocations.items()
                 ],

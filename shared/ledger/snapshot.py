@@ -20,10 +20,11 @@ from shared.ledger.rules import AllocationState
 from shared.ledger.state import AllocationRow, GpuRow, LedgerState, NodeRow
 
 FORMAT = 1
-_NODE_FIELDS = ("driver_version", "cuda_version", "retired", "address")
+_NODE_FIELDS = ("driver_version", "cuda_version", "retired", "address", "allocator")
 _TIMES = ("reserved_at", "bound_at", "assigned_at", "ended_at", "terminating_at", "pod_created_at")
 _ALLOCATION_FIELDS = ("pod_uid", "namespace", "pod_name", "owner_kind", "owner_name", "node", "memory_mib")
 _ALLOCATION_FIELDS += ("compute", "reason", "version")
+_CLAIM_FIELDS = ("claim_uid", "claim_name")  # DRA allocations; absent from snapshots taken before them
 
 
 class SnapshotError(ValueError):
@@ -60,6 +61,7 @@ def _parse_time(value: str | None) -> datetime | None:
 
 def _allocation(a: AllocationRow) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(a, name) for name in _ALLOCATION_FIELDS}
+    out.update({name: getattr(a, name) for name in _CLAIM_FIELDS if getattr(a, name) is not None})
     out.update({name: _time(getattr(a, name)) for name in _TIMES})
     out["state"] = a.state.value
     out["parts"] = [p.model_dump(mode="json") for p in a.parts]
@@ -70,6 +72,7 @@ def _allocation(a: AllocationRow) -> dict[str, Any]:
 def _allocation_row(d: dict[str, Any]) -> AllocationRow:
     return AllocationRow(
         **{name: d[name] for name in _ALLOCATION_FIELDS},
+        **{name: d.get(name) for name in _CLAIM_FIELDS},
         **{name: _parse_time(d[name]) for name in _TIMES},  # type: ignore[arg-type]
         state=AllocationState(d["state"]),
         parts=tuple(AllocationPart.model_validate(p) for p in d["parts"]),

@@ -16,6 +16,7 @@ from shared.events.catalogue import (
     AllocationPart,
     AssignedEvent,
     BoundEvent,
+    ClaimReservedEvent,
     Event,
     ExchangedEvent,
     FailedEvent,
@@ -39,6 +40,7 @@ class NodeRow:
     cuda_version: str = ""
     retired: bool = False
     address: str = ""
+    allocator: str = "extender"
 
 
 @dataclass
@@ -84,6 +86,8 @@ class AllocationRow:
     pod_created_at: datetime | None = None
     parts: tuple[AllocationPart, ...] = ()
     assigned_containers: dict[str, datetime] = field(default_factory=dict)
+    claim_uid: str | None = None  # a DRA allocation: the ResourceClaim it records
+    claim_name: str | None = None
 
 
 def _relocated(part: AllocationPart, gpu_uuid: str, gpu_index: int) -> AllocationPart:
@@ -145,7 +149,7 @@ class LedgerState:
     def _inventory(self, event: InventoryEvent) -> None:
         node = self.nodes.setdefault(event.node, NodeRow())
         node.driver_version, node.cuda_version, node.retired = event.driver_version, event.cuda_version, False
-        node.address = event.address
+        node.address, node.allocator = event.address, event.allocator
         for info in event.gpus:
             old = self.gpus.get(info.uuid)
             rec = recorded(info, old)
@@ -188,6 +192,9 @@ class LedgerState:
             pod_created_at=event.pod_created_at,
             parts=tuple(event.parts),
         )
+        if isinstance(event, ClaimReservedEvent):
+            row = self.allocations[event.allocation_id]
+            row.claim_uid, row.claim_name = event.claim_uid, event.claim_name
         self.live_by_pod[event.pod_uid] = event.allocation_id
         self._charge(charges, +1)
         for early in self.early.pop(event.allocation_id, []):
@@ -275,7 +282,8 @@ class LedgerState:
         """A plain, order-independent form for comparing two ledgers."""
         return {
             "nodes": {
-                name: (n.driver_version, n.cuda_version, n.retired, n.address) for name, n in sorted(self.nodes.items())
+                name: (n.driver_version, n.cuda_version, n.retired, n.address, n.allocator)
+                for name, n in sorted(self.nodes.items())
             },
             "gpus": {u: tuple(vars(g).values()) for u, g in sorted(self.gpus.items())},
             "allocations": {
@@ -313,6 +321,8 @@ class LedgerState:
                         )
                     ),
                     tuple(sorted(a.assigned_containers.items())),
+                    a.claim_uid,
+                    a.claim_name,
                 )
                 for a_id, a in sorted(self.allocations.items(), key=lambda kv: str(kv[0]))
             },

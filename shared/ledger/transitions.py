@@ -97,8 +97,15 @@ async def apply_bound_many(conn: AsyncConnection, events: list[BoundEvent]) -> l
     locked (in id order), stamped `bound_at` if not yet, and moved to `bound` only from `reserved` (the only state
     `bound` advances; binding gives no capacity back). True per event whose allocation changed state; an unknown
     allocation, or the same allocation named again in the batch, is a no-op (False)."""
+    return (await bind_many(conn, events))[0]
+
+
+async def bind_many(conn: AsyncConnection, events: list[BoundEvent]) -> tuple[list[bool], list[bool]]:
+    """`apply_bound_many`, answering per event (whether its allocation changed state, whether its row was written
+    at all: a `bound_at` stamped on an allocation already past `bound` changes no state but is a change a replay
+    must see)."""
     if not events:
-        return []
+        return [], []
     rows = await driver.fetch(
         conn,
         _BIND_MANY,
@@ -108,11 +115,14 @@ async def apply_bound_many(conn: AsyncConnection, events: list[BoundEvent]) -> l
         AllocationState.BOUND.value,
     )
     moved = {r["id"] for r in rows if advances(r["state"], AllocationState.BOUND)}
-    out = []
+    written = {r["id"] for r in rows}
+    changed, wrote = [], []
     for event in events:
-        out.append(event.allocation_id in moved)
+        changed.append(event.allocation_id in moved)
+        wrote.append(event.allocation_id in written)
         moved.discard(event.allocation_id)
-    return out
+        written.discard(event.allocation_id)
+    return changed, wrote
 
 
 async def apply_terminating(conn: AsyncConnection, event: TerminatingEvent) -> bool:

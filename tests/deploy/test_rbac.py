@@ -32,6 +32,17 @@ API_CLASSES = {
     "coordination.k8s.io": client.CoordinationV1Api,
     "events.k8s.io": client.EventsV1Api,
     "policy": client.PolicyV1Api,
+    "resource.k8s.io": client.ResourceV1Api,
+}
+# Authorization that no API method names: writing a claim's status.devices also needs the synthetic subresource
+# resourceclaims/driver of each driver written, verb `arbitrary-node:<verb>` (AuthorizedForDeviceStatus,
+# pkg/registry/resource/utils.go, v1.37.2)
+IMPLIED = {
+    ("resource.k8s.io", "resourceclaims/status", "patch"): (
+        "resource.k8s.io",
+        "resourceclaims/driver",
+        "arbitrary-node:patch",
+    )
 }
 VERBS = (
     ("delete_collection_", "deletecollection"),
@@ -168,6 +179,7 @@ def code_needs(package: str, *, user_client: bool = False) -> tuple[set[Need], i
     needs: set[Need] = set()
     for path in files:
         needs |= needs_of(_parse(path), shared_helpers())
+    needs |= {IMPLIED[n] for n in needs if n in IMPLIED}
     return needs, len(files)
 
 
@@ -202,6 +214,9 @@ def test_api_method_mapping() -> None:
     assert api_method("connect_get_namespaced_service_proxy_with_path") == ("", "services/proxy", "get")
     assert api_method("connect_post_namespaced_pod_exec") == ("", "pods/exec", "create")
     assert api_method("connect_get_node_proxy") == ("", "nodes/proxy", "get")
+    assert api_method("list_resource_claim_for_all_namespaces") == ("resource.k8s.io", "resourceclaims", "list")
+    assert api_method("patch_namespaced_resource_claim_status") == ("resource.k8s.io", "resourceclaims/status", "patch")
+    assert api_method("replace_resource_slice") == ("resource.k8s.io", "resourceslices", "update")
 
 
 def test_scanner_sees_direct_helper_and_watch_calls() -> None:

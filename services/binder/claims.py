@@ -1,0 +1,462 @@
+"""The ledger's gate on DRA nodes: every gpushare claim allocation is recorded before kube-scheduler binds the pod.
+
+kube-scheduler allocates a claim from the node's ResourceSlice in PreBind and then waits until every allocated
+device's binding condition `gpushare.io/LedgerReserved` is `True`, or gives the allocation up when
+`gpushare.io/LedgerRefused` is (`isPodReadyForBinding`, polled every 5 s; pkg/scheduler/framework/plugins/
+dynamicresources, v1.37.2). This gate follows every ResourceClaim (list-then-watch) and, for a claim allocated
+on gpushare devices and reserved for a pod:
+
+1. reads the claim with its pod as the ledger must record it (`shared.dra.claims.read_claim`), or refuses it;
+2. records it with `Ledger.reserve_claim` (the reservation statements and CHECKs: capacity, namespace quota, no
+   GPU of the device-plugin path), the `claim_reserved` event staged in the same transaction;
+3. writes the pod's annotations (gpushare's `ALIYUN_COM_GPU_MEM_*`, `gpushare.io/allocation`, `gpushare.io/claim`);
+4. sets `LedgerReserved=True` on each device, or `LedgerRefused=True` with the ledger's reason: the scheduler then
+   clears the allocation and tries again, and nothing was written.
+
+A crash between any two steps is repaired by doing them again: the allocation id comes from the claim's UID and
+share ids, so the ledger returns the allocation recorded before; annotations and conditions are idempotent. The
+allocation ends when the claim loses its allocation or is deleted (failed while it was never bound, released
+otherwise), when the pod ends (the pod watch, exactly as on device-plugin nodes), or by reconciliation: allocated
+claims the ledger does not hold are recorded (adopted) and live claim allocations whose claim is gone or
+allocated anew are ended. The pod watch marks an allocation `bound` once the scheduler bound its pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+from sqlalchemy import and_, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.binder.metrics import BinderMetrics
+from shared.annotations import ALLOCATION, binding_annotations, parse_allocation
+from shared.dra import CLAIM_ANNOTATION
+from shared.dra.claims import ClaimRefused, LedgerGpu, allocation_id, claim_key, our_results, pod_consumer, read_claim
+from shared.dra.conditions import FIELD_MANAGER, REFUSED, RESERVED, decided, status_apply
+from shared.dra.slices import device_name
+from shared.kube import pods
+from shared.kube.pods import Pod
+from shared.kube.raw import read_json
+from shared.kube.retry import RetryPolicy, call_with_retry
+from shared.kube.watching import DELETED, SYNCED, watch_objects
+from shared.ledger.claims import ClaimAllocationEnded, PathConflict
+from shared.ledger.group_commit import GroupCommit
+from shared.ledger.ledger import Ledger
+from shared.ledger.models import allocations, gpus
+from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, ReservationError
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
+from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
+
+APPLY_PATCH = "application/apply-patch+yaml"
+MAX_ATTEMPTS = 8
+REMEMBERED_BOUND = 10_000
+
+
+@dataclass(frozen=True)
+class LiveClaim:
+    """A live DRA allocation as the ledger holds it."""
+
+    id: uuid.UUID
+    claim_uid: str
+    pod_uid: str
+    node: str
+    state: str
+    reserved_at: datetime
+
+
+async def live_claim_allocations(engine: AsyncEngine, claim_uid: str | None = None) -> list[LiveClaim]:
+    """Live allocations made from claims (of one claim, when given)."""
+    query = select(
+        allocations.c.id,
+        allocations.c.claim_uid,
+        allocations.c.pod_uid,
+        allocations.c.node,
+        allocations.c.state,
+        allocations.c.reserved_at,
+    ).where(and_(allocations.c.claim_uid.is_not(None), allocations.c.state.in_(LIVE_STATE_VALUES)))
+    if claim_uid is not None:
+        query = query.where(allocations.c.claim_uid == claim_uid)
+    async with engine.connect() as conn:
+        return [LiveClaim(*r) for r in (await conn.execute(query)).all()]
+
+
+async def node_gpus(engine: AsyncEngine, node: str) -> dict[str, LedgerGpu]:
+    """The node's GPUs in the ledger (not retired), by device name."""
+    query = select(gpus.c.uuid, gpus.c.index, gpus.c.memory_mib, gpus.c.compute_units).where(
+        and_(gpus.c.node == node, gpus.c.retired_at.is_(None))
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    return {device_name(r.uuid): LedgerGpu(r.uuid, int(r.index), int(r.memory_mib), int(r.compute_units)) for r in rows}
+
+
+def refusal_reason(exc: ReservationError) -> str:
+    """The condition reason of a ledger refusal."""
+    if isinstance(exc, QuotaExceeded):
+        return "QuotaExceeded"
+    if isinstance(exc, InsufficientCapacity):
+        return "InsufficientCapacity"
+    if isinstance(exc, PathConflict):
+        return "PathConflict"
+    return "LedgerRefused"
+
+
+class ClaimGate:
+    """Follows ResourceClaims; records gpushare allocations before their pods bind; ends them with their claims."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        api: client.ApiClient,
+        *,
+        unit: MemoryUnit,
+        metrics: BinderMetrics,
+        retry: RetryPolicy = RetryPolicy(),
+        concurrency: int = 16,
+    ) -> None:
+        self.ledger = ledger
+        self.api = api
+        self.unit = unit
+        self.metrics = metrics
+        self.retry = retry
+        self.resource = client.ResourceV1Api(api)
+        self.core = client.CoreV1Api(api)
+        self.synced = asyncio.Event()
+        self.served: bool | None = None  # whether the API server serves resource.k8s.io/v1 (None: not asked yet)
+        self.passes = 0
+        self._slots = asyncio.Semaphore(concurrency)
+        self._latest: dict[str, tuple[str, dict[str, Any], int]] = {}  # claim UID -> (event type, claim, attempt)
+        self._running: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._bound: dict[str, None] = {}
+        # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
+        self.nudge: Callable[[str], None] | None = None
+        self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
+
+    # -- following claims ---------------------------------------------------------------------------------------
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Follow every ResourceClaim until `stop`; after each (re)list the ledger is reconciled with the claims
+        (claims deleted while no watch was open are not reported by the watch). Without `resource.k8s.io/v1`
+        (Kubernetes before 1.34, or DRA turned off) there is nothing to follow: the gate stays idle."""
+        self.served = await self._kube(self._resource_api_served, "GET /apis/resource.k8s.io/v1")
+        if not self.served:
+            log.info(
+                "the API server does not serve resource.k8s.io/v1: no DRA claims to gate (device-plugin path only)"
+            )
+            self.synced.set()
+            await stop.wait()
+            return
+        async for event in watch_objects(
+            self.resource.list_resource_claim_for_all_namespaces, what="resourceclaims", stop=stop
+        ):
+            if event.type == SYNCED:
+                try:
+                    await self.reconcile_once()
+                except Exception as exc:  # the next relist or periodic pass tries again
+                    log.warning("claim reconciliation failed: %r", exc)
+                self.synced.set()
+                continue
+            self.submit(event.type, event.object)
+
+    async def _resource_api_served(self) -> bool:
+        """Whether there are claims to gate: resource.k8s.io/v1 served, and the binder allowed to list claims (a
+        binder whose RBAC predates DRA says so once and keeps serving the device-plugin path)."""
+        try:
+            await read_json(await self.resource.get_api_resources(_preload_content=False))
+            await read_json(await self.resource.list_resource_claim_for_all_namespaces(limit=1, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            if exc.status == 403:
+                log.error(
+                    "the binder may not list resourceclaims: DRA claims are not gated, so pods on DRA nodes stay "
+                    "Pending; grant the rules of k8s/base/rbac.yaml (gpushare-binder) and restart the binder"
+                )
+                return False
+            raise
+        return True
+
+    def submit(self, event_type: str, claim: dict[str, Any], attempt: int = 0) -> None:
+        """Handle a claim event; events of one claim are handled in order, the latest one wins."""
+        uid = str((claim.get("metadata") or {}).get("uid") or "")
+        if not uid:
+            return
+        self._latest[uid] = (event_type, claim, attempt)
+        if uid not in self._running:
+            self._running.add(uid)
+            task = asyncio.create_task(self._drain(uid), name=f"claim-{uid}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self, uid: str) -> None:
+        try:
+            while uid in self._latest:
+                event_type, claim, attempt = self._latest.pop(uid)
+                try:
+                    async with self._slots:
+                        if event_type == DELETED:
+                            await self.claim_ended(uid, "claim deleted")
+                        else:
+                            await self.gate(claim)
+                except Exception as exc:  # the ledger or the API is away: again later (reconciliation too)
+                    log.warning("claim %s not handled yet: %r", claim_key(claim), exc, extra={"claim_uid": uid})
+                    if attempt + 1 < MAX_ATTEMPTS and uid not in self._latest:
+                        await asyncio.sleep(min(10.0, 0.2 * 2**attempt))
+                        if uid not in self._latest:
+                            self._latest[uid] = (event_type, claim, attempt + 1)
+        finally:
+            self._running.discard(uid)
+
+    async def close(self) -> None:
+        """Cancel claim handling in flight."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- the gate -----------------------------------------------------------------------------------------------
+    async def gate(self, claim: dict[str, Any]) -> str:
+        """Bring the ledger and the claim's status to agree about one claim; returns what was done."""
+        meta = claim.get("metadata") or {}
+        uid = str(meta.get("uid") or "")
+        results = our_results(claim)
+        if not results:
+            return await self.claim_ended(uid, "claim deallocated")
+        expected = allocation_id(uid, [str(r.get("shareID") or "") for r in results])
+        (live,) = (await live_claim_allocations(self.ledger.engine, uid)) or (None,)
+        if live is not None and live.id != expected:  # allocated anew (after a refusal or a timeout)
+            await self._end(live, "claim allocated anew")
+            live = None
+        verdict = decided(claim, results)
+        if verdict == REFUSED:
+            return self._count("refused_already")
+        if verdict == RESERVED and live is not None:
+            return self._count("reserved_already")
+        try:
+            consumer = pod_consumer(claim)
+        except ClaimRefused as exc:
+            return await self._refuse(claim, results, exc.reason, exc.message)
+        if consumer is None:
+            return self._count("waiting_for_pod")  # the scheduler writes allocation and reservation together
+        pod = await self._kube(
+            lambda: pods.get_pod(self.api, str(meta.get("namespace")), str(consumer.get("name"))), "GET pod"
+        )
+        if pod is None or pods.pod_uid(pod) != consumer.get("uid"):
+            return self._count("pod_gone")
+        node = str(results[0].get("pool") or "")
+        gpus_of_node = await node_gpus(self.ledger.engine, node)
+        try:
+            allocation = read_claim(claim, pod, gpus_of_node, self.unit)
+        except ClaimRefused as exc:
+            return await self._refuse(claim, results, exc.reason, exc.message)
+        started = time.monotonic()
+        try:
+            reservation = await self.ledger.reserve_claim(allocation.event(source="binder"))
+        except ClaimAllocationEnded as exc:
+            log.warning("claim %s: %s", claim_key(claim), exc, extra={"claim_uid": uid})
+            return self._count("ended_already")
+        except ReservationError as exc:
+            return await self._refuse(claim, results, refusal_reason(exc), str(exc))
+        memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
+        annotations = binding_annotations(allocation.allocation_id, node, list(allocation.parts), memory, self.unit)
+        annotations[CLAIM_ANNOTATION] = uid
+        await self._annotate(pod, annotations)
+        if verdict != RESERVED:
+            data = {
+                s.device: {
+                    "gpuUUID": s.gpu_uuid,
+                    "gpuIndex": s.gpu_index,
+                    "allocationID": str(allocation.allocation_id),
+                }
+                for s in allocation.shares
+            }
+            message = f"recorded in the gpushare ledger as allocation {allocation.allocation_id}"
+            await self._apply_status(
+                claim, status_apply(claim, results, reserved=True, reason="Recorded", message=message, data=data)
+            )
+        if pods.node_name(pod):  # adopted after the pod was bound (a binder that was down meanwhile)
+            await self.bound.submit((allocation.allocation_id, allocation.pod_uid, pods.node_name(pod)))
+        self.metrics.bind_seconds.observe(time.monotonic() - started)
+        log.info(
+            "claim %s of %s/%s recorded on %s (%d MiB)%s",
+            claim_key(claim),
+            allocation.namespace,
+            allocation.pod_name,
+            node,
+            allocation.pod_memory_mib(),
+            "" if reservation.created else " (recorded before)",
+            extra={
+                "claim_uid": uid,
+                "pod": f"{allocation.namespace}/{allocation.pod_name}",
+                "node": node,
+                "allocation_id": str(allocation.allocation_id),
+            },
+        )
+        return self._count("reserved" if reservation.created else "reserved_before")
+
+    async def _refuse(self, claim: dict[str, Any], results: list[dict[str, Any]], reason: str, message: str) -> str:
+        """LedgerRefused on the claim's devices: kube-scheduler gives the allocation up and tries again."""
+        await self._apply_status(claim, status_apply(claim, results, reserved=False, reason=reason, message=message))
+        log.warning(
+            "claim %s refused by the ledger (%s): %s",
+            claim_key(claim),
+            reason,
+            message,
+            extra={"claim_uid": (claim.get("metadata") or {}).get("uid"), "reason": reason},
+        )
+        return self._count(f"refused_{reason}")
+
+    async def claim_ended(self, claim_uid: str, reason: str) -> str:
+        """The claim lost its allocation or is gone: its live ledger allocation ends (if it has one)."""
+        ended = 0
+        for live in await live_claim_allocations(self.ledger.engine, claim_uid):
+            ended += await self._end(live, reason)
+        return self._count("ended") if ended else "nothing"
+
+    async def _end(self, live: LiveClaim, reason: str) -> int:
+        if live.state == AllocationState.RESERVED.value:  # the pod never bound: the reservation failed
+            changed = await self.ledger.mark_failed(live.id, live.pod_uid, live.node, reason)
+        else:
+            changed = await self.ledger.release(live.id, live.pod_uid, live.node, reason)
+            if changed:
+                self.metrics.released.labels(reason=reason.replace(" ", "_")).inc()
+        if changed:
+            log.info(
+                "allocation %s of claim %s ended: %s",
+                live.id,
+                live.claim_uid,
+                reason,
+                extra={"claim_uid": live.claim_uid},
+            )
+        return int(changed)
+
+    # -- Kubernetes writes --------------------------------------------------------------------------------------
+    async def _kube(self, fn, what: str):  # type: ignore[no-untyped-def]
+        return await call_with_retry(
+            fn, policy=self.retry, what=what, on_retry=lambda _: self.metrics.kube_retries.inc()
+        )
+
+    async def _annotate(self, pod: Pod, annotations: dict[str, str]) -> None:
+        current = pods.annotations(pod)
+        if current.get(ALLOCATION) == annotations[ALLOCATION] and current.get(CLAIM_ANNOTATION):
+            return  # written before (the assigned flag may have moved on since)
+        meta = pods.metadata(pod)
+        body = {"metadata": {"annotations": annotations}}
+        with contextlib.suppress(ApiException):  # a pod gone meanwhile: its claim is cleaned up with it
+            await self._kube(
+                lambda: self.core.patch_namespaced_pod(
+                    meta.get("name"), meta.get("namespace"), body, _preload_content=False
+                ),
+                "PATCH pod annotations",
+            )
+
+    async def _apply_status(self, claim: dict[str, Any], body: dict[str, Any]) -> None:
+        meta = claim.get("metadata") or {}
+        try:
+            await self._kube(
+                lambda: self._patch_status(str(meta.get("name")), str(meta.get("namespace")), body),
+                "apply claim status",
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409, 422):
+                raise
+            # gone, or allocated anew meanwhile (the entry no longer matches a result): the next event decides
+            log.info("claim %s status not written (%s): %s", claim_key(claim), exc.status, exc.body or exc.reason)
+
+    async def _patch_status(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+        resp = await self.resource.patch_namespaced_resource_claim_status(
+            name,
+            namespace,
+            body,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=APPLY_PATCH,
+            _preload_content=False,
+        )
+        await read_json(resp)
+
+    # -- pods ---------------------------------------------------------------------------------------------------
+    async def on_pod(self, event_type: str, pod: Pod) -> bool:
+        """The pod watch's hook: a gated pod that kube-scheduler bound is `bound` in the ledger (True when marked).
+
+        Then the node is nudged (a label stamp, which makes kube-scheduler retry the pods waiting for DRA devices):
+        while a pod waits in PreBind for its binding conditions, kube-scheduler 1.37.2 counts its claim's consumed
+        capacity twice (the claim is still in flight and already in the informer's allocated state:
+        `claimTracker.GatherAllocatedState`, in flight until PreBind returns), so pods placed meanwhile may have
+        been found not to fit; no claim event requeues them once the first pod is bound."""
+        ann = pods.annotations(pod)
+        uid = pods.pod_uid(pod)
+        node = pods.node_name(pod)
+        if CLAIM_ANNOTATION not in ann or not node or event_type == DELETED or uid in self._bound:
+            return False
+        try:
+            allocation, annotated_node, _ = parse_allocation(ann.get(ALLOCATION, ""))
+        except ValueError:
+            return False
+        if annotated_node != node:
+            return False
+        self._bound[uid] = None
+        while len(self._bound) > REMEMBERED_BOUND:
+            self._bound.pop(next(iter(self._bound)))
+        marked = await self.bound.submit((allocation, uid, node))
+        if marked and self.nudge is not None:
+            self.nudge(node)
+        return marked
+
+    # -- reconciliation -----------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event, interval_s: float) -> None:
+        """Reconcile every `interval_s` (the watch reconciles at each relist too)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            if stop.is_set():
+                return
+            try:
+                await self.reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("claim reconciliation failed: %r; next pass in %.0fs", exc, interval_s)
+
+    async def reconcile_once(self) -> None:
+        """Read the ledger's live claim allocations, then list the claims, and make them agree."""
+        if not self.served:
+            return
+        live = await live_claim_allocations(self.ledger.engine)
+        body = await read_json(
+            await self.resource.list_resource_claim_for_all_namespaces(_preload_content=False, _request_timeout=120)
+        )
+        claims = {str((c.get("metadata") or {}).get("uid")): c for c in body.get("items") or []}
+        await self._reconcile_with(claims, live)
+
+    async def _reconcile_with(self, claims: dict[str, dict[str, Any]], live: list[LiveClaim]) -> None:
+        """`live` was read before `claims` was listed: a live allocation whose claim is not listed is gone."""
+        held = {a.claim_uid: a for a in live}
+        for a in live:
+            if a.claim_uid not in claims:
+                await self._end(a, "claim deleted")
+        for uid, claim in claims.items():
+            results = our_results(claim)
+            if not results:
+                if uid in held:
+                    self.submit("MODIFIED", claim)  # deallocated while nobody watched
+                continue
+            verdict = decided(claim, results)
+            if verdict is None or (verdict == RESERVED and uid not in held):
+                self.submit("MODIFIED", claim)  # not gated yet, or recorded in a ledger that lost it: adopt
+        self.passes += 1
+
+    def _count(self, outcome: str) -> str:
+        self.metrics.claims.labels(reason=outcome).inc()
+        return outcome
