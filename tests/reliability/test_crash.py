@@ -152,10 +152,12 @@ async def _restart_node_agent(stack, node: str) -> None:  # type: ignore[no-unty
 
 
 async def consumer_backlog(nats_url: str, stream: str, durable: str) -> tuple[int, int]:
-    """(num_pending, num_ack_pending) of a JetStream durable consumer."""
+    """(num_pending, num_ack_pending) of a JetStream durable consumer (`nats_url`: one server or several)."""
     import nats
 
-    nc = await nats.connect(nats_url)
+    from shared.events.bus import nats_servers
+
+    nc = await nats.connect(nats_servers(nats_url))
     try:
         info = await nc.jetstream().consumer_info(stream, durable)
         return info.num_pending, info.num_ack_pending
