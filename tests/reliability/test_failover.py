@@ -48,8 +48,7 @@ from shared.annotations import ALLOCATION, parse_allocation
 from shared.ledger.db import make_engine
 from shared.ledger.replay import load_state, wait_for_quiet
 from shared.ledger.rules import is_live
-from tests import system_tools
-from tests.reliability.harness import check_invariants, ledger_rebuild
+from tests.reliability.harness import burst_stack_config, ledger_rebuild, require_complete, settled_invariants
 from tests.reliability.profile import PROFILE
 from tests.reliability.test_crash import RESULTS, accounting_caught_up
 
@@ -109,27 +108,17 @@ async def servers() -> AsyncIterator[Servers]:
 async def ha_stack(servers: Servers, control_plane_binaries, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The stack on the replicated servers: services given the multi-host database URL (each as its own role)
     and every NATS server's URL, with GPUSHARE_STREAM_REPLICAS=3 as the HA manifests set it."""
-    from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
+    from devstack.stack.stack import Stack
 
-    tag = uuid.uuid4().hex[:6]
-    config = StackConfig(
-        data_dir=tmp_path_factory.mktemp("failover-stack"),
-        nodes=2,
-        gpus="2x16GiB:Tesla-T4",
-        node_prefix=f"fo-{tag[:4]}",
-        extender_port=0,
-        binder_port=0,
-        accounting_port=0,
-        bind_timeout=15.0,
-        database_url=servers.database_url,
+    config = burst_stack_config(
+        tmp_path_factory.mktemp("failover-stack"),
+        control_plane_binaries,
+        tag=uuid.uuid4().hex[:6],
+        letter="f",
         nats_url=servers.nats.url,
-        stream_name=f"GPUSHARE_F{tag}",
-        subject_prefix=f"gsf{tag}",
-        log_level="INFO",
+        log=log,
+        database_url=servers.database_url,
         admin_token="failover",
-        scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
-        control_plane_paths=control_plane_binaries,
-        progress=lambda m: log.info(m),
         service_roles=True,
     )
     previous = os.environ.get("GPUSHARE_STREAM_REPLICAS")
@@ -137,8 +126,7 @@ async def ha_stack(servers: Servers, control_plane_binaries, tmp_path_factory: p
     stack = Stack(config)
     try:
         await stack.start()
-        if stack.mode != MODE_LOCAL or not {"extender", "binder", "accounting"} <= set(stack.processes):
-            system_tools.unavailable(f"stack incomplete: mode={stack.mode} ({stack.mode_reason}), {stack.missing}")
+        require_complete(stack)
         yield stack
     finally:
         dead = stack.check_alive()
@@ -273,12 +261,7 @@ async def check_after(stack: Any, servers: Servers, outcome: Outcome) -> None:
     engine = make_engine(stack.database_url, pool_size=2)
     api = await stack.api_client()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            report = await check_invariants(engine, api, stack.node_names, stack.kubelets)
-            if report.settled or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(2)
+        report = await settled_invariants(engine, stack)
         await wait_for_quiet(engine, timeout_s=60)
         outcome.problems += report.problems
         outcome.problems += await annotation_problems(engine, api, stack.node_names)
