@@ -16,8 +16,9 @@ import os
 import signal
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import asyncpg
 import pytest
@@ -28,7 +29,7 @@ from devstack.embedded import with_database
 from devstack.ha import MovingEndpoint, PostgresPair
 from services.extender.bind import LEDGER_BUDGET_S
 from shared.events.bus import BusNames, EventBus
-from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent
+from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, QuotaEvent
 from shared.ledger import migrate
 from shared.ledger.db import (
     LedgerUnavailable,
@@ -41,11 +42,12 @@ from shared.ledger.db import (
 )
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
-from shared.ledger.models import allocations, outbox
+from shared.ledger.models import allocations, applied_events, outbox, quotas
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.reservations import Reservation, ReservationRequest
 
 NODE = "node-ha"
+T = TypeVar("T")
 DB = "gpushare_failover"
 
 
@@ -77,7 +79,9 @@ async def ha_engine(healthy: PostgresPair) -> AsyncIterator[AsyncEngine]:
     """An engine on the multi-host URL, the ledger emptied first."""
     engine = make_engine(healthy.url(DB), pool_size=4)
     async with engine.begin() as conn:
-        await conn.execute(text("TRUNCATE allocation_parts, allocations, gpus, nodes, outbox, applied_events CASCADE"))
+        await conn.execute(
+            text("TRUNCATE allocation_parts, allocations, gpus, nodes, outbox, applied_events, quotas CASCADE")
+        )
     yield engine
     await engine.dispose()
 
@@ -181,24 +185,17 @@ async def test_the_multi_host_url_finds_the_primary_whichever_host_comes_first(h
 # ------------------------------------------------------------------------------ a COMMIT of unknown outcome
 
 
-async def test_a_reservation_committed_before_the_primary_died_is_not_doubled(
-    healthy: PostgresPair, ha_engine: AsyncEngine
-) -> None:
-    """The COMMIT reached the standby, its acknowledgement never reached the extender: the primary died while
-    the reservation waited for the standby's confirmation. The extender's retry, on the promoted standby, gets
-    the pod's reservation back (created=False): one live allocation, one `reserved` event."""
-    pair = healthy
-    ledger = await _ledger(ha_engine)
-    group: GroupCommit[ReservationRequest, Reservation] = GroupCommit(ledger.reserve_many, what="reserve")
-    request = _request("pod-committed")
+async def _commit_reaches_the_standby_then_the_primary_dies(pair: PostgresPair, write: Callable[[], Awaitable[T]]) -> T:
+    """Run `write()` (which retries transient failures) so that its COMMIT reaches the standby but its
+    acknowledgement never reaches the writer: the standby's WAL receiver is stopped, so the COMMIT waits for
+    its confirmation; the primary is killed meanwhile; the receiver resumes with the commit record already in
+    its socket and replays it; the standby is promoted. Returns what `write()` returned in the end."""
     assert pair.standby is not None
     standby = await _admin(pair.standby.url())
     receiver = await standby.fetchval("SELECT pid FROM pg_stat_wal_receiver")
     os.kill(receiver, signal.SIGSTOP)  # the standby receives (into its socket) but confirms nothing
     try:
-        attempt = asyncio.create_task(
-            retry_transient(lambda: group.submit(request), budget_s=LEDGER_BUDGET_S, what="reserve")
-        )
+        attempt = asyncio.create_task(write())
         await _wait_sync_rep(pair.primary.url())
         primary = await _admin(pair.primary.url())
         commit_lsn = await primary.fetchval("SELECT pg_current_wal_flush_lsn()::text")
@@ -214,8 +211,21 @@ async def test_a_reservation_committed_before_the_primary_died_is_not_doubled(
         pytest.fail("the standby never received the COMMIT: this test needs it to have")
     await standby.close()
     await pair.promote_standby()
+    return await attempt  # retried through the outage, answered by the new primary
 
-    got = await attempt  # retried through the outage, answered by the new primary
+
+async def test_a_reservation_committed_before_the_primary_died_is_not_doubled(
+    healthy: PostgresPair, ha_engine: AsyncEngine
+) -> None:
+    """The COMMIT reached the standby, its acknowledgement never reached the extender: the primary died while
+    the reservation waited for the standby's confirmation. The extender's retry, on the promoted standby, gets
+    the pod's reservation back (created=False): one live allocation, one `reserved` event."""
+    ledger = await _ledger(ha_engine)
+    group: GroupCommit[ReservationRequest, Reservation] = GroupCommit(ledger.reserve_many, what="reserve")
+    request = _request("pod-committed")
+    got = await _commit_reaches_the_standby_then_the_primary_dies(
+        healthy, lambda: retry_transient(lambda: group.submit(request), budget_s=LEDGER_BUDGET_S, what="reserve")
+    )
     assert isinstance(got, Reservation)
     assert not got.created, "the first attempt's commit survived the failover: the retry found it"
     assert got.allocation_id == request.allocation_id
@@ -224,6 +234,27 @@ async def test_a_reservation_committed_before_the_primary_died_is_not_doubled(
     assert isinstance(again, Reservation) and again.allocation_id == request.allocation_id and not again.created
     assert await _live(ha_engine, "pod-committed") == [request.allocation_id]
     assert await _staged(ha_engine) == 1, "one reserved event, staged by the transaction that committed"
+
+
+async def test_an_event_applied_before_the_primary_died_is_not_applied_again(
+    healthy: PostgresPair, ha_engine: AsyncEngine
+) -> None:
+    """A consumer's transaction (its claim on the event id and the effect) committed on the standby, the
+    acknowledgement lost with the primary: the consumer's in-place retry finds the claim on the promoted
+    standby and applies nothing (events are keyed by id)."""
+    ledger = await _ledger(ha_engine)
+    event = QuotaEvent(namespace="q-unknown", memory_mib=4096)
+    again = await _commit_reaches_the_standby_then_the_primary_dies(
+        healthy, lambda: retry_transient(lambda: ledger.record_once(event, "test"), budget_s=LEDGER_BUDGET_S, what="x")
+    )
+    assert again is None, "the retry found the event applied"
+    async with ha_engine.connect() as conn:
+        claims = await conn.execute(select(func.count()).select_from(applied_events))
+        assert claims.scalar_one() == 1
+        assert (await conn.execute(select(quotas.c.memory_mib).where(quotas.c.namespace == "q-unknown"))).all() == [
+            (4096,)
+        ]
+    assert await _staged(ha_engine) == 1, "the event staged once"
 
 
 async def test_a_reservation_lost_with_the_primary_is_made_once_on_the_new_one(
