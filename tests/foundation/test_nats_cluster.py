@@ -193,3 +193,36 @@ async def test_a_client_whose_server_freezes_moves_to_another(whole: NatsCluster
     await _until_ok(lambda: ha_bus.publish(QuotaEvent(namespace="after-freeze", memory_mib=1)), within_s=40)
     assert time.monotonic() - started < 40
     assert ha_bus.nc.connected_url is not None and ha_bus.nc.connected_url.port != whole.servers[frozen].port
+
+
+async def test_a_consumer_keeps_its_pull_subscription_when_its_leader_is_killed(
+    whole: NatsCluster, ha_bus: EventBus
+) -> None:
+    """The server leading the durable consumer is killed: fetches fail while a new leader is elected, and the
+    consumer keeps fetching on the same pull subscription. Before, it dropped it and looked the consumer up
+    again, which waited out the election and timed out (5 s), so events sat there seconds longer."""
+    seen: list[str] = []
+    arrived = asyncio.Event()
+
+    async def handler(event) -> None:  # type: ignore[no-untyped-def]
+        seen.append(event.namespace)
+        if event.namespace == "after":
+            arrived.set()
+
+    consumer = DurableConsumer(ha_bus, "leader-test", handler, kinds=["quota"])
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    try:
+        await asyncio.wait_for(consumer.ready.wait(), 30)
+        await _until_ok(lambda: ha_bus.publish(QuotaEvent(namespace="before", memory_mib=1)))
+        info = await ha_bus.js.consumer_info(ha_bus.names.stream, "leader-test")
+        assert info.cluster is not None and info.cluster.leader
+        whole.servers[whole.index_of(info.cluster.leader)].kill9()
+        await asyncio.sleep(1.5)  # fetches meet the election
+        await _until_ok(lambda: ha_bus.publish(QuotaEvent(namespace="after", memory_mib=1)))
+        await asyncio.wait_for(arrived.wait(), 60)
+    finally:
+        stop.set()
+        await task
+    assert seen.count("before") == 1 and "after" in seen
+    assert consumer.subscriptions == 1, "the consumer subscribed again instead of fetching on"
