@@ -45,6 +45,7 @@ from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations, applied_events, outbox, quotas
 from shared.ledger.outbox import OutboxRelay
 from shared.ledger.reservations import Reservation, ReservationRequest
+from shared.settings import with_password
 
 NODE = "node-ha"
 T = TypeVar("T")
@@ -162,6 +163,8 @@ def test_a_multi_host_url_becomes_sqlalchemys_form_of_it() -> None:
         "&target_session_attrs=read-write&ssl=require"
     )
     assert database_hosts(url) == ["db-0:5432", "db-1:5432", "[::1]:6432"]
+    # the password from GPUSHARE_DATABASE_PASSWORD goes to the user, whatever the hosts
+    assert with_password(url, "p/w").startswith("postgresql://svc:p%2Fw@db-0:5432,db-1,[::1]:6432/gpushare?")
     with pytest.raises(ValueError, match="empty host"):
         async_url("postgresql://svc@db-0,,db-1/gpushare")
 
