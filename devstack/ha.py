@@ -305,9 +305,18 @@ def asyncio_run(coro):  # type: ignore[no-untyped-def]
 
 
 class NatsCluster:
-    """Three (`size`) nats-servers with JetStream, clustered over routes on loopback, under `root`."""
+    """Three (`size`) nats-servers with JetStream, clustered over routes on loopback, under `root` (`config`, `env`:
+    a configuration file every server starts with, users and permissions say, and what its variables name)."""
 
-    def __init__(self, root: Path, size: int = 3, *, cluster_name: str = "gpushare") -> None:
+    def __init__(
+        self,
+        root: Path,
+        size: int = 3,
+        *,
+        cluster_name: str = "gpushare",
+        config: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = Path(root).resolve()
         route_ports = [free_port() for _ in range(size)]
         routes = tuple(f"nats://127.0.0.1:{p}" for p in route_ports)
@@ -316,6 +325,8 @@ class NatsCluster:
                 self.root / f"n{i}",
                 cluster=NatsRoutes(f"n{i}", route_ports[i], routes, cluster_name),
                 monitor_port=free_port(),
+                config=config,
+                env=env,
             )
             for i in range(size)
         ]

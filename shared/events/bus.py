@@ -166,7 +166,6 @@ class EventBus:
             (self.names.parked_stream, [f"{self.names.parked_prefix}.>"], (0.0, 0)),
         ):
             await self._ensure_stream(stream, subjects, max_age, max_bytes, set_limits=explicit)
-        await self.ensure_replicas(f"OBJ_{self.names.snapshot_bucket}")  # created by the first snapshot
 
     async def _ensure_stream(
         self, stream: str, subjects: list[str], max_age: float, max_bytes: int, *, set_limits: bool
@@ -214,7 +213,8 @@ class EventBus:
             )
 
     async def ensure_replicas(self, stream: str) -> None:
-        """Raise an existing stream (the snapshot object store's, say) to this bus's replicas; never lower."""
+        """Raise an existing stream to this bus's replicas, never lower (the snapshot store's backing stream: its
+        owner, accounting, does it when it opens the store)."""
         try:
             info = await self.js.stream_info(stream)
         except NotFoundError:

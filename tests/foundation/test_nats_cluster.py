@@ -71,13 +71,13 @@ async def ha_bus(whole: NatsCluster, bus_names: BusNames) -> AsyncIterator[Event
 async def _until_ok(call, within_s: float = 30.0):  # type: ignore[no-untyped-def]
     """`call()`, retried while the cluster elects leaders (after a server was killed, a stream's leader may be
     gone for a few seconds: requests time out meanwhile), as the services' own retries do."""
-    deadline = time.monotonic() + within_s
+    started = time.monotonic()
     while True:
         try:
             return await call()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
+        except Exception as exc:
+            if time.monotonic() - started > within_s:
+                raise AssertionError(f"still failing after {within_s:.0f}s: {exc!r}") from exc
             await asyncio.sleep(0.2)
 
 
@@ -107,13 +107,15 @@ async def test_streams_and_the_snapshot_store_are_raised_to_the_configured_repli
     whole: NatsCluster, bus_names: BusNames
 ) -> None:
     """Streams made with one copy (a single server grown into a cluster) get `replicas` copies when a process
-    configured so connects; before, they kept one, and losing its server lost the ledger stream."""
+    configured so connects, the snapshot store when accounting opens it; before, they kept one, and losing its
+    server lost the ledger stream."""
     single = await EventBus.connect(whole.url, bus_names, name="gpushare-test", replicas=1)
     snapshot = Snapshot(state=LedgerState(), stream=bus_names.stream, sequence=0, taken_at=datetime.now(UTC))
     await SnapshotStore(single).put(snapshot)
     await single.close()
     bus = await EventBus.connect(whole.url, bus_names, name="gpushare-test", replicas=3)
     try:
+        assert await SnapshotStore(bus).names()  # the store's owner raises its stream when it opens it
         snapshots = f"OBJ_{bus_names.snapshot_bucket}"
         for stream in (bus_names.stream, bus_names.samples_stream, bus_names.parked_stream, snapshots):
             info = await bus.js.stream_info(stream)
@@ -186,13 +188,17 @@ async def test_a_client_whose_server_freezes_moves_to_another(whole: NatsCluster
     """SIGSTOP the server the client is connected to: it keeps the TCP connection open and answers nothing. The
     client gives it up after a few unanswered pings and publishes through another; before, it waited for
     minutes (nats-py's default: a ping every 2 minutes)."""
+    await _until_ok(ha_bus.nc.flush)  # connected, and the server answers
     assert ha_bus.nc.connected_url is not None
     frozen = next(i for i, s in enumerate(whole.servers) if s.port == ha_bus.nc.connected_url.port)
+    leader = await whole.stream_leader(ha_bus.names.stream)
     whole.servers[frozen].pause()
     started = time.monotonic()
     await _until_ok(lambda: ha_bus.publish(QuotaEvent(namespace="after-freeze", memory_mib=1)), within_s=40)
-    assert time.monotonic() - started < 40
-    assert ha_bus.nc.connected_url is not None and ha_bus.nc.connected_url.port != whole.servers[frozen].port
+    took = time.monotonic() - started
+    assert ha_bus.nc.connected_url is not None
+    where = f"frozen n{frozen} (stream leader n{leader}), now on port {ha_bus.nc.connected_url.port}, {took:.1f}s"
+    assert ha_bus.nc.connected_url.port != whole.servers[frozen].port, where
 
 
 async def test_a_consumer_keeps_its_pull_subscription_when_its_leader_is_killed(
@@ -226,3 +232,52 @@ async def test_a_consumer_keeps_its_pull_subscription_when_its_leader_is_killed(
         await task
     assert seen.count("before") == 1 and "after" in seen
     assert consumer.subscriptions == 1, "the consumer subscribed again instead of fetching on"
+
+
+async def test_the_shipped_nats_users_raise_the_streams_they_manage() -> None:
+    """On a cluster with the shipped users (k8s/base/nats-auth.conf) and streams made with one copy: a node agent's
+    runtime starts without touching them (its user may not), the extender raises the three streams (the parked
+    one too: before, its user was refused the update, the request timed out and the extender never connected),
+    accounting raises the snapshot store when it opens it."""
+    import shutil
+    import signal
+
+    from shared.runtime import ServiceRuntime
+    from shared.settings import Settings
+    from tests.security.test_nats_permissions import AUTH_CONF, NAMES, PASSWORDS, auth, password_env
+
+    root = Path(tempfile.mkdtemp(prefix="gpushare-natsc-auth-"))
+    shutil.copy(AUTH_CONF, root / AUTH_CONF.name)
+    (root / "nats.conf").write_text(f"include {AUTH_CONF.name}\n")
+    cluster = NatsCluster(root / "servers", config=root / "nats.conf", env=password_env())
+    await asyncio.to_thread(cluster.start)
+    snapshots = f"OBJ_{NAMES.snapshot_bucket}"
+    try:
+        admin = await EventBus.connect(cluster.url, NAMES, name="test-admin", auth=auth("admin"), replicas=1)
+        snapshot = Snapshot(state=LedgerState(), stream=NAMES.stream, sequence=0, taken_at=datetime.now(UTC))
+        await SnapshotStore(admin).put(snapshot)
+        settings = Settings(
+            nats_url=cluster.url,
+            nats_user="gpushare-node-agent",
+            nats_password=PASSWORDS["node-agent"],
+            stream_replicas=3,
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(30), ServiceRuntime("node-agent", settings, database=False) as runtime:
+                assert runtime.bus is not None
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        extender = await EventBus.connect(cluster.url, NAMES, name="test-extender", auth=auth("extender"), replicas=3)
+        await extender.close()
+        accounting = await EventBus.connect(cluster.url, NAMES, name="test-acc", auth=auth("accounting"), replicas=3)
+        assert await SnapshotStore(accounting).names()
+        await accounting.close()
+        for stream in (NAMES.stream, NAMES.samples_stream, NAMES.parked_stream, snapshots):
+            assert (await admin.js.stream_info(stream)).config.num_replicas == 3, stream
+        await admin.delete_streams()
+        await admin.close()
+    finally:
+        await asyncio.to_thread(cluster.stop)
+        shutil.rmtree(root, ignore_errors=True)

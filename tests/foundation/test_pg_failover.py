@@ -56,7 +56,7 @@ DB = "gpushare_failover"
 async def pair() -> AsyncIterator[PostgresPair]:
     """A primary with a synchronous standby, and a migrated database on it (reached through the multi-host URL:
     the migrations themselves take it)."""
-    servers = PostgresPair(Path(tempfile.mkdtemp(prefix="gpushare-pair-")) / "pg")
+    servers = PostgresPair(Path(tempfile.mkdtemp(prefix="gpushare-pair-")))
     await asyncio.to_thread(servers.start)
     try:
         admin = await asyncpg.connect(servers.url())

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -102,6 +103,7 @@ async def servers() -> AsyncIterator[Servers]:
     finally:
         await asyncio.to_thread(nats.stop)
         await asyncio.to_thread(pg.stop)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
