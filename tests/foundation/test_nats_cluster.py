@@ -9,6 +9,7 @@ stream's leader, losing nothing and storing nothing twice; a client whose server
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import tempfile
 import time
 import uuid
@@ -198,6 +199,12 @@ async def test_a_client_whose_server_freezes_moves_to_another(whole: NatsCluster
     took = time.monotonic() - started
     assert ha_bus.nc.connected_url is not None
     where = f"frozen n{frozen} (stream leader n{leader}), now on port {ha_bus.nc.connected_url.port}, {took:.1f}s"
+    if ha_bus.nc.connected_url.port == whole.servers[frozen].port:  # once seen under load: say who listens there
+        port = whole.servers[frozen].port
+        listening = await asyncio.to_thread(
+            subprocess.run, ["ss", "-ltnp", f"sport = :{port}"], capture_output=True, text=True, check=False
+        )
+        where += f"; the frozen server's pid {whole.servers[frozen].pid}; listening there: {listening.stdout.strip()}"
     assert ha_bus.nc.connected_url.port != whole.servers[frozen].port, where
 
 
