@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -213,7 +215,11 @@ class EmbeddedNats:
     """A nats-server with JetStream on loopback, storing under `data_dir`.
 
     `config`: a configuration file to start with (users and permissions, say; the flags set here still apply),
-    with `env` added to the server's environment (the variables the file names, such as passwords)."""
+    with `env` added to the server's environment (the variables the file names, such as passwords).
+
+    `cluster`: this server's place in a cluster (`NatsRoutes`: its name, route port and every member's route
+    URL); `devstack.ha.NatsCluster` starts three such servers. `monitor_port`: the HTTP monitoring port (0: none).
+    """
 
     def __init__(
         self,
@@ -223,12 +229,16 @@ class EmbeddedNats:
         log_file: Path | None = None,
         config: Path | None = None,
         env: dict[str, str] | None = None,
+        cluster: NatsRoutes | None = None,
+        monitor_port: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.log_file = log_file or self.data_dir / "nats-server.log"
         self.config = config
         self.env = env or {}
+        self.cluster = cluster
+        self.monitor_port = monitor_port
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -236,9 +246,12 @@ class EmbeddedNats:
         """Where clients connect."""
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 15.0) -> str:
-        """Start the server and wait until it accepts connections; returns its URL."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+    @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _args(self) -> list[str]:
         args = [
             nats_server_binary(),
             *(["-c", str(self.config)] if self.config is not None else []),
@@ -252,8 +265,26 @@ class EmbeddedNats:
             "-l",
             str(self.log_file),
         ]
+        if self.monitor_port:
+            args += ["-m", str(self.monitor_port)]
+        if self.cluster is not None:
+            args += [
+                "--server_name",
+                self.cluster.server_name,
+                "--cluster_name",
+                self.cluster.cluster_name,
+                "--cluster",
+                f"nats://127.0.0.1:{self.cluster.port}",
+                "--routes",
+                ",".join(self.cluster.routes),
+            ]
+        return args
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        """Start the server and wait until it accepts connections; returns its URL."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self._proc = subprocess.Popen(
-            args,
+            self._args(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -274,12 +305,40 @@ class EmbeddedNats:
         """Stop the server gracefully (JetStream data stays on disk)."""
         if self._proc is None or self._proc.poll() is not None:
             return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
         self._proc.terminate()
         try:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(self._proc.pid, 9)
             self._proc.wait(5)
+
+    def kill9(self) -> None:
+        """SIGKILL the server: no goodbye to its clients or its cluster (JetStream data stays on disk)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets open and answers nothing (a frozen machine, a partition)."""
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGCONT)
+
+
+@dataclass(frozen=True)
+class NatsRoutes:
+    """One member of a NATS cluster: its server name, its route port, and the route URLs of every member."""
+
+    server_name: str
+    port: int
+    routes: tuple[str, ...]
+    cluster_name: str = "gpushare"
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ SERVICE_CLIS = (
 tooling in an image) is left out."""
 
 COMMON_FLAGS = {
-    "database_url": "PostgreSQL URL (GPUSHARE_DATABASE_URL)",
-    "nats_url": "NATS URL (GPUSHARE_NATS_URL)",
+    "database_url": "PostgreSQL URL; for failover several hosts, postgresql://USER@h1:5432,h2:5432/DB"
+    "?target_session_attrs=read-write (GPUSHARE_DATABASE_URL)",
+    "nats_url": "NATS URL; a cluster's servers comma-separated (GPUSHARE_NATS_URL)",
     "accounting_url": "accounting's base URL (GPUSHARE_ACCOUNTING_URL)",
     "log_level": "DEBUG, INFO, WARNING, ERROR (GPUSHARE_LOG_LEVEL, default INFO)",
     "log_format": "json or text (GPUSHARE_LOG_FORMAT, default json)",

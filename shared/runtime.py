@@ -188,7 +188,9 @@ class ServiceRuntime:
                     nats_url,
                     self.names,
                     name=f"gpushare-{self.name}",
-                    replicas=self.settings.stream_replicas,
+                    # the ledger writers manage the streams (their NATS users may create and update them); a node
+                    # agent, without a database, only reads their state and never changes their replicas
+                    replicas=self.settings.stream_replicas if self.database else 1,
                     limits=StreamLimits.from_settings(self.settings),
                     auth=NatsAuth.from_settings(self.settings),
                 ),

@@ -39,7 +39,11 @@ class Settings(BaseSettings):
     database_password: SecretStr | None = Field(
         default=None, description="password for the URL's user, when the URL carries none (from a Secret)"
     )
-    nats_url: str | None = Field(default=None, description="NATS URL, e.g. nats://nats:4222")
+    nats_url: str | None = Field(
+        default=None,
+        description="NATS URL, e.g. nats://nats:4222; a cluster's servers comma-separated "
+        "(nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222)",
+    )
     nats_user: str | None = Field(default=None, description="NATS user (its password: GPUSHARE_NATS_PASSWORD)")
     nats_password: SecretStr | None = Field(default=None, description="NATS password of GPUSHARE_NATS_USER")
     nats_token: SecretStr | None = Field(default=None, description="NATS authentication token")
@@ -59,7 +63,13 @@ class Settings(BaseSettings):
     resource_memory_unit: MemoryUnit = Field(default=MemoryUnit.GIB, description="Unit of aliyun.com/gpu-mem")
     stream_name: str = Field(default=DEFAULT_STREAM, description="JetStream stream holding every event")
     subject_prefix: str = Field(default=DEFAULT_SUBJECT_PREFIX, description="First token of every event subject")
-    stream_replicas: int = Field(default=1, ge=1, le=5, description="JetStream replicas of the event stream")
+    stream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="JetStream copies of every stream and of the snapshot store: 1 for a single NATS server, 3 for "
+        "a 3-server cluster (a stream with fewer is raised to it at start; never lowered)",
+    )
     db_pool_size: int | None = Field(
         default=None,
         ge=1,

@@ -10,7 +10,7 @@ import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shared.events.auth import NatsAuth
 from shared.events.catalogue import encode_event, subject_for
@@ -21,6 +21,22 @@ from shared.settings import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX
 log = logging.getLogger(__name__)
 
 DEDUP_WINDOW_S = 120.0
+# A server that stops answering (frozen, cut off, its machine gone without a TCP reset) is given up after this many
+# unanswered pings, one every PING_INTERVAL_S: 4-6 s, then the client reconnects to another server of the cluster.
+# A connection attempt gives up after CONNECT_TIMEOUT_S: a frozen server accepts TCP connections (its kernel does)
+# and never says hello, and a healthy one says it at once.
+PING_INTERVAL_S = 2.0
+MAX_OUTSTANDING_PINGS = 2
+CONNECT_TIMEOUT_S = 2.0
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or a cluster's members separated by commas
+    (`nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222`; a bare host:port gets nats://)."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server in {url!r}; expected nats://host:4222[,nats://host2:4222,...]")
+    return [u if "://" in u else f"nats://{u}" for u in servers]
 
 
 @dataclass(frozen=True)
@@ -84,11 +100,15 @@ class EventBus:
         auth: NatsAuth | None = None,
     ) -> EventBus:
         """Connect (one attempt: a server that is away raises at once; once connected, reconnecting forever on
-        loss) and make sure the streams exist (with `replicas` copies each when created here; a 3-server NATS
-        cluster wants 3). `limits` are applied to the streams when given (a process without its own settings
-        creates missing streams with the defaults and leaves existing limits alone). `auth`: credentials,
-        client certificate, inbox prefix (`shared.events.auth`)."""
-        options = (auth or NatsAuth()).options(url)
+        loss) and make sure the streams exist (with `replicas` copies each; a 3-server NATS cluster wants 3: a
+        stream with fewer is raised to it, never lowered). `url` may list a cluster's servers, comma-separated
+        (`nats_servers`): the first connection takes any of them, a lost one is replaced by another, and a
+        server that stops answering is given up after `MAX_OUTSTANDING_PINGS` unanswered pings. `limits` are
+        applied to the streams when given (a process without its own settings creates missing streams with the
+        defaults and leaves existing limits alone). `auth`: credentials, client certificate, inbox prefix
+        (`shared.events.auth`)."""
+        servers = nats_servers(url)
+        options = (auth or NatsAuth()).options(servers[0])
         url_for_logs = redact(url)
         connected = False
 
@@ -97,20 +117,23 @@ class EventBus:
                 log.warning("lost the NATS connection; reconnecting", extra={"nats_url": url_for_logs})
 
         async def _reconnected() -> None:
-            log.info("reconnected to NATS", extra={"nats_url": url_for_logs})
+            server = nc.connected_url.netloc if nc.connected_url else "?"
+            log.info("reconnected to NATS (%s)", redact(server), extra={"nats_url": url_for_logs})
 
         async def _error(exc: Exception) -> None:
             if connected:  # a failed first attempt is the caller's to report (once)
                 log.warning("NATS client error: %s", exc)
 
-        # the first connection gets two tries (the caller decides whether and when to try again); once it is up,
-        # a lost connection is re-established for ever
+        # the first connection gets two tries of every server (the caller decides whether and when to try again);
+        # once it is up, a lost connection is re-established for ever
         nc = await nats.connect(
-            url,
+            servers,
             name=name,
             max_reconnect_attempts=1,
             reconnect_time_wait=0.5,
-            connect_timeout=5,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
@@ -150,33 +173,69 @@ class EventBus:
         try:
             info = await self.js.stream_info(stream)
         except NotFoundError:
-            await self.js.add_stream(
-                StreamConfig(
-                    name=stream,
-                    subjects=subjects,
-                    retention=RetentionPolicy.LIMITS,
-                    storage=StorageType.FILE,
-                    duplicate_window=_dedup_window(max_age),
-                    num_replicas=self.replicas,
-                    max_age=max_age,
-                    max_bytes=max_bytes or -1,
+            try:
+                await self.js.add_stream(
+                    StreamConfig(
+                        name=stream,
+                        subjects=subjects,
+                        retention=RetentionPolicy.LIMITS,
+                        storage=StorageType.FILE,
+                        duplicate_window=_dedup_window(max_age),
+                        num_replicas=self.replicas,
+                        max_age=max_age,
+                        max_bytes=max_bytes or -1,
+                    )
                 )
+            except APIError as exc:
+                raise self._replicas_refused(stream, exc) from exc
+            log.info(
+                "created JetStream stream",
+                extra={"stream": stream, "subjects": subjects, "max_age_s": max_age, "replicas": self.replicas},
             )
-            log.info("created JetStream stream", extra={"stream": stream, "subjects": subjects, "max_age_s": max_age})
             return
         config, changes = info.config, {}
         if sorted(config.subjects or []) != subjects:
             changes["subjects"] = subjects
         if set_limits and ((config.max_age or 0.0), max(config.max_bytes or 0, 0)) != (max_age, max_bytes):
             changes.update(max_age=max_age, max_bytes=max_bytes or -1, duplicate_window=_dedup_window(max_age))
+        if (config.num_replicas or 1) < self.replicas:  # a single server grown into a cluster: copies on each
+            changes["num_replicas"] = self.replicas
         if changes:
-            await self.js.update_stream(config.evolve(**changes))
+            try:
+                await self.js.update_stream(config.evolve(**changes))
+            except APIError as exc:
+                raise self._replicas_refused(stream, exc) from exc
             log.info(
                 "updated JetStream stream %s: %s",
                 stream,
                 ", ".join(f"{k}={v}" for k, v in changes.items()),
                 extra={"stream": stream, "subjects": subjects},
             )
+
+    async def ensure_replicas(self, stream: str) -> None:
+        """Raise an existing stream to this bus's replicas, never lower (the snapshot store's backing stream: its
+        owner, accounting, does it when it opens the store)."""
+        try:
+            info = await self.js.stream_info(stream)
+        except NotFoundError:
+            return
+        if (info.config.num_replicas or 1) < self.replicas:
+            try:
+                await self.js.update_stream(info.config.evolve(num_replicas=self.replicas))
+            except APIError as exc:
+                raise self._replicas_refused(stream, exc) from exc
+            log.info("updated JetStream stream %s: num_replicas=%d", stream, self.replicas, extra={"stream": stream})
+
+    def _replicas_refused(self, stream: str, exc: APIError) -> Exception:
+        """The server's refusal, said in terms of the setting when replicas are what it could not provide."""
+        text = (exc.description or "").lower()
+        if self.replicas > 1 and any(m in text for m in ("replica", "insufficient resources", "clustered")):
+            return RuntimeError(
+                f"JetStream refused stream {stream} with {self.replicas} replicas ({exc.description}): "
+                f"GPUSHARE_STREAM_REPLICAS={self.replicas} needs a NATS cluster of at least {self.replicas} "
+                "servers with JetStream (1 for a single server)"
+            )
+        return exc
 
     async def publish(self, event: object) -> PubAck:
         """Publish one event; a repeat of the same event id within the dedup window is dropped."""

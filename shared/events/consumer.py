@@ -25,7 +25,7 @@ from nats.js.errors import NotFoundError
 
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, EventDecodeError, decode_event
-from shared.transient import is_transient_failure
+from shared.transient import BUS_TRANSIENT, is_transient_failure
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class DurableConsumer:
         self.applied = 0
         self.parked = 0
         self.outage_retries = 0  # handler calls retried because the database or the bus was away
+        self.subscriptions = 0  # pull subscriptions made (once, unless the consumer had to be looked up again)
+        self._bus_trouble_since: float | None = None  # when fetching began to fail with a passing bus error
         self.ready = asyncio.Event()
         self._stop: asyncio.Event | None = None
 
@@ -98,6 +100,7 @@ class DurableConsumer:
         return None
 
     async def _subscribe(self) -> Any:
+        self.subscriptions += 1
         several = self._filter_subjects()
         config = ConsumerConfig(
             durable_name=self.durable,
@@ -171,8 +174,10 @@ class DurableConsumer:
                             msgs = await sub.fetch(want, timeout=1.0 if want == 1 else 0.2)
                     except TimeoutError:  # NATS' TimeoutError subclasses it
                         pending = 0
+                        self._bus_back()
                         continue
                     pending = _num_pending(msgs[-1]) if msgs else 0
+                    self._bus_back()
                     if self.concurrency == 1:
                         if self.batch_handler is not None and len(msgs) > 1:
                             await self.handle_batch(msgs)
@@ -186,12 +191,21 @@ class DurableConsumer:
                         task.add_done_callback(self._done(in_flight))
                 except asyncio.CancelledError:
                     raise
+                except BUS_TRANSIENT as exc:
+                    if sub is None:
+                        await self._lost_subscription(exc)
+                        continue
+                    # The consumer's leader is being elected (its server was lost) or the connection is being
+                    # re-established: the pull subscription stays valid, and the next fetch reaches whichever
+                    # server leads the consumer then. Looking the consumer up again instead would wait out the
+                    # election and time out (5 s), then start over.
+                    self._bus_trouble(exc)
+                    pending = 0
+                    await self._pause(0.25)
                 except Exception as exc:
-                    log.warning("consumer %s: %s; retrying", self.durable, exc, extra={"consumer": self.durable})
+                    await self._lost_subscription(exc)
                     sub = None
                     pending = 0
-                    self.ready.clear()
-                    await asyncio.sleep(1.0)
             if in_flight:
                 await asyncio.wait(set(in_flight))
         finally:
@@ -205,6 +219,36 @@ class DurableConsumer:
                     await sub.unsubscribe()
                 except Exception as exc:  # the connection may already be gone
                     log.debug("consumer %s: unsubscribe failed: %s", self.durable, exc)
+
+    async def _lost_subscription(self, exc: BaseException) -> None:
+        """The consumer could not be subscribed (or its subscription failed otherwise): try again in a second."""
+        log.warning("consumer %s: %s; retrying", self.durable, exc, extra={"consumer": self.durable})
+        self.ready.clear()
+        await self._pause(1.0)
+
+    def _bus_trouble(self, exc: BaseException) -> None:
+        """One log line when fetching starts failing with a passing bus error (more at debug level)."""
+        if self._bus_trouble_since is None:
+            self._bus_trouble_since = time.monotonic()
+            log.warning(
+                "consumer %s: %r; fetching again until the bus answers",
+                self.durable,
+                exc,
+                extra={"consumer": self.durable},
+            )
+        else:
+            log.debug("consumer %s: still %r", self.durable, exc)
+
+    def _bus_back(self) -> None:
+        """Fetching works again: say how long it did not."""
+        if self._bus_trouble_since is not None:
+            log.info(
+                "consumer %s: fetching again after %.1fs",
+                self.durable,
+                time.monotonic() - self._bus_trouble_since,
+                extra={"consumer": self.durable},
+            )
+            self._bus_trouble_since = None
 
     def _want(self, running: int, pending: int) -> int:
         """How many messages to ask for: more than one only when the server said they are waiting, and

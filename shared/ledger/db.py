@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from sqlalchemy import event
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -25,14 +27,33 @@ class LedgerUnavailable(Exception):
     """The database stayed unreachable (or refused connections) for the whole retry budget."""
 
 
+READ_ONLY_SQLSTATE = "25006"  # read_only_sql_transaction: a write sent to a standby
+NO_WRITABLE_HOST = "none of the hosts match the target attribute requirement"  # asyncpg, target_session_attrs
+
+
+def on_read_only_server(exc: BaseException) -> bool:
+    """Whether `exc` says the connection reached a server that takes no writes: a write failed there
+    (SQLSTATE 25006, a standby, or a primary being demoted), or none of the URL's hosts was writable when
+    connecting (`target_session_attrs=read-write`). Both pass once a primary is elected and reachable; a
+    connection made to such a server is of no use for the ledger and is dropped (`make_engine`)."""
+    seen, current = 0, exc
+    while current is not None and seen < 5:
+        if getattr(current, "sqlstate", None) == READ_ONLY_SQLSTATE or NO_WRITABLE_HOST in str(current).lower():
+            return True
+        current = getattr(current, "orig", None) or current.__cause__
+        seen += 1
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """A database failure that may pass on its own: lost or refused connections, "too many clients", a full
-    pool, a restart in progress, a deadlock PostgreSQL broke by aborting this transaction. Constraint
-    violations and other statement errors are not."""
+    pool, a restart in progress, a failover in progress (no writable server yet, or a connection that reached
+    a standby), a deadlock PostgreSQL broke by aborting this transaction. Constraint violations and other
+    statement errors are not."""
     if isinstance(exc, PoolTimeout | InterfaceError | OperationalError | ConnectionError | OSError | TimeoutError):
         return True
     if isinstance(exc, DBAPIError):
-        if exc.connection_invalidated:
+        if exc.connection_invalidated or on_read_only_server(exc):
             return True
         text = str(exc.orig or exc).lower()
         return any(
@@ -73,7 +94,11 @@ def async_url(url: str) -> str:
     """Turn any PostgreSQL URL into one for SQLAlchemy's asyncpg driver.
 
     Accepts `postgres://`, `postgresql://` and `postgresql+<driver>://`; maps libpq's `sslmode` to
-    asyncpg's `ssl`. A `host=` query parameter (a Unix socket directory) is kept.
+    asyncpg's `ssl`. A `host=` query parameter (a Unix socket directory) is kept. A multi-host URL, libpq's
+    `postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write`, becomes SQLAlchemy's form of it
+    (`postgresql+asyncpg://user@/db?host=h1:5432&host=h2:5432&...`; a host without a port gets 5432): asyncpg
+    then tries the hosts in order and keeps the first that `target_session_attrs` accepts (read-write: the
+    primary), on every new connection, so a pool finds the new primary after a failover by itself.
     """
     parts = urlsplit(url)
     if parts.scheme not in {"postgres", "postgresql"} and not parts.scheme.startswith("postgresql+"):
@@ -81,10 +106,33 @@ def async_url(url: str) -> str:
     query = []
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
         query.append(("ssl", value) if key == "sslmode" else (key, value))
-    return urlunsplit(("postgresql+asyncpg", parts.netloc, parts.path, urlencode(query), parts.fragment))
+    netloc = parts.netloc
+    userinfo, _, hostlist = netloc.rpartition("@")
+    if "," in hostlist:
+        hosts = [_with_port(h) for h in hostlist.split(",")]
+        netloc = f"{userinfo}@" if userinfo else ""
+        query = [("host", h) for h in hosts] + query
+    return urlunsplit(("postgresql+asyncpg", netloc, parts.path, urlencode(query), parts.fragment))
+
+
+def database_hosts(url: str) -> list[str]:
+    """The `host:port` entries of a (multi-host) PostgreSQL URL, in order (for logs and error messages)."""
+    hostlist = urlsplit(url).netloc.rpartition("@")[2]
+    return [_with_port(h) for h in hostlist.split(",")] if hostlist else []
+
+
+def _with_port(host: str) -> str:
+    """`host:port`, with PostgreSQL's 5432 when no port is given (an IPv6 literal keeps its brackets)."""
+    host = host.strip()
+    if not host:
+        raise ValueError("a multi-host PostgreSQL URL has an empty host between its commas")
+    if host.startswith("["):
+        return host if "]:" in host else f"{host}:5432"
+    return host if ":" in host else f"{host}:5432"
 
 
 IDLE_TRANSACTION_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
 
 
 def make_engine(
@@ -93,24 +141,38 @@ def make_engine(
     pool_size: int = 10,
     max_overflow: int = 10,
     idle_transaction_timeout_s: float = IDLE_TRANSACTION_TIMEOUT_S,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ) -> AsyncEngine:
     """An async engine with a pool sized for one service process.
 
     No pre-ping on checkout (it costs three round trips per transaction on the hot path): after a database
     restart the first statement on each stale connection fails, SQLAlchemy then invalidates the pool, and
-    the caller's retry (consumer redelivery, kube-scheduler's retry) runs on fresh connections.
+    the caller's retry (consumer redelivery, kube-scheduler's retry) runs on fresh connections. A statement
+    refused because the server has become read-only (a failover moved the primary elsewhere, and the URL's
+    endpoint still leads to the old one) counts as such a disconnect too: the pool is emptied and new
+    connections look for the writable server again (`target_session_attrs=read-write` in the URL makes them
+    pass over standbys).
 
     PostgreSQL ends a session that sits inside a transaction for `idle_transaction_timeout_s` (0: never): a
     process that stalls mid-transaction (stopped, swapped out, cut off) would otherwise hold its row and
     advisory locks for as long as its TCP connection lives, and every other service would queue behind it
     (the outbox relays share one lock). Its transaction rolls back; what it published meanwhile carries
-    event ids that JetStream and the consumers deduplicate.
+    event ids that JetStream and the consumers deduplicate. A new connection gives up after
+    `connect_timeout_s` (all the URL's hosts together), so a retry follows instead of a minute's wait.
     """
     settings = {"idle_in_transaction_session_timeout": str(int(idle_transaction_timeout_s * 1000))}
-    return create_async_engine(
+    engine = create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_recycle=1800,
-        connect_args={"server_settings": settings},
+        connect_args={"server_settings": settings, "timeout": connect_timeout_s},
     )
+    event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
+    return engine
+
+
+def _read_only_is_a_disconnect(context: ExceptionContext) -> None:
+    """SQLAlchemy's error hook: a connection on a read-only server is dropped with the rest of the pool."""
+    if on_read_only_server(context.original_exception):
+        context.is_disconnect = True

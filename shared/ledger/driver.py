@@ -8,9 +8,9 @@ back and pools; the server-side BEGIN is sent before the first such statement, a
 its own), and asyncpg prepares each statement once per connection and reuses it.
 
 Errors look as they did through SQLAlchemy: a constraint violation is an `IntegrityError`, a lost connection
-an `OperationalError` with `connection_invalidated` (the connection is invalidated, and the pool's older ones
-with it), any
-other database error a `DBAPIError` whose text is the server's. `is_transient` and the callers' handlers read
+(or one on a server that has become read-only: a standby after a failover) an `OperationalError` with
+`connection_invalidated` (the connection is invalidated, and the pool's older ones with it), any other database
+error a `DBAPIError` whose text is the server's. `is_transient` and the callers' handlers read
 them unchanged.
 """
 
@@ -22,6 +22,8 @@ from typing import Any
 import asyncpg
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+from shared.ledger.db import on_read_only_server
 
 _LOST = (
     asyncpg.PostgresConnectionError,  # SQLSTATE class 08, and "connection does not exist"
@@ -79,7 +81,8 @@ async def _translated(
     """`exc` as SQLAlchemy would have raised it; a lost connection is invalidated first."""
     if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
         return IntegrityError(sql, args, exc)
-    if isinstance(exc, _LOST) or driver.is_closed():
+    if isinstance(exc, _LOST) or driver.is_closed() or on_read_only_server(exc):
+        # a lost connection, or one on a server that takes no writes (a standby after a failover): of no use
         await _drop(conn, exc)
         return OperationalError(sql, args, exc, connection_invalidated=True)
     if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):  # a statement error, a bad argument, ...

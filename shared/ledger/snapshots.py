@@ -52,6 +52,7 @@ class SnapshotStore:
         if self._store is None:
             try:
                 self._store = await self.bus.js.object_store(self.bucket)
+                await self.bus.ensure_replicas(f"OBJ_{self.bucket}")  # made before the cluster had more servers
             except BucketNotFoundError:
                 if not create:
                     return None

@@ -1,7 +1,8 @@
 """Server-side dry run of every rendered object against a real current kube-apiserver and against 1.20.
 
 Objects whose API group/version a server does not serve are skipped with a note, and the skipped set is
-pinned: ServiceMonitor (a CRD of the Prometheus Operator) everywhere, and on 1.20 the admission policy
+pinned: ServiceMonitor (a CRD of the Prometheus Operator) everywhere, CloudNativePG's Cluster (overlays/ha;
+test_ha_overlay.py checks its fields), and on 1.20 the admission policy
 (admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy is GA from 1.30). PodDisruptionBudgets are
 `policy/v1` (served from 1.21); on 1.20 they are dry-run as `policy/v1beta1`, the same spec, as
 docs/install.md tells 1.20 users to apply them.
@@ -19,7 +20,7 @@ import yaml
 from devstack.cluster import ControlPlane
 from tests.deploy.tools import KUSTOMIZATIONS, NAMESPACE, key
 
-EXPECTED_SKIPS = {"monitoring.coreos.com/v1"}
+EXPECTED_SKIPS = {"monitoring.coreos.com/v1", "postgresql.cnpg.io/v1"}  # CloudNativePG's Cluster: overlays/ha
 ADMISSION_POLICY_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # GA in 1.30
 SERVERS = ("current", "1.20")
 

@@ -18,7 +18,7 @@ from services.cli import build_parser
 from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, ROOT, find, key, pod_spec, unavailable
 
 # Kinds without a schema in kubernetes-validate (CRDs): checked by hand below.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "Cluster"}  # Cluster: CloudNativePG's (overlays/ha, test_ha_overlay.py)
 # Kinds served only from a Kubernetes minor version on: older schema sets skip them (overlays/before-1.30
 # leaves them out for such clusters).
 NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
@@ -230,7 +230,10 @@ def test_nats_is_a_three_server_jetstream_cluster(rendered: dict[str, list[dict[
     routes = re.findall(r"nats://(nats-\d)\.nats-headless:6222", conf)
     assert routes == ["nats-0", "nats-1", "nats-2"]
     assert find(objects, "Service", "nats-headless")["spec"]["clusterIP"] == "None"
-    assert find(objects, "ConfigMap", "gpushare-config")["data"]["GPUSHARE_NATS_URL"] == "nats://nats:4222"
+    # every client is given all three servers (a lost one is replaced by another at once)
+    servers = find(objects, "ConfigMap", "gpushare-config")["data"]["GPUSHARE_NATS_URL"].split(",")
+    assert servers == [f"nats://nats-{i}.nats-headless:4222" for i in range(3)]
+    assert find(objects, "ConfigMap", "gpushare-config")["data"]["GPUSHARE_STREAM_REPLICAS"] == "3"
 
 
 def test_managed_postgres_overlay_has_no_database(rendered: dict[str, list[dict[str, Any]]]) -> None:

@@ -13,6 +13,7 @@ from devstack.cluster import Paths
 from devstack.embedded import EmbeddedNats
 from tests import system_tools
 from tests.e2e.conftest import stack as e2e_stack  # noqa: F401  (the e2e module stack, shaped by STACK_* names)
+from tests.reliability.harness import burst_stack_config, require_complete
 
 
 @pytest.fixture(scope="session")
@@ -29,36 +30,24 @@ async def crash_stack(control_plane_binaries, tmp_path: Path):  # type: ignore[n
     """The `gpushare up` stack (2 nodes x 2 Tesla-T4 16 GiB, kubelet stand-ins, node agents, extender, binder,
     accounting) on the real control plane, with its own PostgreSQL (restartable) and a NATS server this test
     controls; yields (stack, nats)."""
-    from devstack.stack.stack import MODE_LOCAL, Stack, StackConfig
+    from devstack.stack.stack import Stack
 
     nats = EmbeddedNats(tmp_path / "nats")
     nats_url = await asyncio.to_thread(nats.start)
     tag = uuid.uuid4().hex[:6]
-    config = StackConfig(
-        data_dir=tmp_path / "stack",
-        nodes=2,
-        gpus="2x16GiB:Tesla-T4",
-        node_prefix=f"rel-{tag[:4]}",
-        extender_port=0,
-        binder_port=0,
-        accounting_port=0,
-        bind_timeout=15.0,
+    config = burst_stack_config(
+        tmp_path / "stack",
+        control_plane_binaries,
+        tag=tag,
+        letter="r",
         nats_url=nats_url,
-        stream_name=f"GPUSHARE_R{tag}",
-        subject_prefix=f"gsr{tag}",
-        log_level="INFO",
+        log=log,
         admin_token="reliability",
-        scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
-        control_plane_paths=control_plane_binaries,
-        progress=lambda m: log.info(m),
     )
     stack = Stack(config)
     try:
         await stack.start()
-        if stack.mode != MODE_LOCAL or not {"extender", "binder", "accounting"} <= set(stack.processes):
-            system_tools.unavailable(
-                f"stack incomplete: mode={stack.mode} ({stack.mode_reason}), missing={stack.missing}"
-            )  # a skip, or a failure under CI (CI must not skip), as in the e2e tier
+        require_complete(stack)
         yield stack, nats
     finally:
         # Stack.stop() lets an error of the node heartbeat's last update escape after an apiserver restart

@@ -39,6 +39,43 @@ def run_gpushare(
     )
 
 
+def burst_stack_config(  # type: ignore[no-untyped-def]
+    data_dir: Path, binaries: Any, *, tag: str, letter: str, nats_url: str, log: Any, **extra: Any
+):
+    """The reliability tier's `gpushare up` stack: 2 nodes x 2 Tesla-T4 16 GiB, ports chosen freely, a 15 s bind
+    timeout, kube-scheduler retrying a pod after 1-2 s, a stream and subject prefix of its own (`letter` tells
+    the scenarios' apart); `extra` for the rest (`database_url`, `service_roles`, ...)."""
+    from devstack.stack.stack import StackConfig
+
+    return StackConfig(
+        data_dir=data_dir,
+        nodes=2,
+        gpus="2x16GiB:Tesla-T4",
+        node_prefix=f"{letter.lower()}{letter.lower()}-{tag[:4]}",
+        extender_port=0,
+        binder_port=0,
+        accounting_port=0,
+        bind_timeout=15.0,
+        nats_url=nats_url,
+        stream_name=f"GPUSHARE_{letter.upper()}{tag}",
+        subject_prefix=f"gs{letter.lower()}{tag}",
+        log_level="INFO",
+        scheduler_extra={"podInitialBackoffSeconds": 1, "podMaxBackoffSeconds": 2},
+        control_plane_paths=binaries,
+        progress=lambda m: log.info(m),
+        **extra,
+    )
+
+
+def require_complete(stack: Any) -> None:
+    """Skip (fail under CI: CI must not skip) when the stack did not get the local control plane and every service."""
+    from devstack.stack.stack import MODE_LOCAL
+    from tests import system_tools
+
+    if stack.mode != MODE_LOCAL or not {"extender", "binder", "accounting"} <= set(stack.processes):
+        system_tools.unavailable(f"stack incomplete: mode={stack.mode} ({stack.mode_reason}), missing={stack.missing}")
+
+
 async def ledger_rebuild(stack: Any, stream: str | None = None) -> subprocess.CompletedProcess:
     """`gpushare ledger rebuild` against a stack: compares its live ledger with a replay of `stream` (default:
     the stack's); exit 1 lists the differences."""
@@ -222,6 +259,18 @@ def env_problems(  # type: ignore[no-untyped-def]
             continue
         out.append(f"pod {pod_name} container {container}: environment {got} != allocation {want}")
     return out
+
+
+async def settled_invariants(engine, stack, timeout_s: float = 60.0) -> InvariantReport:  # type: ignore[no-untyped-def]
+    """`check_invariants` over the stack's nodes and kubelets, again every 2 s until nothing is broken or
+    `timeout_s` passed (in-flight work settles meanwhile); the last report."""
+    api = await stack.api_client()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = await check_invariants(engine, api, stack.node_names, stack.kubelets)
+        if report.settled or time.monotonic() > deadline:
+            return report
+        await asyncio.sleep(2)
 
 
 async def check_invariants(engine, api, nodes: list[str], kubelets: dict | None = None) -> InvariantReport:  # type: ignore[no-untyped-def]

@@ -36,7 +36,7 @@ import pytest
 from devstack.embedded import EmbeddedPostgres
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
-from tests.reliability.harness import check_invariants, ledger_rebuild
+from tests.reliability.harness import check_invariants, ledger_rebuild, settled_invariants
 from tests.reliability.profile import PROFILE
 
 pytestmark = pytest.mark.e2e
@@ -152,10 +152,12 @@ async def _restart_node_agent(stack, node: str) -> None:  # type: ignore[no-unty
 
 
 async def consumer_backlog(nats_url: str, stream: str, durable: str) -> tuple[int, int]:
-    """(num_pending, num_ack_pending) of a JetStream durable consumer."""
+    """(num_pending, num_ack_pending) of a JetStream durable consumer (`nats_url`: one server or several)."""
     import nats
 
-    nc = await nats.connect(nats_url)
+    from shared.events.bus import nats_servers
+
+    nc = await nats.connect(nats_servers(nats_url))
     try:
         info = await nc.jetstream().consumer_info(stream, durable)
         return info.num_pending, info.num_ack_pending
@@ -255,12 +257,7 @@ async def test_crash_and_restart_everything_mid_burst(crash_stack) -> None:  # t
 
     engine = make_engine(stack.database_url, pool_size=2)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            report = await check_invariants(engine, api, stack.node_names, stack.kubelets)
-            if report.settled or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(2)
+        report = await settled_invariants(engine, stack)
         dead = stack.check_alive()
         await wait_for_quiet(engine, timeout_s=60)
         await asyncio.sleep(5)  # let in-flight Allocate / exchange / release work finish
