@@ -46,11 +46,14 @@ INSPECT_CLI = "services.accounting.inspect_cli"  # the module behind `kubectl in
 
 
 def version() -> str:
-    """`gpushare <version>` of the installed distribution."""
+    """`gpushare <version> (ledger schema <revision>)`: the installed release and the schema revision it needs."""
+    from shared.ledger.migrate import head_revision
+
     try:
-        return f"gpushare {metadata.version('gpushare')}"
+        release = metadata.version("gpushare")
     except metadata.PackageNotFoundError:
-        return "gpushare (version unknown: not installed as a distribution)"
+        release = "(version unknown: not installed as a distribution)"
+    return f"gpushare {release} (ledger schema {head_revision()})"
 
 
 INSPECT_FLAGS = ("accounting_url", "log_level", "log_format", "resource_memory_unit")
