@@ -27,7 +27,7 @@ import yaml
 
 from devstack.cluster import ControlPlane
 from tests.deploy.chart import CHART, MODES, RELEASE, helm_binary, helm_errors, run_helm, values_file
-from tests.deploy.tools import load_all
+from tests.deploy.tools import NAMESPACE, load_all
 
 SERVERS = ("current", "1.20")
 # Not the kustomize tests' gpushare-system: they create that namespace without Helm's ownership on the same server.
@@ -148,3 +148,37 @@ def test_install_upgrade_uninstall_reinstall_keep_the_generated_credentials(
     finally:
         _on(server, helm, "uninstall", RELEASE, "-n", CHART_NAMESPACE, "--ignore-not-found", check=False)
         _kubectl(kubectl, server, "delete", "namespace", CHART_NAMESPACE, "--wait=false")
+
+
+def test_a_kustomize_install_moves_to_helm_keeping_every_object_and_credential(
+    helm: str, kubectl: str, apiserver: ControlPlane, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """`helm install --take-ownership --server-side=false` over what `kubectl apply -k k8s/base` installed
+    (CHANGELOG.md, "Upgrading from 0.1.0"): the same names, selectors and immutable fields, so nothing is refused
+    or replaced, and the installed credentials are the ones the chart keeps. (Server-side, Helm's apply conflicts
+    with kubectl's client-side field ownership on fields the apiserver defaulted, e.g. `fieldRef.apiVersion`.)"""
+    objects = [o for o in rendered["base"] if o["kind"] != "ServiceMonitor"]  # no Prometheus Operator here
+    applied = _kubectl(kubectl, apiserver, "apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+    assert applied.returncode == 0, applied.stderr
+    before = {
+        name: json.loads(_kubectl(kubectl, apiserver, "-n", NAMESPACE, "get", "secret", name, "-o", "json").stdout)[
+            "data"
+        ]
+        for name in ("gpushare-database", "gpushare-nats", "gpushare-node-agent", "gpushare-admin")
+    }
+    uids = _kubectl(kubectl, apiserver, "-n", NAMESPACE, "get", "deploy,sts,ds,job", "-o", "json")
+    known = {i["metadata"]["name"]: i["metadata"]["uid"] for i in json.loads(uids.stdout)["items"]}
+    try:
+        _on(apiserver, helm, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--take-ownership", "--server-side=false")
+        after = json.loads(
+            _kubectl(kubectl, apiserver, "-n", NAMESPACE, "get", "deploy,sts,ds,job", "-o", "json").stdout
+        )
+        assert {i["metadata"]["name"]: i["metadata"]["uid"] for i in after["items"]} == known, "an object was replaced"
+        for name, data in before.items():
+            kept = _kubectl(kubectl, apiserver, "-n", NAMESPACE, "get", "secret", name, "-o", "json")
+            assert json.loads(kept.stdout)["data"] == data, f"{name}: the chart changed an installed credential"
+        owned = _kubectl(kubectl, apiserver, "get", "clusterrole", "gpushare-binder", "-o", "json")
+        assert json.loads(owned.stdout)["metadata"]["annotations"]["meta.helm.sh/release-name"] == RELEASE
+    finally:
+        _on(apiserver, helm, "uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False)
+        _kubectl(kubectl, apiserver, "-n", NAMESPACE, "delete", "secret", "-l", "app.kubernetes.io/part-of=gpushare")
