@@ -259,3 +259,9 @@ def test_the_helm_test_pod_passes_when_every_service_answers_and_names_the_one_t
         tmp_path,
     )
     assert "http://gpushare-extender:12346/readyz" in mtls[0]["spec"]["containers"][0]["command"][3]
+
+
+def test_helm_is_the_v4_release_built_from_its_module(helm: str) -> None:
+    from devstack.cluster.helm import HELM_VERSION, helm_version
+
+    assert helm_version(Path(helm)) == HELM_VERSION == "v4.3.2"
