@@ -7,5 +7,6 @@ from sqlalchemy import MetaData
 
 from services.accounting.tables import metadata as accounting_metadata
 from shared.ledger.models import metadata as ledger_metadata
+from shared.ledger.schema_version import metadata as schema_version_metadata
 
-METADATA: tuple[MetaData, ...] = (ledger_metadata, accounting_metadata)
+METADATA: tuple[MetaData, ...] = (ledger_metadata, accounting_metadata, schema_version_metadata)

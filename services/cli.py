@@ -48,12 +48,29 @@ COMMON_FLAGS = {
 INSPECT_CLI = "services.accounting.inspect_cli"  # the module behind `kubectl inspect gpushare`
 
 
-def version() -> str:
-    """`gpushare <version>` of the installed distribution."""
+def version(*, schema: bool = True) -> str:
+    """`gpushare <version> (ledger schema <revision>)`: the installed release and, with `schema`, the ledger
+    schema revision it needs (reading the migrations takes ~0.2 s: only when asked)."""
     try:
-        return f"gpushare {metadata.version('gpushare')}"
+        release = metadata.version("gpushare")
     except metadata.PackageNotFoundError:
-        return "gpushare (version unknown: not installed as a distribution)"
+        release = "(version unknown: not installed as a distribution)"
+    if not schema:
+        return f"gpushare {release}"
+    from shared.ledger.migrate import head_revision
+
+    return f"gpushare {release} (ledger schema {head_revision()})"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: the release and the schema revision, worked out only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=str(kwargs.get("help")))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version())
+        parser.exit()
 
 
 INSPECT_FLAGS = ("accounting_url", "log_level", "log_format", "resource_memory_unit")
@@ -120,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpushare",
         description="GPU sharing for Kubernetes: scheduler extender, binder, node agent, accounting.",
     )
-    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--version", action=_VersionAction, help="show the release and its ledger schema revision")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -207,7 +224,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     if module is None:
         print("error: this installation has no `inspect` (services.accounting is missing)", file=sys.stderr)
         return 2
-    parser = module.plugin_parser(common_parser(INSPECT_FLAGS), version())
+    parser = module.plugin_parser(common_parser(INSPECT_FLAGS), version(schema=False))
     return main(sys.argv[1:] if argv is None else argv, parser)
 
 

@@ -6,8 +6,11 @@
 
 With `listen`, the HTTP port serves from the start: `/healthz` answers 200 (alive) and `/readyz` 503 while the
 runtime waits for NATS and PostgreSQL, with capped exponential backoff and one log line per attempt, for as long
-as they are away (a service started before its servers waits instead of crash-looping). `serve(app)` then hands
-the same port to the service's app. Everything started here is stopped in reverse order on exit.
+as they are away (a service started before its servers waits instead of crash-looping). It then waits in the same
+way for a ledger schema this build runs on (`shared/ledger/schema_version.py`): on an older one it says to run
+`gpushare migrate`, and goes on once the schema has been migrated. `/readyz` says what it waits for.
+`serve(app)` then hands the same port to the service's app. Everything started here is stopped in reverse order
+on exit.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,7 +39,9 @@ from shared.events.streams import StreamLimits
 from shared.http import install_common
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
+from shared.ledger.migrate import history
 from shared.ledger.outbox import OutboxRelay
+from shared.ledger.schema_version import judge, read_state
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -73,6 +79,10 @@ class StartupAborted(SystemExit):
     """SIGTERM / SIGINT arrived while the service was still waiting for its servers (a clean exit)."""
 
 
+class SchemaNotReady(RuntimeError):
+    """The ledger schema is one this build does not run on (the message says why and what fixes it)."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server without its signal handlers (the runtime has its own), saying when it listens."""
 
@@ -104,9 +114,15 @@ STARTING = "starting"
 """/healthz's role while a service waits for its servers (it holds no other role yet)."""
 
 
-def waiting_app(name: str) -> FastAPI:
-    """What a service serves while it waits for NATS and PostgreSQL: alive, not ready, role `starting`."""
+def waiting_app(name: str, waiting_for: Callable[[], str | None] = lambda: None) -> FastAPI:
+    """What a service serves while it waits for NATS, PostgreSQL and its schema: alive, not ready (and why), role
+    `starting`."""
     app = FastAPI(title=f"gpushare {name} (starting)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/readyz", include_in_schema=False)  # before install_common's: the first route that matches answers
+    async def readyz() -> JSONResponse:
+        return JSONResponse({"status": "not ready", "reason": waiting_for() or "starting"}, status_code=503)
+
     install_common(app, ready=lambda: False, role=lambda: {"role": STARTING})
     return app
 
@@ -163,6 +179,7 @@ class ServiceRuntime:
         self.bus: EventBus | None = None
         self.relay: OutboxRelay | None = None
         self.ledger: Ledger | None = None
+        self.waiting_for: str | None = None  # what start-up waits for now (the waiting app's /readyz says it)
         self._tasks: list[asyncio.Task[Any]] = []
         self._http: list[tuple[_Server, _Switchable, asyncio.Task[None]]] = []
 
@@ -181,7 +198,7 @@ class ServiceRuntime:
         try:
             for where in (self.listen, self.probes):
                 if where is not None:
-                    await self._start_http(waiting_app(self.name), where)
+                    await self._start_http(waiting_app(self.name, lambda: self.waiting_for), where)
             self.bus = await self._until_connected(
                 "NATS",
                 lambda: EventBus.connect(
@@ -205,6 +222,7 @@ class ServiceRuntime:
                     idle_transaction_timeout_s=self.settings.db_idle_transaction_timeout,
                 )
                 await self._until_connected("PostgreSQL", self._probe_database)
+                await self._until_connected("the ledger schema", self._check_schema)
                 self.relay = OutboxRelay(self.engine, self.bus)
                 self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)
                 self.spawn(self.relay.run(self.stop))
@@ -219,6 +237,15 @@ class ServiceRuntime:
         async with self.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
 
+    async def _check_schema(self) -> None:
+        """Return when this build runs on the database's schema, else raise SchemaNotReady saying why."""
+        assert self.engine is not None
+        async with self.engine.connect() as conn:
+            verdict = judge(await read_state(conn, history()), history())
+        if not verdict.runs:
+            raise SchemaNotReady(verdict.reason)
+        log.info("%s: %s", self.name, verdict.reason, extra={"service": self.name})
+
     async def _until_connected(self, what: str, connect: Callable[[], Awaitable[T]]) -> T:
         """`connect()`, retried with capped backoff until it succeeds (one log line per attempt) or the
         service is asked to stop (then `StartupAborted`)."""
@@ -231,6 +258,7 @@ class ServiceRuntime:
             except Exception as exc:
                 attempt += 1
                 delay = self.backoff.delay(attempt)
+                self.waiting_for = f"waiting for {what}: {_reason(exc)}"
                 log.warning(
                     "%s: waiting for %s (attempt %d, %.0fs so far): %s; next try in %.1fs",
                     self.name,
@@ -246,6 +274,7 @@ class ServiceRuntime:
                 if self.stop.is_set():
                     raise StartupAborted(0) from None
                 continue
+            self.waiting_for = None
             if attempt:
                 log.info("%s: connected to %s after %d attempts", self.name, what, attempt + 1)
             return result
@@ -347,5 +376,7 @@ class ServiceRuntime:
 
 def _reason(exc: BaseException) -> str:
     """A short reason for a failed connection attempt (the driver's text, without a traceback)."""
+    if isinstance(exc, SchemaNotReady):
+        return str(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__

@@ -37,8 +37,17 @@ def upgrade() -> None:
         unique=True,
         postgresql_where=sa.text(f"{LIVE} AND claim_uid IS NOT NULL"),
     )
-    op.add_column("nodes", sa.Column("allocator", sa.Text, nullable=False, server_default="extender"))
-    op.create_check_constraint("ck_nodes_known_allocator", "nodes", "allocator IN ('extender', 'dra')")
+    # the CHECK comes with the new column (old services never write it; its default satisfies it): additive
+    op.add_column(
+        "nodes",
+        sa.Column(
+            "allocator",
+            sa.Text,
+            sa.CheckConstraint("allocator IN ('extender', 'dra')", name="ck_nodes_known_allocator"),
+            nullable=False,
+            server_default="extender",
+        ),
+    )
     op.execute("GRANT UPDATE (claim_uid, claim_name) ON allocations TO gpushare_binder")
     op.execute("GRANT UPDATE (allocator) ON nodes TO gpushare_binder")
 

@@ -1,9 +1,11 @@
-"""Schema migrations, run programmatically (no alembic.ini needed)."""
+"""Schema migrations, run programmatically (no alembic.ini needed), and which revisions this build knows."""
 
 from __future__ import annotations
 
 import asyncio
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 from alembic import command
 from alembic.config import Config
@@ -26,6 +28,20 @@ def head_revision() -> str:
     head = script.get_current_head()
     assert head is not None
     return head
+
+
+@cache
+def history() -> tuple[str, ...]:
+    """Every migration revision shipped with this build, oldest first (its head last)."""
+    script = ScriptDirectory.from_config(alembic_config("postgresql://unused/unused"))
+    return tuple(reversed([r.revision for r in script.walk_revisions()]))
+
+
+def services_from(module: ModuleType, down_revision: str | None) -> str:
+    """The oldest revision whose services run on the schema a migration leaves: its `services_from`, by default
+    the revision before it (the previous build runs on a schema one migration newer than its own)."""
+    declared = getattr(module, "services_from", None)
+    return declared or down_revision or module.revision
 
 
 def upgrade(database_url: str, revision: str = "head") -> None:

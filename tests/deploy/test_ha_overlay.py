@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 
 from shared.ledger.db import async_url
-from tests.deploy.tools import K8S, find, key, pod_spec
+from tests.deploy.tools import K8S, MIGRATE_JOB, find, key, pod_spec
 
 OVERLAY = "overlays/ha"
 CLOUDNATIVEPG_RELEASE = "1.28"
@@ -134,7 +134,7 @@ def test_the_services_reach_the_primary_through_the_operators_read_write_service
     assert urlsplit(url).hostname == "gpushare-db-rw"
     assert dict(parse_qsl(urlsplit(url).query))["target_session_attrs"] == "read-write"
     assert "target_session_attrs=read-write" in async_url(url)
-    job = pod_spec(find(objects, "Job", "gpushare-migrate"))["containers"][0]
+    job = pod_spec(find(objects, "Job", MIGRATE_JOB))["containers"][0]
     env = {e["name"]: e for e in job["env"]}
     owner = env["GPUSHARE_DATABASE_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert owner == {"name": "gpushare-db-app", "key": "password"}, "the password the operator generated"

@@ -15,7 +15,18 @@ import yaml
 
 from devstack.embedded import nats_server_binary
 from services.cli import build_parser
-from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, ROOT, find, key, pod_spec, unavailable
+from tests.deploy.tools import (
+    K8S,
+    KUSTOMIZATIONS,
+    MIGRATE_JOB,
+    NAMESPACE,
+    ROOT,
+    VERSION,
+    find,
+    key,
+    pod_spec,
+    unavailable,
+)
 
 # Kinds without a schema in kubernetes-validate (CRDs): checked by hand below.
 CRD_KINDS = {"ServiceMonitor", "Cluster"}  # Cluster: CloudNativePG's (overlays/ha, test_ha_overlay.py)
@@ -34,7 +45,7 @@ GPUSHARE_WORKLOADS = {
     ("Deployment", "gpushare-binder"),
     ("Deployment", "gpushare-accounting"),
     ("DaemonSet", "gpushare-node-agent"),
-    ("Job", "gpushare-migrate"),
+    ("Job", MIGRATE_JOB),
 }
 
 
@@ -479,7 +490,7 @@ def test_a_digest_added_to_the_kustomization_pins_every_workload(kubectl: str, t
         for obj in yaml.safe_load_all(proc.stdout)
         if obj and pod_spec(obj)
         for c in _containers(pod_spec(obj))
-        if not c["image"].endswith(("gpushare:0.1.0",))
+        if not c["image"].endswith(f"gpushare:{VERSION}")
     }
     tags = {i["name"]: i["newTag"] for i in images}
     assert running == {f"{n}:{tags[n]}@{d}" for n, d in digests.items()}, running
@@ -572,7 +583,7 @@ def test_each_service_uses_its_own_role_and_nats_user(rendered: dict[str, list[d
             ("gpushare-database", f"{service}-password"),
             ("gpushare-nats", f"{service}-password"),
         }
-    job = pod_spec(find(objects, "Job", "gpushare-migrate"))["containers"][0]
+    job = pod_spec(find(objects, "Job", MIGRATE_JOB))["containers"][0]
     env = {e["name"]: e for e in job["env"]}
     assert env["GPUSHARE_DATABASE_URL"]["value"].startswith("postgresql://gpushare_migrate@")
     assert {f"GPUSHARE_DB_PASSWORD_{s}" for s in ("EXTENDER", "BINDER", "ACCOUNTING")} <= set(env)

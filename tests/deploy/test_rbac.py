@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from tests.deploy.tools import ROOT, find, key
+from tests.deploy.tools import MIGRATE_JOB, ROOT, find, key
 
 Need = tuple[str, str, str]  # (apiGroup, resource, verb)
 
@@ -258,7 +258,7 @@ def test_migration_job_has_no_api_access(rendered: dict[str, list[dict[str, Any]
     objects = rendered["base"]
     assert granted(objects, "gpushare-migrate") == set()
     assert find(objects, "ServiceAccount", "gpushare-migrate")["automountServiceAccountToken"] is False
-    job = find(objects, "Job", "gpushare-migrate")
+    job = find(objects, "Job", MIGRATE_JOB)
     assert job["spec"]["template"]["spec"]["serviceAccountName"] == "gpushare-migrate"
 
 

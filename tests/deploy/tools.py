@@ -8,6 +8,7 @@ skips with the reason, or fails under `CI=true`.
 from __future__ import annotations
 
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ KUSTOMIZATIONS = (
     "overlays/ha",
 )
 NAMESPACE = "gpushare-system"
+# The release (pyproject.toml's version): the image's tag, the chart's version, the migration Job's name.
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+MIGRATE_JOB = "gpushare-migrate-" + VERSION.replace(".", "-")
 
 
 def ensure_kubectl() -> str:

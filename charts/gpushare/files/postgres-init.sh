@@ -1,0 +1,1 @@
+../../../k8s/base/postgres-init.sh
