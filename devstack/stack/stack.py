@@ -111,6 +111,8 @@ class Stack:
         self.kubelets: dict[str, Any] = {}
         self.missing: list[str] = []
         self.extender_url = ""
+        self.webhook_url = ""  # gpushare admission (DRA nodes on the local control plane)
+        self._webhook_tls: Any = None
         self.binder_url = ""
         self.accounting_url = ""
         self._pg: EmbeddedPostgres | None = None
@@ -203,14 +205,18 @@ class Stack:
         self.progress("starting extender and accounting")
         # bind reads pods from the API server: the local control plane writes its kubeconfig here when it starts
         kubeconfig = self._future_kubeconfig()
+        webhook = self._webhook_listen() if kubeconfig and not c.kubeconfig else None
         first = [
-            self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout, kubeconfig)),
+            self._spawn(
+                spec.extender_command(self._common("extender"), ext_port, c.bind_timeout, kubeconfig, webhook=webhook)
+            ),
             self._spawn(spec.accounting_command(self._common("accounting"), acc_port, c.admin_token, kubeconfig)),
         ]
         cluster = asyncio.create_task(self._obtain_cluster())
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in first if p))
         await cluster
         if self.mode == MODE_SIMULATOR:
+            self.webhook_url = ""
             if kubeconfig is not None and "extender" in self.processes:  # no API server after all
                 await asyncio.to_thread(self.processes.pop("extender").stop)
                 restarted = self._spawn(spec.extender_command(self._common("extender"), ext_port, c.bind_timeout))
@@ -219,6 +225,8 @@ class Stack:
             await self._record_simulated_inventory()
             return
         await self._create_nodes()
+        if self.webhook_url and "extender" in self.processes:
+            await self._register_webhook()
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
         self.progress("starting binder")
@@ -233,6 +241,27 @@ class Stack:
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
         if "node-agent" not in self.missing:
             await self._wait_for_inventories(c.ready_timeout)
+
+    def _webhook_listen(self) -> tuple[int, str, str] | None:
+        """With DRA nodes: the port, certificate and key the extender serves gpushare admission on."""
+        if not self.dra_node_names:
+            return None
+        from devstack.stack.admission import make_certificates, webhook_url
+
+        self._webhook_tls = make_certificates(self.data_dir / "admission")
+        port = free_port()
+        self.webhook_url = webhook_url(port)
+        return port, str(self._webhook_tls.cert), str(self._webhook_tls.key)
+
+    async def _register_webhook(self) -> None:
+        """The MutatingWebhookConfiguration calling the extender's webhook port (namespaces labelled
+        gpushare.io/allocator=dra then have their aliyun.com/* pods rewritten into DRA claims)."""
+        from devstack.stack.admission import register_webhook
+
+        self.progress(
+            f"registering gpushare admission at {self.webhook_url} (namespaces labelled gpushare.io/allocator=dra)"
+        )
+        await register_webhook(await self.api_client(), self.webhook_url, self._webhook_tls)
 
     async def _wait_for_inventories(self, timeout_s: float) -> None:
         """Until every node's GPUs are in the ledger (the agents record them through the binder's gateway): only
@@ -493,6 +522,8 @@ class Stack:
         elif self.kubeconfig:
             out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
         out += [(name, proc.command.listens) for name, proc in self.processes.items()]
+        if self.webhook_url:
+            out.append(("admission", f"{self.webhook_url} (namespaces labelled gpushare.io/allocator=dra)"))
         if self.prometheus is not None:
             out.append(("prometheus", self.prometheus.url))
         if self.adapter is not None:

@@ -58,6 +58,15 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "Prometheus when --tls-client-ca is set",
     )
     p.add_argument(
+        "--webhook-port",
+        type=int,
+        default=None,
+        help="also serve gpushare admission (POST /mutate: the mutating webhook that rewrites aliyun.com/* pods of "
+        "opted-in namespaces into DRA claims, docs/dra.md) over HTTPS on this port; needs --webhook-tls-cert/-key",
+    )
+    p.add_argument("--webhook-tls-cert", default=None, help="serving certificate of --webhook-port")
+    p.add_argument("--webhook-tls-key", default=None, help="private key of --webhook-tls-cert")
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -68,15 +77,21 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    from services.extender.admission import Admission, create_webhook_app
     from services.extender.app import create_app, create_health_app
     from services.extender.service import ExtenderService
     from shared.runtime import Listen, ServiceRuntime
 
     listen = Listen(args.host, args.port, args.tls_cert, args.tls_key, args.tls_client_ca)
     probes = Listen(args.host, args.health_port) if args.health_port else None
+    webhook = (
+        (Listen(args.host, args.webhook_port, args.webhook_tls_cert, args.webhook_tls_key),)
+        if args.webhook_port
+        else ()
+    )
     # kube-scheduler binds many pods at once and each bind holds a connection for its reservation; connections
     # beyond the pool are closed after use, and opening one costs more than the reservation itself
-    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen, probes=probes) as rt:
+    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen, probes=probes, extra=webhook) as rt:
         assert rt.engine is not None and rt.ledger is not None
         service = ExtenderService(
             engine=rt.engine,
@@ -90,12 +105,15 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
             kube_enabled=not args.trust_filter_pods,
         )
         await service.start()
+        admission = Admission(settings.resource_memory_unit, kubeconfig=args.kubeconfig)
         try:
             await rt.serve(
                 create_app(service, prefix=args.prefix, max_body_bytes=args.max_body_bytes),
                 probes_app=create_health_app(service) if args.health_port else None,
+                extra_apps=(create_webhook_app(admission, ready=lambda: service.ready),) if webhook else (),
             )
         finally:
+            await admission.close()
             await service.close()
 
 
@@ -111,6 +129,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise SystemExit("--max-body-bytes must be at least 65536")
     if args.health_port is not None and args.health_port == args.port:
         raise SystemExit("--health-port must differ from --port")
+    if args.webhook_port is not None:
+        if not (args.webhook_tls_cert and args.webhook_tls_key):
+            raise SystemExit(
+                "--webhook-port needs --webhook-tls-cert and --webhook-tls-key (kube-apiserver calls "
+                "webhooks over HTTPS only)"
+            )
+        if args.webhook_port in (args.port, args.health_port):
+            raise SystemExit("--webhook-port must differ from --port and --health-port")
+        if args.trust_filter_pods:
+            raise SystemExit(
+                "--webhook-port needs the Kubernetes API (it creates ResourceClaimTemplates): "
+                "not with --trust-filter-pods"
+            )
+    elif args.webhook_tls_cert or args.webhook_tls_key:
+        raise SystemExit("--webhook-tls-cert/--webhook-tls-key go with --webhook-port")
     if args.trust_filter_pods:
         log.warning(
             "--trust-filter-pods: bind reserves for pods as filter calls describe them, without asking the Kubernetes "
