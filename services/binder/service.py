@@ -12,6 +12,7 @@ from kubernetes_asyncio import client
 
 from services.binder.annotate import AnnotationSync
 from services.binder.claims import ClaimGate
+from services.binder.dra_pending import DraPending
 from services.binder.gateway import LedgerGateway
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
@@ -83,6 +84,8 @@ class Binder:
         # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
         self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
         self.lifecycle.claims = self.claims
+        self.dra_pending = DraPending(bus)  # kube-scheduler's reasons for rewritten DRA pods, for /v1/pending
+        self.lifecycle.dra_pending = self.dra_pending
         self.claims.nudge = self.lifecycle.nudger.capacity_freed
         self.reconciler = Reconciler(
             ledger,
@@ -117,6 +120,7 @@ class Binder:
             asyncio.create_task(self.gateway.run(stop), name="agent-gateway"),
             asyncio.create_task(self.claims.watch(stop), name="claim-watch"),
             asyncio.create_task(self.claims.run(stop, self.config.reconcile_interval_s), name="claim-reconcile"),
+            asyncio.create_task(self.dra_pending.run(stop), name="dra-pending"),
         ]
         stopper = asyncio.create_task(stop.wait())
         try:
