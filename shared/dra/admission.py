@@ -254,7 +254,21 @@ def rewrite_pod(pod: object, namespace: str, unit: MemoryUnit) -> Rewrite | None
     return Rewrite(template, patch, warnings)
 
 
+def _contains(stored: Any, wanted: Any) -> bool:
+    """Whether `stored` holds everything `wanted` says (fields the API server added are allowed)."""
+    if isinstance(wanted, Mapping):
+        return isinstance(stored, Mapping) and all(k in stored and _contains(stored[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return (
+            isinstance(stored, list)
+            and len(stored) == len(wanted)
+            and all(_contains(s, w) for s, w in zip(stored, wanted, strict=True))
+        )
+    return bool(stored == wanted)
+
+
 def template_matches(existing: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     """Whether a template found under the generated name asks what the rewrite needs (a name is a hash of its
-    spec, so only a hand-edited or foreign object differs)."""
-    return (existing.get("spec") or {}) == (wanted.get("spec") or {})
+    spec, so only a hand-edited or foreign object differs). kube-apiserver adds defaults to what it stores
+    (`spec.metadata: {}`), so the stored spec must contain the wanted one."""
+    return _contains(existing.get("spec") or {}, wanted.get("spec") or {})

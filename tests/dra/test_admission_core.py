@@ -183,6 +183,12 @@ def test_template_name_is_a_hash_of_the_demand() -> None:
     assert one and two and other
     assert one.template_name == two.template_name != other.template_name
     assert template_matches(one.template, two.template) and not template_matches(one.template, other.template)
+    stored = json.loads(json.dumps(one.template))  # as kube-apiserver 1.37 stores it: with defaults added
+    stored["spec"]["metadata"] = {}
+    stored["spec"]["spec"]["devices"]["requests"][0]["exactly"]["tolerations"] = []
+    assert template_matches(stored, one.template) and not template_matches(other.template, one.template)
+    stored["spec"]["spec"]["devices"]["requests"].append({"name": "extra"})
+    assert not template_matches(stored, one.template)
 
 
 def test_hints_become_selectors_on_every_request() -> None:
