@@ -29,12 +29,14 @@ from shared.kube.raw import read_json
 from tests.dra import workloads as w
 from tests.dra.conftest import needs_dra
 from tests.e2e import helpers
+from tests.e2e.conftest import ADMIN_TOKEN
 
 pytestmark = needs_dra
 
 STACK_NODES = 2
 STACK_DRA_NODES = 1
 STACK_GPUS = "1x16GiB:Tesla-T4,1x16GiB:A100-SXM4"
+STACK_USAGE_RULES = "*=steady:0.5\n"  # every container uses half its share (simulated processes in its cgroup)
 
 
 @pytest.fixture
@@ -133,6 +135,30 @@ async def test_the_readme_demo_deployment_is_admitted_and_packed_on_dra_nodes(st
     assert {pod: gib for pod, gib in detail[dra_node].items() if pod in allocations} == {
         name: row["memory_mib"] // 1024 for name, row in allocations.items()
     }
+    # usage: the node agent attributes each container's processes (found through their cgroups) to its DRA share
+    containers = {p.metadata.name: p.spec.containers[0].name for p in bound}
+
+    async def sampled() -> dict[str, tuple[str, int]] | None:
+        rows = await w.ledger_rows(
+            stack.database_url,
+            "SELECT pod_name, container, max(used_memory_mib) AS used FROM usage_samples WHERE namespace = $1"
+            " GROUP BY pod_name, container",
+            dra_namespace,
+        )
+        found = {r["pod_name"]: (r["container"], r["used"]) for r in rows}
+        return found if set(found) == set(containers) else None
+
+    samples = await poll(sampled, 60, interval=1.0, what="usage samples of every demo pod")
+    assert {pod: c for pod, (c, _) in samples.items()} == containers
+    assert {pod: used for pod, (_, used) in samples.items()} == {
+        name: row["memory_mib"] // 2 for name, row in allocations.items()
+    }
+    async with httpx.AsyncClient(base_url=stack.accounting_url, timeout=10) as http:
+        sizing = (await http.get("/v1/rightsizing", params={"namespace": dra_namespace})).json()["items"]
+    assert {(s["owner_name"].rsplit("-", 1)[0], s["allocated_mib"], s["peak_used_mib"]) for s in sizing} == {
+        ("bert-training", 4096, 2048),
+        ("resnet-inference", 2048, 1024),
+    }
 
 
 async def test_a_two_container_pod_a_sidecar_pod_and_a_count_two_pod_through_the_webhook(
@@ -198,6 +224,20 @@ async def test_steering_annotations_become_selectors_that_steer(stack, api, dra_
     events = await w.events_of(api, dra_namespace, "cuda-99")
     assert any(e.startswith("FailedScheduling") and "claim" in e for e in events), events
     assert "cuda-99" not in await w.claim_allocations(stack.database_url, dra_namespace)
+    # and accounting says why, as it does for the extender's refusals
+    view = await helpers.wait_pending_reason(stack, dra_namespace, "cuda-99")
+    assert view["pending"]["summary"].startswith("kube-scheduler (DRA): ") and "claim" in view["pending"]["summary"]
+
+
+async def test_a_gate_refusal_is_a_pending_reason_until_the_quota_allows(stack, api, dra_namespace) -> None:  # type: ignore[no-untyped-def]
+    assert (await helpers.set_quota(stack, ADMIN_TOKEN, dra_namespace, 2)).status_code == 200
+    await helpers.create_pod(api, dra_namespace, _pod("over-quota", [_c("main", mem="4")]))
+    view = await helpers.wait_pending_reason(stack, dra_namespace, "over-quota", timeout_s=60)
+    assert "QuotaExceeded" in view["pending"]["summary"], view["pending"]
+    assert "over-quota" not in await w.claim_allocations(stack.database_url, dra_namespace)
+    assert (await helpers.set_quota(stack, ADMIN_TOKEN, dra_namespace, 8)).status_code == 200
+    await helpers.wait_bound(api, dra_namespace, ["over-quota"], timeout_s=90)
+    assert [p["pod_name"] for p in await helpers.accounting_pending(stack, dra_namespace)] == []
 
 
 async def test_bad_input_is_refused_clearly_and_nothing_is_created(stack, api, dra_namespace) -> None:  # type: ignore[no-untyped-def]
