@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from services.extender.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX
+from shared.placeholders import PLACEHOLDER
 from shared.placement import Policy
 from shared.settings import Settings
 
@@ -117,6 +118,23 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
             await service.close()
 
 
+def _check_pem(flag: str, path: str) -> None:
+    """SystemExit naming the problem when a certificate or key file cannot be used (unreadable, the shipped
+    placeholder of k8s/overlays/dra/tls, not PEM)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(4096)
+    except OSError as exc:
+        raise SystemExit(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    if text.lstrip().lower().startswith(PLACEHOLDER):
+        raise SystemExit(
+            f"{flag} {path} is the shipped placeholder: run k8s/generate-webhook-cert.sh (or give a certificate of "
+            "your own) and apply k8s/overlays/dra again"
+        )
+    if "-----BEGIN " not in text:
+        raise SystemExit(f"{flag} {path} is not a PEM file (-----BEGIN ...)")
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run the extender until SIGTERM / SIGINT."""
     if args.bind_timeout <= 0 or args.resync <= 0:
@@ -137,6 +155,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             )
         if args.webhook_port in (args.port, args.health_port):
             raise SystemExit("--webhook-port must differ from --port and --health-port")
+        for flag, path in (("--webhook-tls-cert", args.webhook_tls_cert), ("--webhook-tls-key", args.webhook_tls_key)):
+            _check_pem(flag, path)
         if args.trust_filter_pods:
             raise SystemExit(
                 "--webhook-port needs the Kubernetes API (it creates ResourceClaimTemplates): "

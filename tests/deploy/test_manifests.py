@@ -21,7 +21,12 @@ from tests.deploy.tools import K8S, KUSTOMIZATIONS, NAMESPACE, ROOT, find, key, 
 CRD_KINDS = {"ServiceMonitor"}
 # Kinds served only from a Kubernetes minor version on: older schema sets skip them (overlays/before-1.30
 # leaves them out for such clusters).
-NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
+NEWER_KINDS = {
+    "ValidatingAdmissionPolicy": (1, 30),
+    "ValidatingAdmissionPolicyBinding": (1, 30),
+    "MutatingWebhookConfiguration": (1, 30),  # overlays/dra: matchConditions (GA in 1.30)
+    "DeviceClass": (1, 34),  # overlays/dra: resource.k8s.io/v1
+}
 POLICY = "gpushare-device-env"
 EXEMPT = "gpushare.io/allow-device-env"
 # Oldest and newest schema sets kubernetes-validate ships: the manifests must pass both.
@@ -73,6 +78,8 @@ def test_renders_into_one_namespace(rendered: dict[str, list[dict[str, Any]]], n
         "ClusterRoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "MutatingWebhookConfiguration",
+        "DeviceClass",
     }
     for obj in objects:
         ns = obj["metadata"].get("namespace")

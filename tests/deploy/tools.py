@@ -27,6 +27,7 @@ KUSTOMIZATIONS = (
     "overlays/before-1.30",
     "overlays/with-components",
     "overlays/extender-mtls",
+    "overlays/dra",
 )
 NAMESPACE = "gpushare-system"
 
