@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
-from prometheus_client import Counter, Histogram
 
+from services.extender.metrics import ADMISSION_SECONDS, ADMISSIONS
 from shared.dra.admission import AdmissionRefused, Rewrite, rewrite_pod, template_matches
 from shared.dra.review import Review, ReviewError, allowed, denied, parse_review
 from shared.dra.webhook import PATH
@@ -34,17 +34,6 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a pod is at most ~1.5 MiB in etcd; the review carries it once on CREATE
 API_TIMEOUT_S = 5.0  # below the webhook's timeoutSeconds (10), so a slow API server gets our answer, not a timeout
-
-ADMISSIONS = Counter(
-    "gpushare_admission_reviews_total",
-    "Admission reviews by outcome (rewritten, dry_run, unchanged, ignored, refused, malformed, failed)",
-    ["outcome"],
-)
-ADMISSION_SECONDS = Histogram(
-    "gpushare_admission_seconds",
-    "Time to answer an admission review (template creation included)",
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
 
 
 class Admission:
@@ -69,11 +58,11 @@ class Admission:
             try:
                 review = parse_review(body)
             except ReviewError as exc:
-                ADMISSIONS.labels(outcome="malformed").inc()
+                ADMISSIONS.labels(reason="malformed").inc()
                 log.info("refused a malformed admission review: %s", exc, extra={"problem": str(exc)})
                 return 400, dump_json({"error": str(exc)})
             answer, outcome = await self._answer(review)
-            ADMISSIONS.labels(outcome=outcome).inc()
+            ADMISSIONS.labels(reason=outcome).inc()
             return 200, dump_json(answer)
         finally:
             ADMISSION_SECONDS.observe(time.perf_counter() - start)
