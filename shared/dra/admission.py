@@ -23,7 +23,8 @@ life (a warning says so).
 
 Shapes DRA cannot express are refused with what to write instead: compute without memory (a DRA request without
 memory takes the whole GPU), more than 32 GPUs in one pod (`AllocationResultsMaxSize`), `spec.nodeName` set at
-creation (no scheduler allocates the claim), hints no CEL selector can carry.
+creation (no scheduler allocates the claim), hints no CEL selector can carry. A static pod's mirror passes
+unchanged (kubelet runs the static pod from its own manifest).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ TEMPLATE_PREFIX = "gpushare-"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpushare-admission"
 MAX_SHARES = 32  # resource.k8s.io/v1 AllocationResultsMaxSize: devices one claim may be allocated
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # a static pod's mirror: kubelet runs the pod already
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -174,6 +176,8 @@ def rewrite_pod(pod: object, namespace: str, unit: MemoryUnit) -> Rewrite | None
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         raise AdmissionRefused("the pod has no spec object", "BadRequest")
+    if MIRROR_ANNOTATION in ((meta or {}).get("annotations") or {}):
+        return None  # kubelet runs the static pod from its own manifest; its mirror only shows it
     where = _pod_label(meta or {}, namespace)
     try:
         demand = parse_pod({**pod, "metadata": {**(meta or {}), "namespace": namespace}}, unit)

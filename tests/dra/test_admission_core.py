@@ -267,6 +267,9 @@ def test_malformed_pods_are_refused_as_bad_requests(obj: Any) -> None:
 def test_pods_that_ask_no_share_are_left_alone() -> None:
     assert rewrite_pod(pod(container("a", {"cpu": "1"})), "team", GIB) is None
     assert rewrite_pod(pod(container("a", {"aliyun.com/gpu-mem": "0"})), "team", GIB) is None
+    mirror = pod(container("a", {"aliyun.com/gpu-mem": "4"}), annotations={"kubernetes.io/config.mirror": "x"})
+    mirror["spec"]["nodeName"] = "n1"  # kubelet creates a static pod's mirror bound to its node
+    assert rewrite_pod(mirror, "team", GIB) is None
 
 
 # -- the review wire ----------------------------------------------------------------------------------------------
