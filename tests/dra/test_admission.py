@@ -310,3 +310,27 @@ async def test_the_registered_webhook_is_the_shipped_configuration(stack, api) -
     (want,) = webhook_configuration({"url": stack.webhook_url, "caBundle": stack._webhook_tls.ca_bundle()})["webhooks"]
     assert {k: hook.get(k) for k in want} == want  # kube-apiserver kept every field as written
     assert base64.b64decode(hook["clientConfig"]["caBundle"]) == stack._webhook_tls.ca.read_bytes()
+
+
+async def test_inspect_without_accounting_reads_dra_nodes_from_their_slices(stack, api, dra_namespace) -> None:  # type: ignore[no-untyped-def]
+    """`kubectl inspect gpushare` when accounting cannot be reached: the API server alone (nodes, pods, and the
+    gpushare ResourceSlices listed with field selectors spec.driver / spec.nodeName)."""
+    from services.accounting.inspect_source import Request, from_apiserver
+    from shared.settings import MemoryUnit
+
+    node = stack.dra_node_names[0]
+    await helpers.create_pod(api, dra_namespace, _pod("seen", [_c("main", mem="4")]))
+    await helpers.wait_bound(api, dra_namespace, ["seen"], timeout_s=60)
+    rows = await helpers.gpu_rows(stack.database_url, node)
+    shown = {n["name"]: n for n in await from_apiserver(api, Request(), MemoryUnit.GIB)}
+    assert set(shown) == set(stack.node_names)  # the device-plugin node from its capacity, the DRA node from its slice
+    gpus = shown[node]["gpus"]
+    assert [(g["index"], g["uuid"], g["memory_mib"]) for g in gpus] == [
+        (r["index"], r["uuid"], r["memory_mib"]) for r in rows
+    ]
+    (seen,) = [a for a in shown[node]["allocations"] if a["pod_name"] == "seen"]
+    assert [p["memory_mib"] for p in seen["parts"]] == [4096] and seen["parts"][0]["gpu_uuid"] in {
+        r["uuid"] for r in rows
+    }
+    (one,) = await from_apiserver(api, Request(node=node), MemoryUnit.GIB)
+    assert one["name"] == node and len(one["gpus"]) == len(rows)
