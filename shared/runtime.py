@@ -163,16 +163,18 @@ class ServiceRuntime:
         pool_size: int = 3,
         listen: Listen | None = None,
         probes: Listen | None = None,
+        extra: tuple[Listen, ...] = (),
         backoff: Backoff = Backoff(),
     ) -> None:
         self.name = name
         self.settings = settings
         self.database = database
         self.pool_size = pool_size
-        if probes is not None and listen is None:
-            raise ValueError("a probes port is served beside the main port: give `listen` too")
+        if (probes is not None or extra) and listen is None:
+            raise ValueError("probes and extra ports are served beside the main port: give `listen` too")
         self.listen = listen
         self.probes = probes
+        self.extra = extra
         self.backoff = backoff
         self.stop = asyncio.Event()
         self.engine: AsyncEngine | None = None
@@ -182,6 +184,7 @@ class ServiceRuntime:
         self.waiting_for: str | None = None  # what start-up waits for now (the waiting app's /readyz says it)
         self._tasks: list[asyncio.Task[Any]] = []
         self._http: list[tuple[_Server, _Switchable, asyncio.Task[None]]] = []
+        self._switches: dict[int, _Switchable] = {}  # id(Listen) -> the switch serving it
 
     @property
     def names(self) -> BusNames:
@@ -196,7 +199,7 @@ class ServiceRuntime:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            for where in (self.listen, self.probes):
+            for where in (self.listen, self.probes, *self.extra):
                 if where is not None:
                     await self._start_http(waiting_app(self.name, lambda: self.waiting_for), where)
             self.bus = await self._until_connected(
@@ -322,6 +325,7 @@ class ServiceRuntime:
                 await task
             raise SystemExit(f"{self.name}: cannot listen on {listen.host}:{listen.port}")
         self._http.append((server, switch, task))
+        self._switches[id(listen)] = switch
         log.info(
             "%s listening",
             self.name,
@@ -333,13 +337,15 @@ class ServiceRuntime:
             },
         )
 
-    async def serve(self, app: ASGIApp | None, *, probes_app: ASGIApp | None = None) -> None:
+    async def serve(
+        self, app: ASGIApp | None, *, probes_app: ASGIApp | None = None, extra_apps: tuple[ASGIApp, ...] = ()
+    ) -> None:
         """Hand the ports that have answered since start to the service: `app` on `listen`, `probes_app` (only
-        /healthz, /readyz and /metrics, for probes beside a mutual-TLS port) on `probes`; return when the stop
-        event is set (or a server ended)."""
-        apps = [app, probes_app]
-        for (_, switch, _), served in zip(self._http, apps, strict=False):
-            if served is not None:
+        /healthz, /readyz and /metrics, for probes beside a mutual-TLS port) on `probes`, `extra_apps[i]` on
+        `extra[i]`; return when the stop event is set (or a server ended)."""
+        for where, served in ((self.listen, app), (self.probes, probes_app), *zip(self.extra, extra_apps, strict=True)):
+            switch = self._switches.get(id(where)) if where is not None else None
+            if switch is not None and served is not None:
                 switch.app = served
         if not self._http:
             await self.stop.wait()

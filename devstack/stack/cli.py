@@ -42,11 +42,16 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "--dra",
         action="store_true",
         help="make every simulated node a DRA node: its node agent publishes a ResourceSlice and serves kubelet's DRA "
-        "plugin API, kube-scheduler allocates the demo's ResourceClaims and the ledger records them before binding "
-        "(docs/dra.md; not with --simulate)",
+        "plugin API; the extender serves gpushare admission, which rewrites the unchanged demo (in a namespace "
+        "labelled gpushare.io/allocator=dra) into ResourceClaims; kube-scheduler allocates them and the ledger "
+        "records them before binding (docs/dra.md; not with --simulate)",
     )
     p.add_argument(
-        "--dra-nodes", type=int, default=0, help="make only the last N simulated nodes DRA nodes (a mixed cluster)"
+        "--dra-nodes",
+        type=int,
+        default=0,
+        help="make only the last N simulated nodes DRA nodes (a mixed cluster; gpushare admission is registered, "
+        "the demo's namespace stays on the device-plugin path)",
     )
     p.add_argument("--no-demo", dest="demo", action="store_false", help="do not submit the demo workload")
     p.add_argument(

@@ -4,7 +4,6 @@ and, with the MiB unit, the gpushare guide's 0.5 GB development pods (`gpushare 
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -12,7 +11,6 @@ from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from shared.annotations import RESOURCE_MEM
-from shared.dra import DEVICE_CLASS
 
 DEMO_NAMESPACE = "gpushare-demo"
 
@@ -58,41 +56,6 @@ def deployment(name: str, *, replicas: int, gpu_mem: int, image: str, command: l
                     ],
                 },
             },
-        },
-    }
-
-
-def dra_deployment(deployment: dict[str, Any], template_name: str) -> dict[str, Any]:
-    """The same Deployment written for DRA nodes: its container uses a claim made from `template_name` instead of
-    limiting `aliyun.com/gpu-mem` (what gpushare's admission webhook will write for unchanged manifests)."""
-    dep = copy.deepcopy(deployment)
-    spec = dep["spec"]["template"]["spec"]
-    spec["resourceClaims"] = [{"name": "gpushare", "resourceClaimTemplateName": template_name}]
-    for c in spec["containers"]:
-        c["resources"] = {"claims": [{"name": "gpushare", "request": "gpu"}]}
-    return dep
-
-
-def claim_template(name: str, gpu_mem: int, unit: str = "Gi") -> dict[str, Any]:
-    """A ResourceClaimTemplate asking one share of `gpu_mem` units of one gpushare GPU."""
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": DEVICE_CLASS,
-                                "capacity": {"requests": {"memory": f"{gpu_mem}{unit}"}},
-                            },
-                        }
-                    ]
-                }
-            }
         },
     }
 
@@ -160,36 +123,19 @@ async def ensure_namespace(api: ApiClient, name: str) -> None:
             raise
 
 
-def dra_demo(deployments: list[dict[str, Any]], unit: str = "Gi") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(claim templates, Deployments) of the demo on DRA nodes: each Deployment's share as a template (`unit`: the
-    quantity suffix of the cluster's memory unit, Gi or Mi)."""
-    templates, out = [], []
-    for dep in deployments:
-        name = dep["metadata"]["name"]
-        container = dep["spec"]["template"]["spec"]["containers"][0]
-        gpu_mem = int(container["resources"]["limits"][RESOURCE_MEM])
-        templates.append(claim_template(f"{name}-gpu", gpu_mem, unit))
-        out.append(dra_deployment(dep, f"{name}-gpu"))
-    return templates, out
-
-
 async def submit_demo(
     api: ApiClient, namespace: str = DEMO_NAMESPACE, *, unit_mib: int = 1024, dev_pods: int = 0, dra: bool = False
 ) -> list[dict[str, Any]]:
-    """Create (or replace) the demo Deployments (`demo_deployments`' options; `dra`: with claims, for DRA nodes);
-    returns them."""
-    await ensure_namespace(api, namespace)
+    """Create (or replace) the demo Deployments (`demo_deployments`' options); returns them. `dra`: the namespace
+    opts in to DRA (`gpushare.io/allocator=dra`), and gpushare admission rewrites the unchanged pods into claims."""
+    if dra:
+        from devstack.stack.webhook import opt_in
+
+        await opt_in(api, namespace)
+    else:
+        await ensure_namespace(api, namespace)
     apps = client.AppsV1Api(api)
     deployments = demo_deployments(unit_mib=unit_mib, dev_pods=dev_pods)
-    if dra:
-        templates, deployments = dra_demo(deployments, "Gi" if unit_mib == 1024 else "Mi")
-        resource = client.ResourceV1Api(api)
-        for t in templates:
-            try:
-                await resource.create_namespaced_resource_claim_template(namespace, t, _preload_content=False)
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise
     for dep in deployments:
         try:
             await apps.create_namespaced_deployment(namespace, dep)

@@ -134,13 +134,22 @@ def gpushare_argv(subcommand: str, *args: str, common: CommonFlags | None = None
 
 
 def extender_command(
-    common: CommonFlags, port: int, bind_timeout: float, kubeconfig: str | None = None, *, name: str = "extender"
+    common: CommonFlags,
+    port: int,
+    bind_timeout: float,
+    kubeconfig: str | None = None,
+    *,
+    name: str = "extender",
+    webhook: tuple[int, str, str] | None = None,
 ) -> ServiceCommand:
     """The scheduler extender (kube-scheduler calls it at http://127.0.0.1:PORT/gpushare-scheduler).
 
     Bind verifies each pod in the API server of `kubeconfig`; without one (the scheduler simulator, no API
-    server) it trusts what filter saw (`--trust-filter-pods`, development only)."""
+    server) it trusts what filter saw (`--trust-filter-pods`, development only). `webhook` (port, certificate,
+    key): also serve gpushare admission over HTTPS there (DRA nodes; needs `kubeconfig`)."""
     pods = ["--kubeconfig", kubeconfig] if kubeconfig else ["--trust-filter-pods"]
+    if webhook is not None and kubeconfig:
+        pods += ["--webhook-port", str(webhook[0]), "--webhook-tls-cert", webhook[1], "--webhook-tls-key", webhook[2]]
     argv = gpushare_argv(
         "extender",
         "--host",

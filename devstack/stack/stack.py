@@ -117,6 +117,8 @@ class Stack:
         self.kubelets: dict[str, Any] = {}
         self.missing: list[str] = []
         self.extender_url = ""
+        self.webhook_url = ""  # gpushare admission (DRA nodes on the local control plane)
+        self._webhook_tls: Any = None
         self.binder_url = ""
         self.accounting_url = ""
         self._pg: EmbeddedPostgres | None = None
@@ -239,12 +241,19 @@ class Stack:
         self.progress("starting extender and accounting" + (f" ({c.replicas} replicas each)" if c.replicas > 1 else ""))
         # bind reads pods from the API server: the local control plane writes its kubeconfig here when it starts
         kubeconfig = self._future_kubeconfig()
+        webhook = self._webhook_listen() if kubeconfig and not c.kubeconfig else None
         first = [
             *self._spawn_replicas(
                 "extender",
                 ext_port,
                 lambda name, port: spec.extender_command(
-                    self._common("extender"), port, c.bind_timeout, kubeconfig, name=name
+                    self._common("extender"),
+                    port,
+                    c.bind_timeout,
+                    kubeconfig,
+                    name=name,
+                    # gpushare admission on one replica: kube-apiserver calls the one URL registered for it
+                    webhook=webhook if name == spec.replica_names("extender", c.replicas)[0] else None,
                 ),
             ),
             *self._spawn_replicas(
@@ -260,6 +269,7 @@ class Stack:
         await self._start_service_proxies({"extender": ext_port, "accounting": acc_port})
         await cluster
         if self.mode == MODE_SIMULATOR:
+            self.webhook_url = ""
             if kubeconfig is not None:  # no API server after all
                 for old in self.replicas("extender"):
                     await asyncio.to_thread(self.processes.pop(old.name).stop)
@@ -273,6 +283,8 @@ class Stack:
         await self._create_nodes()
         if c.admission_policies and self.control_plane is not None:
             await self._apply_admission_policies()
+        if self.webhook_url and self.replicas("extender"):
+            await self._register_webhook()
         bnd_port = port_or_free(c.binder_port)
         self.binder_url = f"http://127.0.0.1:{bnd_port}"
         self.progress("starting binder" + (f" ({c.replicas} replicas electing a leader)" if c.replicas > 1 else ""))
@@ -296,6 +308,27 @@ class Stack:
         await asyncio.gather(*(p.wait_ready(c.ready_timeout) for p in rest if p))
         if "node-agent" not in self.missing:
             await self._wait_for_inventories(c.ready_timeout)
+
+    def _webhook_listen(self) -> tuple[int, str, str] | None:
+        """With DRA nodes: the port, certificate and key the extender serves gpushare admission on."""
+        if not self.dra_node_names:
+            return None
+        from devstack.stack.webhook import make_certificates, webhook_url
+
+        self._webhook_tls = make_certificates(self.data_dir / "admission")
+        port = free_port()
+        self.webhook_url = webhook_url(port)
+        return port, str(self._webhook_tls.cert), str(self._webhook_tls.key)
+
+    async def _register_webhook(self) -> None:
+        """The MutatingWebhookConfiguration calling the extender's webhook port (namespaces labelled
+        gpushare.io/allocator=dra then have their aliyun.com/* pods rewritten into DRA claims)."""
+        from devstack.stack.webhook import register_webhook
+
+        self.progress(
+            f"registering gpushare admission at {self.webhook_url} (namespaces labelled gpushare.io/allocator=dra)"
+        )
+        await register_webhook(await self.api_client(), self.webhook_url, self._webhook_tls)
 
     async def _wait_for_inventories(self, timeout_s: float) -> None:
         """Until every node's GPUs are in the ledger (the agents record them through the binder's gateway): only
@@ -575,6 +608,8 @@ class Stack:
             out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
         out += [(name, proc.command.listens) for name, proc in self.processes.items()]
         out += [(f"{name} (service)", f"http://{proxy.address}") for name, proxy in self.service_proxies.items()]
+        if self.webhook_url:
+            out.append(("admission", f"{self.webhook_url} (namespaces labelled gpushare.io/allocator=dra)"))
         if self.prometheus is not None:
             out.append(("prometheus", self.prometheus.url))
         if self.adapter is not None:

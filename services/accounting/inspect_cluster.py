@@ -7,6 +7,11 @@ containers' `aliyun.com/gpu-mem` limits). A pod that also carries gpushare's own
 record is read from the record instead: per GPU and per container kind, as the ledger charges it. A bound pod
 with neither annotation, or with an index the node does not have, is pending (gpushare's `PENDING` column).
 
+A DRA node (docs/dra.md) advertises no `aliyun.com/*` capacity: its GPUs are the devices of its gpushare
+ResourceSlice (driver `gpu.gpushare.io`), each with its `memory` capacity, `index`, `model` and `uuid` attributes,
+and its pods carry the same `gpushare.io/allocation` record (written by the binder at the gate), so they are read
+the same way.
+
 The output has the shape of accounting's `/v1/nodes/{name}` answers, so every `inspect` layout renders it;
 what only accounting knows (GPU UUIDs and models, usage, health) is `None` there.
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from shared.annotations import ALLOCATION, GPU_MEM_IDX, GPU_MEM_POD, RESOURCE_COUNT, RESOURCE_MEM, parse_allocation
+from shared.dra import DRIVER, MEMORY
+from shared.dra.quantity import QuantityError, parse_quantity
 from shared.kube import pods
 from shared.ledger.rules import gpu_charges
 from shared.settings import MemoryUnit
@@ -51,6 +58,37 @@ def gpu_layout(node: dict[str, Any], unit: MemoryUnit) -> list[int]:
     return [units // count * unit.mib] * count
 
 
+def _attribute(device: dict[str, Any], name: str) -> Any:
+    value = (device.get("attributes") or {}).get(name) or {}
+    return next(iter(value.values()), None) if isinstance(value, dict) else None
+
+
+def slice_layouts(slices: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """node -> its GPUs from gpushare ResourceSlices (pure): `index`, `memory_mib`, `model`, `uuid`, by index."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for item in slices:
+        spec = item.get("spec") or {}
+        if spec.get("driver") != DRIVER or not spec.get("nodeName"):
+            continue
+        gpus = []
+        for position, device in enumerate(spec.get("devices") or []):
+            try:
+                memory = parse_quantity(((device.get("capacity") or {}).get(MEMORY) or {}).get("value"))
+            except QuantityError:
+                continue
+            index = _attribute(device, "index")
+            gpus.append(
+                {
+                    "index": index if isinstance(index, int) else position,
+                    "memory_mib": int(memory) // 2**20,
+                    "model": _attribute(device, "model"),
+                    "uuid": _attribute(device, "uuid"),
+                }
+            )
+        out[str(spec["nodeName"])] = sorted(gpus, key=lambda g: g["index"])
+    return out
+
+
 def pod_shares(pod: dict[str, Any], unit: MemoryUnit) -> dict[int | None, int] | None:
     """MiB the pod holds per GPU index (`None`: pending, no GPU known), or None when it holds nothing here."""
     notes = pods.annotations(pod)
@@ -80,32 +118,34 @@ def pod_shares(pod: dict[str, Any], unit: MemoryUnit) -> dict[int | None, int] |
     return {index: per + (rest if n == 0 else 0) for n, index in enumerate(indices)}
 
 
-def nodes_from_cluster(nodes: list[dict[str, Any]], pod_list: list[dict[str, Any]], unit: MemoryUnit) -> list[dict]:
-    """API-shaped nodes (as `/v1/nodes/{name}` answers, in MiB) from Kubernetes nodes and pods (JSON dicts)."""
+def nodes_from_cluster(
+    nodes: list[dict[str, Any]],
+    pod_list: list[dict[str, Any]],
+    unit: MemoryUnit,
+    slices: list[dict[str, Any]] | None = None,
+) -> list[dict]:
+    """API-shaped nodes (as `/v1/nodes/{name}` answers, in MiB) from Kubernetes nodes and pods (JSON dicts), and
+    the gpushare ResourceSlices of DRA nodes."""
+    dra = slice_layouts(slices or [])
     out: dict[str, dict[str, Any]] = {}
     for node in sorted(nodes, key=lambda n: pods.metadata(n).get("name", "")):
-        layout = gpu_layout(node, unit)
-        if not layout:
-            continue
         name = str(pods.metadata(node).get("name") or "")
         model = (pods.metadata(node).get("labels") or {}).get(MODEL_LABEL)
+        gpus = [
+            {"uuid": None, "index": i, "model": model if model and model != "mixed" else None, "memory_mib": mib}
+            for i, mib in enumerate(gpu_layout(node, unit))
+        ] or dra.get(name, [])
+        if not gpus:
+            continue
         out[name] = {
             "name": name,
             "address": _address(node),
-            "memory_mib": sum(layout),
-            "gpu_count": len(layout),
+            "memory_mib": sum(g["memory_mib"] for g in gpus),
+            "gpu_count": len(gpus),
             "pending_memory_mib": 0,
             "gpus": [
-                {
-                    "uuid": None,
-                    "index": index,
-                    "model": model if model and model != "mixed" else None,
-                    "memory_mib": memory_mib,
-                    "allocated_memory_mib": 0,
-                    "used_memory_mib": None,
-                    "healthy": None,
-                }
-                for index, memory_mib in enumerate(layout)
+                {**g, "allocated_memory_mib": 0, "used_memory_mib": None, "healthy": None}
+                for g in sorted(gpus, key=lambda g: g["index"])
             ],
             "allocations": [],
         }
@@ -118,14 +158,16 @@ def nodes_from_cluster(nodes: list[dict[str, Any]], pod_list: list[dict[str, Any
         shares = pod_shares(pod, unit)
         if not shares:
             continue
+        by_index = {g["index"]: g for g in node["gpus"]}
         parts = []
         for index, memory_mib in sorted(shares.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-            if index is not None and index < len(node["gpus"]):
-                node["gpus"][index]["allocated_memory_mib"] += memory_mib
+            gpu = by_index.get(index) if index is not None else None
+            if gpu is not None:
+                gpu["allocated_memory_mib"] += memory_mib
             else:
-                index = None
                 node["pending_memory_mib"] += memory_mib
-            parts.append({"gpu_uuid": None, "gpu_index": index, "memory_mib": memory_mib})
+            where = {"gpu_uuid": gpu["uuid"], "gpu_index": index} if gpu else {"gpu_uuid": None, "gpu_index": None}
+            parts.append({**where, "memory_mib": memory_mib})
         meta = pods.metadata(pod)
         node["allocations"].append(
             {

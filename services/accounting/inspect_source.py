@@ -5,8 +5,8 @@
    accounting through the API server's service proxy,
    `/api/v1/namespaces/<-n>/services/gpushare-accounting:http/proxy/v1/...`, so the user's credentials and RBAC
    (`get` on `services/proxy`) decide who may look. When that fails (no such Service, no ready endpoint,
-   forbidden, a timeout), what the API server alone shows (`inspect_cluster`: node capacity and the pods'
-   gpushare annotations), with a note saying why.
+   forbidden, a timeout), what the API server alone shows (`inspect_cluster`: node capacity, the gpushare
+   ResourceSlices of DRA nodes and the pods' gpushare annotations), with a note saying why.
 3. Neither: accounting at `http://127.0.0.1:8080` (on accounting's own pod, or behind a port-forward).
 """
 
@@ -24,6 +24,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
+from shared.dra import DRIVER
 from shared.kube.client import api_client, kubeconfig_exists, user_kubeconfig
 from shared.kube.raw import read_json, status_message
 from shared.settings import MemoryUnit, Settings
@@ -220,10 +221,29 @@ async def from_apiserver(api: client.ApiClient, request: Request, unit: MemoryUn
         ) from None
     except TimeoutError:
         raise ApiServerUnreachable(f"the API server at {host} did not answer within {request.timeout_s:g} s") from None
-    shown = nodes_from_cluster(nodes, pod_list, unit)
+    shown = nodes_from_cluster(nodes, pod_list, unit, await _gpushare_slices(api, request))
     if request.node and not shown:
-        raise NotFound(f"no GPU-sharing node {request.node!r} in the cluster (no {unit.value} of aliyun.com/gpu-mem)")
+        raise NotFound(
+            f"no GPU-sharing node {request.node!r} in the cluster (no {unit.value} of aliyun.com/gpu-mem, no gpushare "
+            "ResourceSlice)"
+        )
     return shown
+
+
+async def _gpushare_slices(api: client.ApiClient, request: Request) -> list[dict[str, Any]]:
+    """The gpushare driver's ResourceSlices (the GPUs of DRA nodes); [] where the cluster serves no
+    resource.k8s.io/v1 (before 1.34) or the user may not list them (then DRA nodes are not shown)."""
+    fields = f"spec.driver={DRIVER}" + (f",spec.nodeName={request.node}" if request.node else "")
+    try:
+        body = await _kube_json(
+            api.configuration.host,
+            lambda: client.ResourceV1Api(api).list_resource_slice(
+                field_selector=fields, _preload_content=False, _request_timeout=request.timeout_s
+            ),
+        )
+    except (ApiException, TimeoutError):
+        return []
+    return list(body.get("items") or [])
 
 
 async def read(settings: Settings, request: Request) -> Reading:

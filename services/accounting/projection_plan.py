@@ -23,6 +23,7 @@ from typing import Any
 from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
+    ClaimReservedEvent,
     Event,
     ExchangedEvent,
     FailedEvent,
@@ -52,6 +53,17 @@ DETAIL_MAX = 2048
 TERMINATING_DETAIL = "pod is being deleted; its share stays held until the pod is gone"
 
 Row = dict[str, Any]
+
+
+def step_name(event: Event) -> str:
+    """The timeline step an event is: its kind, except that every reservation is `reserved` (a DRA claim's
+    allocation recorded at the gate, `claim_reserved`, is the same step of the allocation's life)."""
+    return RESERVED if isinstance(event, ReservedEvent) else event.kind
+
+
+def reserved_detail(event: ReservedEvent) -> str:
+    """The timeline detail of a reservation: the claim it came from, for a DRA allocation."""
+    return f"claim {event.claim_name}" if isinstance(event, ClaimReservedEvent) else ""
 
 
 @dataclass
@@ -178,12 +190,13 @@ class _Batch:
     def step(self, event: Event, allocation_id: uuid.UUID, pod_uid: str, node: str, detail: str = "") -> None:
         """A timeline row (the step is the event's kind); one per event and allocation, like the unique key."""
         ts = event.occurred_at
-        key = (allocation_id, event.kind)
+        step = step_name(event)
+        key = (allocation_id, step)
         if key not in self.first or ts < self.first[key]:
             self.first[key] = ts
         if allocation_id not in self.earliest or ts < self.earliest[allocation_id][0]:
             self.earliest[allocation_id] = (ts, pod_uid)
-        if event.kind == RESERVED:
+        if step == RESERVED:
             latest = self.latest_reservation.get(pod_uid)
             self.latest_reservation[pod_uid] = ts if latest is None else max(latest, ts)
         if (event.event_id, allocation_id) in self.planned:
@@ -195,7 +208,7 @@ class _Batch:
                 "allocation_id": allocation_id,
                 "pod_uid": pod_uid,
                 "node": node,
-                "step": event.kind,
+                "step": step,
                 "ts": ts,
                 "detail": detail[:DETAIL_MAX],
             }
@@ -232,7 +245,7 @@ class _Batch:
         out = Applied(new=True)
         match event:
             case ReservedEvent():
-                self.step(event, event.allocation_id, event.pod_uid, event.node)
+                self.step(event, event.allocation_id, event.pod_uid, event.node, reserved_detail(event))
                 self.pending_of(event.pod_uid).delete(event.occurred_at)
             case BoundEvent():
                 self.step(event, event.allocation_id, event.pod_uid, event.node)

@@ -1,7 +1,10 @@
 """Kubernetes ResourceQuotas on gpushare's resources, shown beside the ledger's quotas in `/v1/quotas`.
 
 A ResourceQuota with `requests.aliyun.com/gpu-mem` (or gpu-core, gpu-count) is kube-apiserver's admission cap;
-the ledger quota is gpushare's queueing budget (docs/accounting.md compares them). Accounting reads the
+the ledger quota is gpushare's queueing budget (docs/accounting.md compares them). On DRA, Kubernetes counts the
+devices a namespace's claims ask of a class, `gpushare-gpu.deviceclass.resource.k8s.io/devices` (one per share:
+`V1ResourceByDeviceClass`, pkg/quota/v1/evaluator/core/resource_claims.go), never their memory; those quotas are
+shown too, and GiB stay the ledger's (docs/dra.md). Accounting reads the
 ResourceQuotas' `status.hard` / `status.used` with a read-only `list resourcequotas` permission, at most once
 per `ttl_s`; without Kubernetes access it serves the ledger quotas alone and says why in the answer.
 """
@@ -19,13 +22,16 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from shared.annotations import RESOURCES
+from shared.dra import DEVICE_CLASS
 from shared.kube.client import api_client
 from shared.kube.raw import read_json, status_message
 
 log = logging.getLogger(__name__)
 
-QUOTA_KEYS = {f"requests.{r}": r for r in RESOURCES} | {r: r for r in RESOURCES}
-"""A quota's keys on gpushare's resources (extended resources are quota'd as `requests.<name>`) -> resource."""
+DRA_DEVICES = f"{DEVICE_CLASS}.deviceclass.resource.k8s.io/devices"
+QUOTA_KEYS = {f"requests.{r}": r for r in RESOURCES} | {r: r for r in RESOURCES} | {DRA_DEVICES: DRA_DEVICES}
+"""A quota's keys on gpushare's resources (extended resources are quota'd as `requests.<name>`; DRA claims of the
+gpushare class as the class's devices) -> resource."""
 _SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 _QUANTITY = re.compile(r"^\s*(\d+)(|k|M|G|T|Ki|Mi|Gi)\s*$")
 

@@ -397,8 +397,11 @@ class ResourceQuotaUsage(Answer):
     namespace: str
     name: str
     key: str = Field(description="the quota's key, e.g. `requests.aliyun.com/gpu-mem`")
-    resource: str = Field(description="the resource it limits, e.g. `aliyun.com/gpu-mem`")
-    hard: int = Field(description="the limit, in the resource's unit (gpu-mem: `memory_unit`)")
+    resource: str = Field(
+        description="the resource it limits, e.g. `aliyun.com/gpu-mem`, or "
+        "`gpushare-gpu.deviceclass.resource.k8s.io/devices` (DRA: one device per share a claim asks)"
+    )
+    hard: int = Field(description="the limit, in the resource's unit (gpu-mem: `memory_unit`; DRA: devices)")
     used: int = Field(description="what the namespace's pods request now, as the quota controller counts it")
 
 

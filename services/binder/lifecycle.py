@@ -69,6 +69,7 @@ class Lifecycle:
         self._released: OrderedDict[str, None] = OrderedDict()
         self._marked: OrderedDict[str, None] = OrderedDict()
         self.claims: Any = None  # the ClaimGate: marks DRA pods bound once kube-scheduler bound them
+        self.dra_pending: Any = None  # DraPending: why the DRA pods gpushare admission rewrote are not placed
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """Follow every pod in the cluster until `stop`."""
@@ -98,6 +99,8 @@ class Lifecycle:
     async def on_pod(self, event: WatchEvent) -> int:
         """Release the pod's allocation if it ended; returns how many allocations ended."""
         pod = event.object
+        if self.dra_pending is not None:
+            await self.dra_pending.on_pod(event.type, pod)
         if not is_gpu_pod(pod):
             return 0
         self.index.update(event.type, pod)

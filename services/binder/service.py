@@ -20,6 +20,7 @@ from kubernetes_asyncio import client
 
 from services.binder.annotate import AnnotationSync
 from services.binder.claims import ClaimGate
+from services.binder.dra_pending import DraPending
 from services.binder.gateway import LedgerGateway
 from services.binder.handler import BindHandler
 from services.binder.lifecycle import Lifecycle
@@ -103,6 +104,8 @@ class Binder:
         # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
         self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
         self.lifecycle.claims = self.claims
+        self.dra_pending = DraPending(bus)  # kube-scheduler's reasons for rewritten DRA pods, for /v1/pending
+        self.lifecycle.dra_pending = self.dra_pending
         self.claims.nudge = self.lifecycle.nudger.capacity_freed
         self.reconciler = Reconciler(
             ledger,
@@ -165,8 +168,9 @@ class Binder:
 
     async def lead(self, term_ended: asyncio.Event) -> None:
         """The cluster-wide duties, for one term of leadership: reconciliation, the pod and node watches (and the
-        nudges that follow releases), and the DRA claim gate (its watch and reconciliation). When the term ends,
-        what the watches showed is forgotten: a standby binds from fresh reads, and a later term lists again."""
+        nudges that follow releases), the DRA claim gate (its watch and reconciliation) and the reasons DRA pods
+        wait (fed by the pod watch). When the term ends, what the watches showed is forgotten: a standby binds from
+        fresh reads, and a later term lists again."""
         self._term_passes = self.reconciler.passes
         try:
             await _together(
@@ -176,6 +180,7 @@ class Binder:
                     "node-watch": self.lifecycle.watch_nodes(term_ended),
                     "claim-watch": self.claims.watch(term_ended),
                     "claim-reconcile": self.claims.run(term_ended, self.config.reconcile_interval_s),
+                    "dra-pending": self.dra_pending.run(term_ended),
                 },
                 term_ended,
             )

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from services.extender.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX
+from shared.placeholders import PLACEHOLDER
 from shared.placement import Policy
 from shared.settings import Settings
 
@@ -58,6 +59,15 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "Prometheus when --tls-client-ca is set",
     )
     p.add_argument(
+        "--webhook-port",
+        type=int,
+        default=None,
+        help="also serve gpushare admission (POST /mutate: the mutating webhook that rewrites aliyun.com/* pods of "
+        "opted-in namespaces into DRA claims, docs/dra.md) over HTTPS on this port; needs --webhook-tls-cert/-key",
+    )
+    p.add_argument("--webhook-tls-cert", default=None, help="serving certificate of --webhook-port")
+    p.add_argument("--webhook-tls-key", default=None, help="private key of --webhook-tls-cert")
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -68,15 +78,21 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    from services.extender.admission import Admission, create_webhook_app
     from services.extender.app import create_app, create_health_app
     from services.extender.service import ExtenderService
     from shared.runtime import Listen, ServiceRuntime
 
     listen = Listen(args.host, args.port, args.tls_cert, args.tls_key, args.tls_client_ca)
     probes = Listen(args.host, args.health_port) if args.health_port else None
+    webhook = (
+        (Listen(args.host, args.webhook_port, args.webhook_tls_cert, args.webhook_tls_key),)
+        if args.webhook_port
+        else ()
+    )
     # kube-scheduler binds many pods at once and each bind holds a connection for its reservation; connections
     # beyond the pool are closed after use, and opening one costs more than the reservation itself
-    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen, probes=probes) as rt:
+    async with ServiceRuntime("extender", settings, pool_size=6, listen=listen, probes=probes, extra=webhook) as rt:
         assert rt.engine is not None and rt.ledger is not None
         service = ExtenderService(
             engine=rt.engine,
@@ -90,13 +106,33 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
             kube_enabled=not args.trust_filter_pods,
         )
         await service.start()
+        admission = Admission(settings.resource_memory_unit, kubeconfig=args.kubeconfig)
         try:
             await rt.serve(
                 create_app(service, prefix=args.prefix, max_body_bytes=args.max_body_bytes),
                 probes_app=create_health_app(service) if args.health_port else None,
+                extra_apps=(create_webhook_app(admission, ready=lambda: service.ready),) if webhook else (),
             )
         finally:
+            await admission.close()
             await service.close()
+
+
+def _check_pem(flag: str, path: str) -> None:
+    """SystemExit naming the problem when a certificate or key file cannot be used (unreadable, the shipped
+    placeholder of k8s/overlays/dra/tls, not PEM)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(4096)
+    except OSError as exc:
+        raise SystemExit(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    if text.lstrip().lower().startswith(PLACEHOLDER):
+        raise SystemExit(
+            f"{flag} {path} is the shipped placeholder: run k8s/generate-webhook-cert.sh (or give a certificate of "
+            "your own) and apply k8s/overlays/dra again"
+        )
+    if "-----BEGIN " not in text:
+        raise SystemExit(f"{flag} {path} is not a PEM file (-----BEGIN ...)")
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -111,6 +147,23 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise SystemExit("--max-body-bytes must be at least 65536")
     if args.health_port is not None and args.health_port == args.port:
         raise SystemExit("--health-port must differ from --port")
+    if args.webhook_port is not None:
+        if not (args.webhook_tls_cert and args.webhook_tls_key):
+            raise SystemExit(
+                "--webhook-port needs --webhook-tls-cert and --webhook-tls-key (kube-apiserver calls "
+                "webhooks over HTTPS only)"
+            )
+        if args.webhook_port in (args.port, args.health_port):
+            raise SystemExit("--webhook-port must differ from --port and --health-port")
+        for flag, path in (("--webhook-tls-cert", args.webhook_tls_cert), ("--webhook-tls-key", args.webhook_tls_key)):
+            _check_pem(flag, path)
+        if args.trust_filter_pods:
+            raise SystemExit(
+                "--webhook-port needs the Kubernetes API (it creates ResourceClaimTemplates): "
+                "not with --trust-filter-pods"
+            )
+    elif args.webhook_tls_cert or args.webhook_tls_key:
+        raise SystemExit("--webhook-tls-cert/--webhook-tls-key go with --webhook-port")
     if args.trust_filter_pods:
         log.warning(
             "--trust-filter-pods: bind reserves for pods as filter calls describe them, without asking the Kubernetes "

@@ -29,3 +29,13 @@ BIND_POD_READS = Counter(
     "Pods bind reserved for, by where the pod came from (watch: the unbound-pod watch; api: a GET)",
     ["source"],
 )
+ADMISSIONS = Counter(
+    "gpushare_extender_admissions_total",
+    "gpushare admission reviews by outcome (rewritten, dry_run, unchanged, ignored, refused, malformed, failed)",
+    ["reason"],
+)
+ADMISSION_SECONDS = Histogram(
+    "gpushare_extender_admission_seconds",
+    "Time to answer a gpushare admission review (template creation included)",
+    buckets=_BUCKETS,
+)

@@ -16,6 +16,7 @@ from services.accounting.tables import CONSUMER, pending, timeline, usage_sample
 from shared.events.catalogue import (
     AssignedEvent,
     BoundEvent,
+    ClaimReservedEvent,
     Event,
     ExchangedEvent,
     FailedEvent,
@@ -46,7 +47,7 @@ async def _first_step(
 async def _step(
     conn: AsyncConnection, event: Event, allocation_id: uuid.UUID, pod_uid: str, node: str, detail: str = ""
 ) -> None:
-    """A timeline row: the step is the event's kind."""
+    """A timeline row: the step is the event's kind (any reservation, a DRA claim's too, is `reserved`)."""
     await conn.execute(
         pg_insert(timeline)
         .values(
@@ -54,7 +55,7 @@ async def _step(
             allocation_id=allocation_id,
             pod_uid=pod_uid,
             node=node,
-            step=event.kind,
+            step=AllocationState.RESERVED.value if isinstance(event, ReservedEvent) else event.kind,
             ts=event.occurred_at,
             detail=detail[:2048],
         )
@@ -74,7 +75,8 @@ async def apply(conn: AsyncConnection, event: Event, *, at: datetime | None = No
     out = Applied(new=True)
     match event:
         case ReservedEvent():
-            await _step(conn, event, event.allocation_id, event.pod_uid, event.node)
+            detail = f"claim {event.claim_name}" if isinstance(event, ClaimReservedEvent) else ""
+            await _step(conn, event, event.allocation_id, event.pod_uid, event.node, detail)
             await conn.execute(
                 delete(pending).where(pending.c.pod_uid == event.pod_uid, pending.c.refused_at <= event.occurred_at)
             )

@@ -32,7 +32,12 @@ from tests.deploy.tools import (
 CRD_KINDS = {"ServiceMonitor", "Cluster"}  # Cluster: CloudNativePG's (overlays/ha, test_ha_overlay.py)
 # Kinds served only from a Kubernetes minor version on: older schema sets skip them (overlays/before-1.30
 # leaves them out for such clusters).
-NEWER_KINDS = {"ValidatingAdmissionPolicy": (1, 30), "ValidatingAdmissionPolicyBinding": (1, 30)}
+NEWER_KINDS = {
+    "ValidatingAdmissionPolicy": (1, 30),
+    "ValidatingAdmissionPolicyBinding": (1, 30),
+    "MutatingWebhookConfiguration": (1, 30),  # overlays/dra: matchConditions (GA in 1.30)
+    "DeviceClass": (1, 34),  # overlays/dra: resource.k8s.io/v1
+}
 POLICY = "gpushare-device-env"
 ANNOTATION_POLICY = "gpushare-annotations"
 ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
@@ -86,6 +91,8 @@ def test_renders_into_one_namespace(rendered: dict[str, list[dict[str, Any]]], n
         "ClusterRoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "MutatingWebhookConfiguration",
+        "DeviceClass",
     }
     for obj in objects:
         ns = obj["metadata"].get("namespace")

@@ -29,6 +29,7 @@ KUSTOMIZATIONS = (
     "overlays/with-components",
     "overlays/extender-mtls",
     "overlays/ha",
+    "overlays/dra",
 )
 NAMESPACE = "gpushare-system"
 # The release (pyproject.toml's version): the image's tag, the chart's version, the migration Job's name.

@@ -1,16 +1,18 @@
-"""`gpushare up --dra` (`make run ARGS=--dra`): the flags and the demo written for DRA nodes (no control plane)."""
+"""`gpushare up --dra` (`make run ARGS=--dra`): the flags and the demo on DRA nodes (no control plane)."""
 
 from __future__ import annotations
 
 import pytest
 
 from devstack.stack.cli import config_from
-from devstack.stack.demo import demo_deployments, dra_demo
+from devstack.stack.demo import demo_deployments
 from devstack.stack.stack import Stack, StackConfig
 from services.cli import build_parser
 from shared.annotations import RESOURCE_MEM
 from shared.dra import DEVICE_CLASS
-from shared.settings import Settings
+from shared.dra.admission import rewrite_pod
+from shared.settings import MemoryUnit, Settings
+from tests.dra.patching import apply_patch
 
 
 def _up(*argv: str):  # type: ignore[no-untyped-def]
@@ -44,18 +46,20 @@ def test_dra_nodes_do_not_run_in_the_fleet_process(tmp_path) -> None:  # type: i
         Stack(StackConfig(data_dir=tmp_path, nodes=2, dra_nodes=1, fleet=True))
 
 
-def test_the_dra_demo_asks_the_same_shares_through_claims() -> None:
-    plain = demo_deployments()
-    templates, deployments = dra_demo(plain)
-    assert [t["metadata"]["name"] for t in templates] == [f"{d['metadata']['name']}-gpu" for d in plain]
-    for template, original, dep in zip(templates, plain, deployments, strict=True):
-        (request,) = template["spec"]["spec"]["devices"]["requests"]
-        gib = original["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][RESOURCE_MEM]
-        assert request["exactly"] == {"deviceClassName": DEVICE_CLASS, "capacity": {"requests": {"memory": f"{gib}Gi"}}}
-        spec = dep["spec"]["template"]["spec"]
-        assert spec["resourceClaims"] == [
-            {"name": "gpushare", "resourceClaimTemplateName": template["metadata"]["name"]}
-        ]
-        (container,) = spec["containers"]
-        assert container["resources"] == {"claims": [{"name": "gpushare", "request": request["name"]}]}
-        assert dep["spec"]["replicas"] == original["spec"]["replicas"]
+def test_the_dra_demo_is_the_unchanged_demo_and_admission_asks_the_same_shares() -> None:
+    """`gpushare up --dra` submits the README's Deployments as they are (in a namespace labelled
+    gpushare.io/allocator=dra): gpushare admission turns each pod's gpu-mem limit into a claim of that memory."""
+    for dep in demo_deployments():
+        template = dep["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        gib = container["resources"]["limits"][RESOURCE_MEM]
+        rewrite = rewrite_pod(template, "gpushare-demo", MemoryUnit.GIB)
+        assert rewrite is not None
+        (request,) = rewrite.template["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["deviceClassName"] == DEVICE_CLASS
+        assert request["exactly"]["capacity"] == {"requests": {"memory": f"{gib}Gi"}}
+        pod = apply_patch(template, rewrite.patch)
+        assert pod["spec"]["containers"][0]["resources"] == {
+            "limits": {},
+            "claims": [{"name": "gpushare", "request": container["name"]}],
+        }
