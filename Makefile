@@ -33,14 +33,14 @@ run: $(STAMP)
 
 # Lint (ruff's checks, then its formatting: both fail the target), then the whole test suite against real
 # PostgreSQL and NATS (embedded ones unless GPUSHARE_TEST_DATABASE_URL / GPUSHARE_TEST_NATS_URL name servers).
-test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Lint, formatting and types ([tool.mypy] in pyproject.toml): each fails the target.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)

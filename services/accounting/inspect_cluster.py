@@ -128,6 +128,7 @@ def nodes_from_cluster(
     the gpushare ResourceSlices of DRA nodes."""
     dra = slice_layouts(slices or [])
     out: dict[str, dict[str, Any]] = {}
+    node: dict[str, Any] | None
     for node in sorted(nodes, key=lambda n: pods.metadata(n).get("name", "")):
         name = str(pods.metadata(node).get("name") or "")
         model = (pods.metadata(node).get("labels") or {}).get(MODEL_LABEL)

@@ -170,7 +170,8 @@ async def through_apiserver(api: client.ApiClient, request: Request) -> Reading:
             kubernetes_status = isinstance(body, dict) and body.get("kind") == "Status"
             if exc.status == 404 and not kubernetes_status:
                 raise NotFound(body.get("error", "not found") if isinstance(body, dict) else "not found") from None
-            detail = status_message(exc) if kubernetes_status else (exc.body or exc.reason or "")[:300]
+            raw = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
+            detail = status_message(exc) if kubernetes_status else (raw or exc.reason or "")[:300]
             raise Unavailable(f"{where}: {exc.status} {detail}".rstrip()) from None
         except ValueError as exc:
             raise Unavailable(f"{where}: the answer is not accounting's JSON ({exc})") from None
@@ -203,7 +204,7 @@ async def from_apiserver(api: client.ApiClient, request: Request, unit: MemoryUn
             page = {"_continue": token} if token else {}
             body = await _kube_json(
                 host,
-                lambda page=page: core.list_pod_for_all_namespaces(
+                lambda page=page: core.list_pod_for_all_namespaces(  # type: ignore[misc]
                     field_selector=fields,
                     limit=PAGE,
                     _preload_content=False,

@@ -73,7 +73,7 @@ class LedgerCollector(Collector):
             family = GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
             for row in s.gpus:
                 if row[column] is not None:
-                    family.add_metric(gpu_labels(*row[:4]), mib_to_bytes(row[column]))
+                    family.add_metric(gpu_labels(*row[:4]), mib_to_bytes(row[column]))  # type: ignore[arg-type]
             yield family
         ns_alloc = GaugeMetricFamily(
             "gpushare_namespace_gpu_memory_allocated_bytes", "GPU memory a namespace holds", labels=["namespace"]

@@ -143,7 +143,7 @@ def claims(events: Iterable[Event]) -> list[uuid.UUID]:
 def _fresh(events: Iterable[Event], claimed: set[uuid.UUID]) -> list[Event]:
     """The events a batch may apply: usage events with samples, and claimed events (first copies)."""
     seen: set[uuid.UUID] = set()
-    out = []
+    out: list[Event] = []
     for e in events:
         if isinstance(e, UsageEvent):
             if e.samples:

@@ -153,12 +153,12 @@ async def _known(conn: AsyncConnection, wanted: Reads) -> Known:
             )
             earliest |= {allocation_id: (ts, pod_uid) for allocation_id, ts, pod_uid in rows}
     if wanted.refused_pods:
-        rows = await conn.execute(
+        reserved = await conn.execute(
             select(timeline.c.pod_uid, func.max(timeline.c.ts))
             .where(timeline.c.pod_uid == _any(wanted.refused_pods, Text()), timeline.c.step == RESERVED)
             .group_by(timeline.c.pod_uid)
         )
-        latest = {pod_uid: ts for pod_uid, ts in rows}
+        latest = {pod_uid: ts for pod_uid, ts in reserved}
     if wanted.usage_ids:
         rows = await conn.execute(
             select(usage_samples.c.event_id)

@@ -253,7 +253,7 @@ class PodView(Answer):
     usage: PodUsage | None = Field(description="the current (or latest) allocation's latest usage sample")
 
 
-AllocationsByState: type[Answer] = create_model(  # one key per state, each required
+AllocationsByState: type[Answer] = create_model(  # type: ignore[call-overload]  # one key per state, each required
     "AllocationsByState", __base__=Answer, **{name: (int, ...) for name in STATE_NAMES}
 )
 

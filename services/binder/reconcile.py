@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from kubernetes_asyncio import client
 
@@ -214,7 +215,7 @@ def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: M
     node = pods.node_name(pod)
     kind, owner_name = pods.owner(pod)
     ann = pods.annotations(pod)
-    base = {
+    base: dict[str, Any] = {
         "pod_uid": pods.pod_uid(pod),
         "namespace": str(meta.get("namespace") or ""),
         "pod_name": str(meta.get("name") or ""),
@@ -234,17 +235,17 @@ def adoption_request(pod: Pod, gpus_on_node: dict[int, tuple[str, int]], unit: M
         raise AdoptionError("unreadable", f"its GPU request cannot be read: {exc}") from None
     if ALLOCATION in ann:
         try:
-            allocation_id, annotated_node, parts = parse_allocation(ann[ALLOCATION])
+            allocation_id, annotated_node, annotated = parse_allocation(ann[ALLOCATION])
         except ValueError as exc:
             raise AdoptionError("unreadable", str(exc)) from None
         if annotated_node != node:
             raise AdoptionError("wrong_node", f"annotation names node {annotated_node} but the pod is on {node}")
         known = {gpu_uuid for gpu_uuid, _ in gpus_on_node.values()}
-        unknown = sorted({p.gpu_uuid for p in parts} - known)
+        unknown = sorted({p.gpu_uuid for p in annotated} - known)
         if unknown:
             raise AdoptionError("unknown_gpu", f"GPU(s) {', '.join(unknown)} are not on {node} in the ledger")
-        _check_shape(demand, parts)
-        return ReservationRequest(parts=tuple(parts), allocation_id=allocation_id, **base)
+        _check_shape(demand, annotated)
+        return ReservationRequest(parts=tuple(annotated), allocation_id=allocation_id, **base)
 
     raw_index = ann[GPU_MEM_IDX].strip()
     try:

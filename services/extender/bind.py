@@ -155,7 +155,9 @@ class Bind:
             )
             try:
                 reservation = await retry_transient(
-                    lambda request=request: self.reservations.submit(request), budget_s=LEDGER_BUDGET_S, what="reserve"
+                    lambda request=request: self.reservations.submit(request),  # type: ignore[misc]
+                    budget_s=LEDGER_BUDGET_S,
+                    what="reserve",
                 )
             except BaseException as exc:
                 self.view.release_hold(request.allocation_id)  # refused, or no answer: the hold goes

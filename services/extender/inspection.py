@@ -42,8 +42,8 @@ def inspect(view: ClusterView, unit: MemoryUnit, node_name: str | None = None) -
         out.append(
             {
                 "name": name,
-                "totalGPU": sum(d["totalGPU"] for d in devs),
-                "usedGPU": sum(d["usedGPU"] for d in devs),
+                "totalGPU": sum(int(d["totalGPU"]) for d in devs),  # type: ignore[call-overload]
+                "usedGPU": sum(int(d["usedGPU"]) for d in devs),  # type: ignore[call-overload]
                 "devs": devs,
             }
         )

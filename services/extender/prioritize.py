@@ -28,4 +28,4 @@ def prioritize(
         missing = [n for n, s in zip(names, found, strict=True) if s is None]
         more = dict(zip(missing, score_list(view.columns, nodes, missing, demand, policy), strict=True))
         found = [more[n] if s is None else s for n, s in zip(names, found, strict=True)]
-    return list(zip(names, found, strict=True))
+    return list(zip(names, found, strict=True))  # type: ignore[arg-type]  # every None was scored above

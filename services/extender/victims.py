@@ -94,4 +94,4 @@ async def read_facts(api: Callable[[], Awaitable[Any]] | None, nodes: Sequence[s
     except Exception as exc:
         log.warning("preempt could not read the candidate nodes' pods or the PodDisruptionBudgets: %r", exc)
         return Facts.unknown()
-    return Facts(dict(zip(nodes, listed, strict=True)), found)
+    return Facts(dict(zip(nodes, listed, strict=True)), found)  # type: ignore[arg-type]  # gather's last is budgets()

@@ -68,7 +68,7 @@ def dump_priorities(scores: Iterable[tuple[str, int]]) -> bytes:
     rows = list(map(_HOST_ROWS.get, hosts))
     if not all(rows):
         rows = [r if r is not None else _host_rows(h) for r, h in zip(rows, hosts, strict=True)]
-    return ("[" + ",".join(map(getitem, rows, values)) + "]").encode("utf-8")
+    return ("[" + ",".join(map(getitem, rows, values)) + "]").encode("utf-8")  # type: ignore[arg-type]  # rows: all set
 
 
 @dataclass(frozen=True)

@@ -384,7 +384,7 @@ class NodeAgent:
 
     def device_list(self, resource: str) -> list[Any]:
         """kubelet devices of a resource: gpu-mem one per unit, gpu-core 100 per GPU, gpu-count one per GPU."""
-        out = []
+        out: list[Any] = []
         for g in self.gpus:
             health = "Healthy" if self.health.get(g.uuid, True) else "Unhealthy"
             topo = dp_pb2.TopologyInfo(nodes=[dp_pb2.NUMANode(ID=g.numa_node)]) if g.numa_node is not None else None
@@ -467,8 +467,8 @@ class NodeAgent:
         over_pods = {p for p, g in over if (p, g) in allocated}
         m.pod_overuse.publish({(node, c.namespace, c.pod_name): 1 if c.pod_uid in over_pods else 0 for c in view})
         unallocated = {(p, g) for p, g in over if (p, g) not in allocated}
-        for key, labels in list(self._unallocated_labels.items()):
-            m.pod_unallocated.labels(*labels).set(1 if key in unallocated else 0)
+        for pod_gpu, series in list(self._unallocated_labels.items()):
+            m.pod_unallocated.labels(*series).set(1 if pod_gpu in unallocated else 0)
         return event
 
     async def _unallocated(self, sample: Any) -> None:

@@ -46,7 +46,7 @@ def registration_socket(registration_dir: Path, driver: str = DRIVER) -> Path:
     return Path(registration_dir) / f"{driver}-reg.sock"
 
 
-class _Registration(reg_grpc.RegistrationServicer):
+class _Registration(reg_grpc.RegistrationServicer):  # type: ignore[name-defined]  # generated at build
     def __init__(self, plugin: DraPluginServer) -> None:
         self.plugin = plugin
 

@@ -51,7 +51,7 @@ class DeviceHandler(Protocol):
         ...
 
 
-class DevicePluginServicer(dp_grpc.DevicePluginServicer):
+class DevicePluginServicer(dp_grpc.DevicePluginServicer):  # type: ignore[name-defined]  # generated at build
     """The gRPC face of one resource."""
 
     def __init__(self, resource: str, handler: DeviceHandler, options: Any, *, device_list: str = "envvar") -> None:

@@ -12,6 +12,7 @@ import uuid
 from collections import OrderedDict, namedtuple
 from dataclasses import replace
 from datetime import datetime
+from typing import Any, cast
 
 from services.node_agent.assignment import PendingContainer, Share
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot
@@ -203,7 +204,9 @@ class _SharePart:
         self.container, self.gpu_uuid, self.gpu_index = container, gpu_uuid, gpu_index
 
 
-_Charge = namedtuple("_Charge", ChargeablePart.__annotations__)  # type: ignore[misc]
+_Charge: Any = cast(Any, namedtuple)(
+    "_Charge", ["gpu_uuid", "container_index", "memory_mib", "compute", "init", "sidecar"]
+)
 """A share as `gpu_charges` reads it: a plain tuple, since the gauges' refresh builds one per share on the node."""
 
 

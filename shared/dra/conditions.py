@@ -62,7 +62,7 @@ def decided(claim: Mapping[str, Any], results: Sequence[Mapping[str, Any]]) -> s
 
 def _conditions(reserved: bool, reason: str, message: str, at: str, generation: int | None) -> list[dict[str, Any]]:
     message = message[:MAX_MESSAGE]
-    out = [
+    out: list[dict[str, Any]] = [
         {"type": RESERVED_CONDITION, "status": "True" if reserved else "False", "reason": reason, "message": message},
         {"type": REFUSED_CONDITION, "status": "False" if reserved else "True", "reason": reason, "message": message},
     ]

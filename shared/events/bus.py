@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -193,7 +194,7 @@ class EventBus:
                 extra={"stream": stream, "subjects": subjects, "max_age_s": max_age, "replicas": self.replicas},
             )
             return
-        config, changes = info.config, {}
+        config, changes = info.config, dict[str, Any]()
         if sorted(config.subjects or []) != subjects:
             changes["subjects"] = subjects
         if set_limits and ((config.max_age or 0.0), max(config.max_bytes or 0, 0)) != (max_age, max_bytes):

@@ -48,7 +48,7 @@ class _EventBase(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
-    version: Literal[1] = SUPPORTED_VERSION
+    version: Literal[1] = SUPPORTED_VERSION  # type: ignore[assignment]  # SUPPORTED_VERSION is 1
     occurred_at: datetime = Field(default_factory=_now)
     source: Annotated[str, Field(max_length=253)] = ""
 

@@ -277,7 +277,8 @@ class DurableConsumer:
         raises, every message of the batch goes through `handle_message` instead, so one bad event is
         retried or parked on its own and never holds back the others.
         """
-        assert self.batch_handler is not None
+        handler = self.batch_handler
+        assert handler is not None
         wanted: list[tuple[Any, Event]] = []
         for msg in msgs:
             event = await self._wanted(msg)
@@ -288,7 +289,7 @@ class DurableConsumer:
         events = [event for _, event in wanted]
         try:
             async with self._in_progress([m for m, _ in wanted]):
-                await self._through_outages(lambda: self.batch_handler(events), [m for m, _ in wanted], events[0])
+                await self._through_outages(lambda: handler(events), [m for m, _ in wanted], events[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -30,7 +30,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -229,7 +229,7 @@ class ElectionConfig:
     timing: ElectionTiming = ElectionTiming()
 
 
-Duties = Callable[[asyncio.Event], Awaitable[None]]
+Duties = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 OnChange = Callable[[bool, str], None]
 
 

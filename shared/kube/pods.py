@@ -4,8 +4,6 @@ Every helper takes the pod as a dict with the API's camelCase keys, e.g. from `r
 event's object, or `api_client.sanitize_for_serialization(v1_pod)` for a model object.
 """
 
-from __future__ import annotations
-
 from typing import Any, NamedTuple
 
 from kubernetes_asyncio import client
@@ -86,7 +84,7 @@ class ContainerAmount(NamedTuple):
     """How much of one resource one container asks for; `sidecar`: an init container with restartPolicy Always."""
 
     name: str
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, as in every NamedTuple with an index
     init: bool
     amount: int
     sidecar: bool = False

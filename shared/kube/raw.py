@@ -23,7 +23,7 @@ async def read_json(resp: Any) -> dict[str, Any]:
     if not 200 <= resp.status <= 299:
         exc = ApiException(status=resp.status, reason=resp.reason)
         exc.body = body.decode(errors="replace")
-        exc.headers = dict(resp.headers)
+        exc.headers = dict(resp.headers)  # type: ignore[assignment]  # what kubernetes_asyncio's own errors carry
         raise exc
     if not body:
         return {}

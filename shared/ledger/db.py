@@ -40,7 +40,7 @@ def on_read_only_server(exc: BaseException) -> bool:
     while current is not None and seen < 5:
         if getattr(current, "sqlstate", None) == READ_ONLY_SQLSTATE or NO_WRITABLE_HOST in str(current).lower():
             return True
-        current = getattr(current, "orig", None) or current.__cause__
+        current = getattr(current, "orig", None) or current.__cause__  # type: ignore[assignment]
         seen += 1
     return False
 

@@ -73,13 +73,16 @@ async def apply_event(conn: AsyncConnection, event: LedgerEvent) -> object:
         case TerminatingEvent():
             return await transitions.apply_terminating(conn, event)
         case InventoryEvent():
-            return await inventory.apply_inventory(conn, event)
+            await inventory.apply_inventory(conn, event)
+            return None
         case HealthEvent():
             return await inventory.apply_health(conn, event)
         case NodeRetiredEvent():
-            return await inventory.apply_node_retired(conn, event)
+            await inventory.apply_node_retired(conn, event)
+            return None
         case QuotaEvent():
-            return await quotas.apply_quota(conn, event)
+            await quotas.apply_quota(conn, event)
+            return None
     raise TypeError(f"not a ledger event: {type(event).__name__}")
 
 

@@ -74,14 +74,20 @@ def is_live(state: AllocationState | str) -> bool:
 
 
 class ChargeablePart(Protocol):
-    """Anything with the fields `gpu_charges` needs (event parts, rows, placement results)."""
+    """Anything with the fields `gpu_charges` needs (event parts, rows, placement results), read-only."""
 
-    gpu_uuid: str
-    container_index: int
-    memory_mib: int
-    compute: int
-    init: bool
-    sidecar: bool
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def container_index(self) -> int: ...
+    @property
+    def memory_mib(self) -> int: ...
+    @property
+    def compute(self) -> int: ...
+    @property
+    def init(self) -> bool: ...
+    @property
+    def sidecar(self) -> bool: ...
 
 
 def effective_request(app_total: int, inits: Iterable[tuple[int, bool]]) -> int:
@@ -163,11 +169,14 @@ def exchange_plan(first: list[Any], second: list[Any]) -> list[tuple[Any, str, i
 
 
 class MovablePart(Protocol):
-    """A part that an exchange can move (event parts and rows alike)."""
+    """A part that an exchange can move (event parts and rows alike), read-only."""
 
-    container: str
-    gpu_uuid: str
-    gpu_index: int
+    @property
+    def container(self) -> str: ...
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def gpu_index(self) -> int: ...
 
 
 def moved_to(allocation_id: Any, part: MovablePart, moves: Iterable[Any]) -> tuple[str, int] | None:
@@ -182,8 +191,10 @@ def moved_to(allocation_id: Any, part: MovablePart, moves: Iterable[Any]) -> tup
 class ExchangeablePart(ChargeablePart, Protocol):
     """A part `swap_shares` can move: which container holds it, and on which GPU."""
 
-    container: str
-    gpu_index: int
+    @property
+    def container(self) -> str: ...
+    @property
+    def gpu_index(self) -> int: ...
 
 
 P = TypeVar("P", bound=ExchangeablePart)

@@ -22,8 +22,8 @@ from shared.ledger.state import AllocationRow, GpuRow, LedgerState, NodeRow
 FORMAT = 1
 _NODE_FIELDS = ("driver_version", "cuda_version", "retired", "address", "allocator")
 _TIMES = ("reserved_at", "bound_at", "assigned_at", "ended_at", "terminating_at", "pod_created_at")
-_ALLOCATION_FIELDS = ("pod_uid", "namespace", "pod_name", "owner_kind", "owner_name", "node", "memory_mib")
-_ALLOCATION_FIELDS += ("compute", "reason", "version")
+_ALLOCATION_FIELDS: tuple[str, ...] = ("pod_uid", "namespace", "pod_name", "owner_kind", "owner_name", "node")
+_ALLOCATION_FIELDS += ("memory_mib", "compute", "reason", "version")
 _CLAIM_FIELDS = ("claim_uid", "claim_name")  # DRA allocations; absent from snapshots taken before them
 
 
@@ -72,7 +72,7 @@ def _allocation(a: AllocationRow) -> dict[str, Any]:
 def _allocation_row(d: dict[str, Any]) -> AllocationRow:
     return AllocationRow(
         **{name: d[name] for name in _ALLOCATION_FIELDS},
-        **{name: d.get(name) for name in _CLAIM_FIELDS},
+        **{name: d.get(name) for name in _CLAIM_FIELDS},  # type: ignore[arg-type]
         **{name: _parse_time(d[name]) for name in _TIMES},  # type: ignore[arg-type]
         state=AllocationState(d["state"]),
         parts=tuple(AllocationPart.model_validate(p) for p in d["parts"]),

@@ -587,5 +587,6 @@ def pick(
             raise NoFit(f"can never fit on {node.name}: {cap_reason}", resolvable=False)
         raise NoFit(reason)
     return Placement(
-        node.name, tuple(AllocationPart(**dict(zip(AllocationPart.model_fields, p, strict=True))) for p in parts)
+        node.name,
+        tuple(AllocationPart(**dict(zip(AllocationPart.model_fields, p, strict=True))) for p in parts),  # type: ignore[arg-type]
     )
