@@ -50,8 +50,13 @@ GPUSHARE_WORKLOADS = {
     ("Deployment", "gpushare-binder"),
     ("Deployment", "gpushare-accounting"),
     ("DaemonSet", "gpushare-node-agent"),
+    ("DaemonSet", "gpushare-node-agent-dra"),  # overlays/dra
     ("Job", MIGRATE_JOB),
 }
+NODE_AGENTS = (
+    "gpushare-node-agent",
+    "gpushare-node-agent-dra",
+)  # the device-plugin agent; the DRA plugin (overlays/dra)
 
 
 def _validator() -> Any:
@@ -570,11 +575,13 @@ def _secret_refs(obj: dict[str, Any]) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_node_agents_see_no_database_credential(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
-    """A GPU node's kubelet fetches only the Secrets its pods name: the node agent's names its NATS password."""
-    agent = find(rendered[name], "DaemonSet", "gpushare-node-agent")
-    assert _secret_refs(agent) == {("gpushare-node-agent", "nats-password")}
-    env = {e["name"] for e in pod_spec(agent)["containers"][0].get("env", [])}
-    assert not any("DATABASE" in e for e in env), env
+    """A GPU node's kubelet fetches only the Secrets its pods name: a node agent's names its NATS password."""
+    agents = [o for o in rendered[name] if o["kind"] == "DaemonSet" and o["metadata"]["name"] in NODE_AGENTS]
+    assert "gpushare-node-agent" in {a["metadata"]["name"] for a in agents}
+    for agent in agents:
+        assert _secret_refs(agent) == {("gpushare-node-agent", "nats-password")}, key(agent)
+        env = {e["name"] for e in pod_spec(agent)["containers"][0].get("env", [])}
+        assert not any("DATABASE" in e for e in env), env
     (secret,) = [o for o in rendered[name] if key(o) == ("Secret", "gpushare-node-agent")]
     assert set(secret.get("data") or secret.get("stringData")) == {"nats-password"}
 
