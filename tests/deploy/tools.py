@@ -106,3 +106,14 @@ def runs_on(spec: dict[str, Any], labels: dict[str, str]) -> bool:
 
     terms = required["nodeSelectorTerms"]  # a term without expressions matches no node
     return any(term.get("matchExpressions") and all(holds(e) for e in term["matchExpressions"]) for term in terms)
+
+
+def assert_serving_certificate(ca: Path, cert: Path) -> None:
+    """`cert` is a TLS server certificate that `ca` signed, by openssl's check (kube-apiserver verifies webhooks so)."""
+    proc = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ca), "-purpose", "sslserver", str(cert)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
