@@ -214,6 +214,22 @@ def test_notes_say_how_to_wire_the_scheduler_and_run_the_tests(helm: str, tmp_pa
         "scheduler.mode=second-scheduler",
     ).stdout
     assert "spec.schedulerName: gpushare-scheduler" in second
+    modes = run_helm(
+        helm,
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        NAMESPACE,
+        "--dry-run=client",
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        "postgresql.mode=cloudnativepg",
+    ).stdout
+    assert "kubectl label node <gpu-node> gpushare.io/allocator=dra" in modes
+    assert "kubectl label namespace <namespace> gpushare.io/allocator=dra" in modes
+    assert "cluster/gpushare-db" in modes
 
 
 # -- helm test: the script of the services-answer pod, run here against HTTP servers that answer as told
