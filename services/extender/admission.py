@@ -151,7 +151,7 @@ def _template_refusal(exc: ApiException, namespace: str, name: str) -> Admission
     if exc.status == 403:
         return AdmissionRefused(
             f"the gpushare extender may not create ResourceClaimTemplates in namespace {namespace} ({why}); grant its "
-            "ServiceAccount `create` and `get` on resourceclaimtemplates.resource.k8s.io (k8s/overlays/dra)",
+            "ServiceAccount `create` and `get` on resourceclaimtemplates.resource.k8s.io (k8s/base/rbac.yaml)",
             "Forbidden",
         )
     if exc.status in (400, 422):

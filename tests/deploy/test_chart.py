@@ -10,7 +10,9 @@ object and field that differ.
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.server
+import json
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.deploy.chart import (
     CHART,
@@ -33,7 +36,9 @@ from tests.deploy.chart import (
     template,
     values_file,
 )
-from tests.deploy.tools import NAMESPACE, find, key, pod_spec
+from tests.deploy.test_ha_overlay import undocumented
+from tests.deploy.test_manifests import secret_readable
+from tests.deploy.tools import NAMESPACE, assert_serving_certificate, find, key, load_all, pod_spec, runs_on
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +87,22 @@ WRONG_VALUES = [
     ({"nodeAgent": {"nodeSelector": {"gpushare": True}}}, ["/nodeAgent/nodeSelector/gpushare", "string"]),
     ({"monitoring": {"serviceMonitor": {"enabled": "yes"}}}, ["/monitoring/serviceMonitor/enabled"]),
     ({"database": {"server": "postgresql://user:pw@db:5432/gpushare"}}, ["/database/server"]),
+    ({"postgresql": {"mode": "patroni"}}, ["/postgresql/mode", "statefulset", "cloudnativepg"]),
+    (
+        {"postgresql": {"cloudnativepg": {"synchronous": {"method": "any", "number": 1, "dataDurability": "strict"}}}},
+        ["/postgresql/cloudnativepg/synchronous/dataDurability", "required", "preferred"],
+    ),
+    ({"postgresql": {"cloudnativepg": {"instances": 1}}}, ["/postgresql/cloudnativepg/instances", "minimum"]),
+    ({"dra": {"enabled": "yes"}}, ["/dra/enabled", "boolean"]),
+    ({"dra": {"admission": {"tls": {"certificate": "not a PEM"}}}}, ["/dra/admission/tls/certificate"]),
+    (
+        {
+            "dra": {
+                "admission": {"tls": {"certificate": "-----BEGIN CERTIFICATE-----\nMII=\n-----END CERTIFICATE-----"}}
+            }
+        },
+        ["/dra/admission/tls", "key", "caBundle"],
+    ),
 ]
 
 
@@ -193,6 +214,22 @@ def test_notes_say_how_to_wire_the_scheduler_and_run_the_tests(helm: str, tmp_pa
         "scheduler.mode=second-scheduler",
     ).stdout
     assert "spec.schedulerName: gpushare-scheduler" in second
+    modes = run_helm(
+        helm,
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        NAMESPACE,
+        "--dry-run=client",
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        "postgresql.mode=cloudnativepg",
+    ).stdout
+    assert "kubectl label node <gpu-node> gpushare.io/allocator=dra" in modes
+    assert "kubectl label namespace <namespace> gpushare.io/allocator=dra" in modes
+    assert "cluster/gpushare-db" in modes
 
 
 # -- helm test: the script of the services-answer pod, run here against HTTP servers that answer as told
@@ -265,3 +302,152 @@ def test_helm_is_the_v4_release_built_from_its_module(helm: str) -> None:
     from devstack.cluster.helm import HELM_VERSION, helm_version
 
     assert helm_version(Path(helm)) == HELM_VERSION == "v4.3.2"
+
+
+# -- modes beyond the kustomize tree's defaults: replicas, namespaces, DRA admission's certificate, CloudNativePG
+
+
+def test_a_single_replica_gets_no_disruption_budget_that_would_block_every_drain(helm: str, tmp_path: Path) -> None:
+    one = {name: {"replicas": 1} for name in ("extender", "binder", "accounting")}
+    budgets = {key(o) for o in template(helm, one, (), tmp_path) if o["kind"] == "PodDisruptionBudget"}
+    assert budgets == {("PodDisruptionBudget", "nats")}
+    default = {key(o)[1] for o in template(helm, {}, (), tmp_path) if o["kind"] == "PodDisruptionBudget"}
+    assert default == {"nats", "gpushare-extender", "gpushare-binder", "gpushare-accounting"}
+
+
+def test_another_namespace_reaches_every_namespaced_name_in_the_shared_files(helm: str, tmp_path: Path) -> None:
+    """The rules read from k8s/ (RBAC, the admission policies, the webhook) name gpushare-system; installed elsewhere,
+    the chart names the release's namespace in each: bindings' subjects, the writers the annotation policy exempts,
+    the webhook's Service, the webhook certificate's name."""
+    values = {"dra": {"enabled": True}}
+    args = ["template", RELEASE, str(CHART), "-n", "gpu-ops", "-f", str(values_file(values, tmp_path))]
+    objects = load_all(run_helm(helm, *args).stdout)
+    text = yaml.safe_dump_all(objects)
+    assert "gpushare-system" not in text
+    subjects = [s for o in objects if o["kind"].endswith("Binding") for s in o.get("subjects", [])]
+    assert subjects and {s["namespace"] for s in subjects if s["kind"] == "ServiceAccount"} == {"gpu-ops"}
+    assert {o["metadata"]["namespace"] for o in objects if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")} == {
+        "gpu-ops"
+    }
+    policy = find(objects, "ValidatingAdmissionPolicy", "gpushare-annotations")
+    assert "system:serviceaccount:gpu-ops:gpushare-binder" in json.dumps(policy["spec"]["matchConditions"])
+    (hook,) = find(objects, "MutatingWebhookConfiguration", "gpushare-dra-admission")["webhooks"]
+    assert hook["clientConfig"]["service"]["namespace"] == "gpu-ops"
+    cert = base64.b64decode(find(objects, "Secret", "gpushare-admission-tls")["data"]["tls.crt"])
+    assert "DNS:gpushare-extender.gpu-ops.svc" in _openssl(tmp_path, cert, "x509", "-noout", "-ext", "subjectAltName")
+
+
+def _openssl(tmp_path: Path, pem: bytes, *args: str) -> str:
+    path = tmp_path / f"pem-{len(list(tmp_path.glob('pem-*')))}"
+    path.write_bytes(pem)
+    proc = subprocess.run(["openssl", *args, "-in", str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _admission(objects: list[dict[str, Any]]) -> tuple[dict[str, bytes], str, str]:
+    """The webhook Secret's files, the webhook's caBundle (decoded) and the extender's restart checksum."""
+    data = {k: base64.b64decode(v) for k, v in find(objects, "Secret", "gpushare-admission-tls")["data"].items()}
+    (hook,) = find(objects, "MutatingWebhookConfiguration", "gpushare-dra-admission")["webhooks"]
+    extender = find(objects, "Deployment", "gpushare-extender")["spec"]["template"]["metadata"]
+    return (
+        data,
+        base64.b64decode(hook["clientConfig"]["caBundle"]).decode(),
+        extender["annotations"]["checksum/admission-tls"],
+    )
+
+
+def test_dra_generates_a_webhook_certificate_the_api_server_can_verify_and_wires_its_ca(
+    helm: str, tmp_path: Path
+) -> None:
+    objects = template(helm, {"dra": {"enabled": True}}, (), tmp_path)
+    data, ca_bundle, checksum = _admission(objects)
+    assert ca_bundle == data["caBundle"].decode(), "the webhook trusts the CA of the Secret the extender serves"
+    (tmp_path / "ca.crt").write_bytes(data["caBundle"])
+    (tmp_path / "tls.crt").write_bytes(data["tls.crt"])
+    assert_serving_certificate(tmp_path / "ca.crt", tmp_path / "tls.crt")
+    sans = _openssl(tmp_path, data["tls.crt"], "x509", "-noout", "-ext", "subjectAltName")
+    assert "DNS:gpushare-extender.gpushare-system.svc" in sans  # the Service kube-apiserver calls
+    key_modulus = _openssl(tmp_path, data["tls.key"], "rsa", "-noout", "-modulus")
+    assert key_modulus == _openssl(tmp_path, data["tls.crt"], "x509", "-noout", "-modulus"), "the key is the cert's"
+    assert checksum == hashlib.sha256(base64.b64encode(data["tls.crt"])).hexdigest()
+    # the extender serves it: the webhook port, the Secret mounted where its flags say, readable by its group
+    spec = find(objects, "Deployment", "gpushare-extender")["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "gpushare-admission-tls"]
+    assert secret_readable(spec, spec["containers"][0], volume)
+    # helm template cannot look the installed one up: a new one each time (an install keeps it: test_chart_install.py)
+    assert _admission(template(helm, {"dra": {"enabled": True}}, (), tmp_path))[0]["tls.crt"] != data["tls.crt"]
+
+
+def test_dra_takes_a_webhook_certificate_of_your_own(helm: str, tmp_path: Path) -> None:
+    subprocess.run(
+        ["sh", "-c", "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=mine -keyout key.pem -out crt.pem"],
+        cwd=tmp_path,
+        capture_output=True,
+        check=True,
+    )
+    crt, key_pem = (tmp_path / "crt.pem").read_text(), (tmp_path / "key.pem").read_text()
+    given = {"dra": {"enabled": True, "admission": {"tls": {"certificate": crt, "key": key_pem, "caBundle": crt}}}}
+    data, ca_bundle, checksum = _admission(template(helm, given, (), tmp_path))
+    assert (data["tls.crt"].decode(), data["tls.key"].decode(), ca_bundle) == (crt, key_pem, crt)
+    again = _admission(template(helm, given, (), tmp_path))
+    assert again[2] == checksum, "the same certificate: no restart"
+
+
+def test_dra_is_refused_before_kubernetes_1_34_with_what_to_do(helm: str, tmp_path: Path) -> None:
+    args = ["template", RELEASE, str(CHART), "-n", NAMESPACE, "--set", "dra.enabled=true", "--kube-version", "v1.33.4"]
+    proc = run_helm(helm, *args, check=False)
+    assert proc.returncode != 0
+    assert "dra.enabled needs Kubernetes 1.34 or later" in proc.stderr and "v1.33.4" in proc.stderr
+
+
+def test_dra_runs_the_dra_agent_on_its_nodes_and_the_device_plugin_agent_elsewhere(helm: str, tmp_path: Path) -> None:
+    """dra.nodeSelector of two labels: a node with both is a DRA node, a node lacking either runs the device plugin."""
+    selector = {"gpushare.io/allocator": "dra", "pool": "gpu-b"}
+    objects = template(helm, {"dra": {"enabled": True, "nodeSelector": selector}}, (), tmp_path)
+    dra, device_plugin = (
+        pod_spec(find(objects, "DaemonSet", n)) for n in ("gpushare-node-agent-dra", "gpushare-node-agent")
+    )
+    for labels in ({"gpushare": "true", **selector}, selector):
+        assert runs_on(dra, labels) and not runs_on(device_plugin, labels), labels
+    for labels in (
+        {"gpushare": "true"},
+        {"gpushare": "true", "pool": "gpu-b"},
+        {"gpushare": "true", "gpushare.io/allocator": "dra"},
+    ):
+        assert runs_on(device_plugin, labels) and not runs_on(dra, labels), labels
+    plain = pod_spec(find(template(helm, {}, (), tmp_path), "DaemonSet", "gpushare-node-agent"))
+    assert "affinity" not in plain
+
+
+def test_cloudnativepg_values_stay_within_the_operators_documented_fields(helm: str, tmp_path: Path) -> None:
+    values = {
+        "postgresql": {
+            "mode": "cloudnativepg",
+            "storage": "50Gi",
+            "storageClassName": "fast",
+            "cloudnativepg": {
+                "instances": 5,
+                "synchronous": {"method": "first", "number": 2, "dataDurability": "preferred"},
+                "parameters": {"max_connections": "400", "shared_buffers": "1GB"},
+                "operatorNamespace": "postgres-operator",
+            },
+        }
+    }
+    objects = template(helm, values, (), tmp_path)
+    cluster = find(objects, "Cluster", "gpushare-db")
+    assert undocumented(cluster["spec"]) == []
+    assert (cluster["spec"]["instances"], cluster["spec"]["storage"]) == (5, {"size": "50Gi", "storageClass": "fast"})
+    assert cluster["spec"]["postgresql"]["synchronous"] == values["postgresql"]["cloudnativepg"]["synchronous"]
+    assert not {("StatefulSet", "postgres"), ("Service", "postgres")} & {key(o) for o in objects}
+    operator = find(objects, "NetworkPolicy", "gpushare-db")["spec"]["ingress"][1]["from"][1]
+    assert operator == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "postgres-operator"}}}
+    too_many = {
+        "postgresql": {
+            "mode": "cloudnativepg",
+            "cloudnativepg": {"instances": 2, "synchronous": {"method": "any", "number": 2}},
+        }
+    }
+    args = ["template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(values_file(too_many, tmp_path))]
+    proc = run_helm(helm, *args, check=False)
+    assert proc.returncode != 0 and "synchronous.number (2) must be below instances (2)" in proc.stderr

@@ -3,8 +3,12 @@
 Every mode is installed with `--dry-run=server` (Helm looks the credentials up, reads the served APIs, checks
 for objects it would clash with), and what Helm would create, hooks and `helm test` pods included, is then
 dry-run by the server itself (`kubectl apply --dry-run=server`: Helm's own dry run sends no object to the
-server). One real install shows what `lookup` is for: an upgrade keeps the generated credentials, an uninstall
-keeps the Secrets, and a reinstall finds them.
+server). The HA mode's CloudNativePG Cluster is a kind no test server serves (the operator's CRDs cannot be had
+here): Helm refuses to build it, as on a cluster without the operator, so that mode's other objects are rendered
+for the server and dry-run without it, with a warning naming what was not. The DRA mode (Kubernetes 1.34+) is
+refused on 1.20 with what to do. One real install shows what `lookup` is for: an upgrade keeps the generated
+credentials, an uninstall keeps the Secrets, and a reinstall finds them; another, in the DRA mode, that the webhook's
+generated certificate and its CA in the caBundle are kept by an upgrade.
 
 On 1.20 the chart leaves out by itself what the server does not serve (the admission policy, the ServiceMonitor)
 and writes PodDisruptionBudgets as policy/v1beta1. Helm v4 applies server-side by default; 1.20's
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +32,11 @@ import yaml
 
 from devstack.cluster import ControlPlane
 from tests.deploy.chart import CHART, MODES, RELEASE, helm_binary, helm_errors, run_helm, values_file
-from tests.deploy.tools import NAMESPACE, load_all
+from tests.deploy.tools import NAMESPACE, key, load_all
 
 SERVERS = ("current", "1.20")
+# Modes with an object of a kind that no test server serves: the API version Helm cannot build (the CRD missing).
+UNBUILDABLE = {"overlays/ha": "postgresql.cnpg.io/v1"}  # CloudNativePG's Cluster
 # Not the kustomize tests' gpushare-system: they create that namespace without Helm's ownership on the same server.
 CHART_NAMESPACE = "gpushare-chart"
 
@@ -83,15 +90,53 @@ def namespace(kubectl: str, server: ControlPlane) -> str:
     return CHART_NAMESPACE
 
 
+def _served(kubectl: str, cp: ControlPlane) -> set[str]:
+    proc = _kubectl(kubectl, cp, "api-versions")
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stdout.split())
+
+
+def _rendered_for(helm: str, cp: ControlPlane, served: set[str], values_path: Path) -> list[dict[str, Any]]:
+    """The release's objects, hooks and test pods, as `helm template` renders them for this server (its version
+    and the API versions it serves): what `helm install --dry-run=server` shows, for a mode it cannot build."""
+    args = ["template", RELEASE, str(CHART), "-n", CHART_NAMESPACE, "-f", str(values_path)]
+    args += ["--kube-version", cp.release.version, *(f"--api-versions={v}" for v in sorted(served))]
+    return load_all(run_helm(helm, *args).stdout)
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_helm_install_dry_run_server_in_every_mode(
     helm: str, kubectl: str, server: ControlPlane, namespace: str, mode: str, tmp_path: Path
 ) -> None:
     values, _ = MODES[mode]
-    proc = _install(
-        server, helm, "--create-namespace", "--dry-run=server", "-o", "json", "-f", str(values_file(values, tmp_path))
-    )
-    objects = _release_objects(json.loads(proc.stdout))
+    values_path = values_file(values, tmp_path)
+    release = server.release.version
+    if mode == "overlays/dra" and server.release.minor < 34:  # resource.k8s.io/v1: DeviceClass, ResourceSlice
+        refused = _install(server, helm, "--dry-run=server", "-f", str(values_path), check=False)
+        assert refused.returncode != 0
+        assert "dra.enabled needs Kubernetes 1.34 or later" in refused.stderr and release in refused.stderr
+        return
+    if mode == "overlays/ha" and server.release.minor < 30:
+        pytest.skip(f"CloudNativePG 1.28 (overlays/ha) does not run on Kubernetes {release}")
+    if mode in UNBUILDABLE:
+        # Helm cannot build an object of a kind the server does not serve, and CloudNativePG's CRDs cannot be had
+        # here: the install is refused, naming it, as on a cluster without the operator ...
+        refused = _install(server, helm, "--dry-run=server", "-f", str(values_path), check=False)
+        assert refused.returncode != 0, f"{mode}: installed without {UNBUILDABLE[mode]}"
+        assert f'no matches for kind "Cluster" in version "{UNBUILDABLE[mode]}"' in refused.stderr, refused.stderr
+        assert "ensure CRDs are installed first" in refused.stderr
+        # ... and everything else the release holds is dry-run by the server (test_ha_overlay.py and
+        # test_chart.py check the Cluster's fields against the operator's documented ones)
+        served = _served(kubectl, server)
+        every = _rendered_for(helm, server, served, values_path)
+        objects = [o for o in every if o["apiVersion"] in served]
+        skipped = {o["apiVersion"] for o in every} - served
+        assert skipped == {UNBUILDABLE[mode]}, skipped
+        kinds_skipped = sorted(key(o) for o in every if o["apiVersion"] in skipped)
+        warnings.warn(f"{mode}: not dry-run, not served by Kubernetes {release}: {kinds_skipped}", stacklevel=1)
+    else:
+        proc = _install(server, helm, "--create-namespace", "--dry-run=server", "-o", "json", "-f", str(values_path))
+        objects = _release_objects(json.loads(proc.stdout))
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "DaemonSet", "StatefulSet", "Job", "Secret", "Pod"} <= kinds
     assert "ServiceMonitor" not in kinds, "auto: no Prometheus Operator on this server"
@@ -182,3 +227,43 @@ def test_a_kustomize_install_moves_to_helm_keeping_every_object_and_credential(
     finally:
         _on(apiserver, helm, "uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False)
         _kubectl(kubectl, apiserver, "-n", NAMESPACE, "delete", "secret", "-l", "app.kubernetes.io/part-of=gpushare")
+
+
+def test_the_generated_webhook_certificate_is_kept_by_upgrades(
+    helm: str, kubectl: str, apiserver: ControlPlane
+) -> None:
+    """dra.enabled on the real v1.37.2 apiserver: the install generates the webhook's CA and certificate, an upgrade
+    reads them back (`lookup`) and writes the same Secret and caBundle, so the extender keeps serving what
+    kube-apiserver trusts (and its restart checksum stays)."""
+    namespace = "gpushare-chart-dra"
+    base = ("-n", namespace, "--set", "dra.enabled=true")
+
+    def installed() -> tuple[dict[str, str], str, str]:
+        secret = _kubectl(kubectl, apiserver, "-n", namespace, "get", "secret", "gpushare-admission-tls", "-o", "json")
+        hook = _kubectl(
+            kubectl, apiserver, "get", "mutatingwebhookconfiguration", "gpushare-dra-admission", "-o", "json"
+        )
+        extender = _kubectl(kubectl, apiserver, "-n", namespace, "get", "deployment", "gpushare-extender", "-o", "json")
+        for proc in (secret, hook, extender):
+            assert proc.returncode == 0, proc.stderr
+        pod = json.loads(extender.stdout)["spec"]["template"]["metadata"]
+        return (
+            json.loads(secret.stdout)["data"],
+            json.loads(hook.stdout)["webhooks"][0]["clientConfig"]["caBundle"],
+            pod["annotations"]["checksum/admission-tls"],
+        )
+
+    try:
+        _on(apiserver, helm, "install", RELEASE, str(CHART), *base, "--create-namespace")
+        data, ca_bundle, checksum = installed()
+        assert set(data) == {"tls.crt", "tls.key", "caBundle"} and ca_bundle == data["caBundle"]
+        _on(apiserver, helm, "upgrade", RELEASE, str(CHART), *base, "--no-hooks", "--set", "extender.replicas=3")
+        assert installed() == (data, ca_bundle, checksum), "the upgrade changed the webhook's certificate"
+        planned = json.loads(
+            _on(apiserver, helm, "upgrade", RELEASE, str(CHART), *base, "--dry-run=server", "-o", "json").stdout
+        )
+        secret = next(o for o in load_all(planned["manifest"]) if key(o) == ("Secret", "gpushare-admission-tls"))
+        assert secret["data"] == data, "--dry-run=server shows the installed certificate"
+    finally:
+        _on(apiserver, helm, "uninstall", RELEASE, "-n", namespace, "--ignore-not-found", check=False)
+        _kubectl(kubectl, apiserver, "delete", "namespace", namespace, "--wait=false")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
+
 from services.cli import build_parser
-from tests.deploy.tools import NAMESPACE, ROOT, find
+from tests.deploy.tools import KUSTOMIZATIONS, NAMESPACE, ROOT, find
 
 REPLICATED = {"gpushare-extender", "gpushare-binder", "gpushare-accounting"}
 SCALING = ROOT / "docs" / "operations.md"
@@ -22,10 +24,11 @@ def _selects(pdb: dict[str, Any], workload: dict[str, Any]) -> bool:
     return pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_replicated_workload_has_one_budget_that_keeps_a_replica_and_lets_a_drain_through(
-    rendered: dict[str, list[dict[str, Any]]],
+    rendered: dict[str, list[dict[str, Any]]], name: str
 ) -> None:
-    objects = rendered["base"]
+    objects = rendered[name]
     replicated = [w for w in _workloads(objects) if w["spec"].get("replicas", 1) >= 2]
     assert REPLICATED <= {w["metadata"]["name"] for w in replicated}
     budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
@@ -67,3 +70,40 @@ def test_the_operations_guide_says_the_replicas_the_manifests_ship(rendered: dic
         assert row is not None, f"docs/operations.md has no scaling row for {service}"
         shipped = find(rendered["base"], "Deployment", name)["spec"]["replicas"]
         assert int(row.group(1)) == shipped, f"{service}: the guide says {row.group(1)}, the manifests {shipped}"
+
+
+# docs/operations.md's "Replicas, roles and disruption budgets" rows -> (kustomization, kind, name) they describe
+ROLE_ROWS = {
+    "extender": ("base", "Deployment", "gpushare-extender"),
+    "binder": ("base", "Deployment", "gpushare-binder"),
+    "accounting": ("base", "Deployment", "gpushare-accounting"),
+    "NATS": ("base", "StatefulSet", "nats"),
+    "second scheduler": ("overlays/second-scheduler", "Deployment", "gpushare-scheduler"),
+}
+
+
+def _budget(objects: list[dict[str, Any]], workload: dict[str, Any]) -> str:
+    mine = [o for o in objects if o["kind"] == "PodDisruptionBudget" and _selects(o, workload)]
+    if not mine:
+        return "none"
+    spec = mine[0]["spec"]
+    return ", ".join(f"`{k}: {spec[k]}`" for k in ("minAvailable", "maxUnavailable") if k in spec)
+
+
+def test_the_operations_guide_says_each_workloads_replicas_and_budget(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    section = SCALING.read_text().split("## Replicas, roles and disruption budgets", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        cells[0]: cells[1:3]
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| workload") and not line.startswith("|---")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    for row, (kustomization, kind, name) in ROLE_ROWS.items():
+        found = [cells for label, cells in rows.items() if label.split(" (")[0] == row]
+        assert found, f"docs/operations.md has no row for {row}"
+        replicas, budget = found[0]
+        workload = find(rendered[kustomization], kind, name)
+        assert replicas.split()[0] == str(workload["spec"]["replicas"]), f"{row}: {replicas}"
+        assert budget == _budget(rendered[kustomization], workload), f"{row}: the guide says {budget}"

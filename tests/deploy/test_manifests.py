@@ -50,8 +50,13 @@ GPUSHARE_WORKLOADS = {
     ("Deployment", "gpushare-binder"),
     ("Deployment", "gpushare-accounting"),
     ("DaemonSet", "gpushare-node-agent"),
+    ("DaemonSet", "gpushare-node-agent-dra"),  # overlays/dra
     ("Job", MIGRATE_JOB),
 }
+NODE_AGENTS = (
+    "gpushare-node-agent",
+    "gpushare-node-agent-dra",
+)  # the device-plugin agent; the DRA plugin (overlays/dra)
 
 
 def _validator() -> Any:
@@ -423,6 +428,64 @@ def test_every_pod_runs_with_the_runtime_default_seccomp_profile(rendered: dict[
     assert checked >= 40
 
 
+def secret_readable(spec: dict[str, Any], container: dict[str, Any], volume: dict[str, Any]) -> bool:
+    """Whether `container` can read the files of the Secret `volume` it mounts, as kubelet writes them: owned by root,
+    mode `defaultMode` (0644 when unset); with the pod's fsGroup, group fsGroup and mode | 0440 for a read-only
+    volume (`changeFilePermission`, pkg/volume/volume_linux.go, v1.37.2; a Secret volume is always read-only), and
+    fsGroup among the container's supplemental groups. Root reads everything."""
+    pod, own = spec.get("securityContext") or {}, container.get("securityContext") or {}
+    uid = own.get("runAsUser", pod.get("runAsUser"))
+    gid = own.get("runAsGroup", pod.get("runAsGroup"))
+    mode = volume["secret"].get("defaultMode", 0o644)
+    items = volume["secret"].get("items") or []
+    modes = [i.get("mode", mode) for i in items] or [mode]
+    fs_group = pod.get("fsGroup")
+    groups = {gid, *pod.get("supplementalGroups", []), *([fs_group] if fs_group is not None else [])}
+    file_group = fs_group if fs_group is not None else 0
+    if uid == 0:
+        return True
+    if uid is None:
+        return False  # the image's user: unknown here, so a gpushare pod always names it
+    return all(
+        (m | (0o440 if fs_group is not None else 0)) & 0o004
+        or ((m | (0o440 if fs_group is not None else 0)) & 0o040 and file_group in groups)
+        for m in modes
+    )
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_every_container_can_read_the_secrets_it_mounts(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    checked = 0
+    for obj in rendered[name]:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        secrets = {v["name"]: v for v in spec.get("volumes", []) if "secret" in v}
+        for container in _containers(spec):
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] in secrets:
+                    volume = secrets[mount["name"]]
+                    secret = volume["secret"]
+                    assert secret_readable(spec, container, volume), (
+                        f"{name}: {key(obj)} container {container['name']} cannot read Secret {secret['secretName']}"
+                        f" (mode {oct(secret.get('defaultMode', 0o644))}, pod {spec.get('securityContext')},"
+                        f" container {container.get('securityContext', {}).get('runAsUser')})"
+                    )
+                    checked += 1
+    if name in ("overlays/extender-mtls", "overlays/dra"):
+        assert checked >= 1
+
+
+def test_the_secret_permission_check_mirrors_kubelet() -> None:
+    pod = {"securityContext": {"runAsUser": 10001, "runAsGroup": 10001}}
+    container: dict[str, Any] = {}
+    owner_only = {"secret": {"secretName": "s", "defaultMode": 0o400}}
+    assert not secret_readable(pod, container, owner_only), "root's file, 0400: not for user 10001"
+    assert secret_readable({"securityContext": {**pod["securityContext"], "fsGroup": 10001}}, container, owner_only)
+    assert secret_readable(pod, container, {"secret": {"secretName": "s"}}), "0644 by default: world-readable"
+    assert secret_readable({"securityContext": {"runAsUser": 0}}, container, owner_only)
+
+
 def test_gpushare_compat_admits_the_host_network_extender_to_postgres_and_nats(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -570,11 +633,13 @@ def _secret_refs(obj: dict[str, Any]) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_node_agents_see_no_database_credential(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
-    """A GPU node's kubelet fetches only the Secrets its pods name: the node agent's names its NATS password."""
-    agent = find(rendered[name], "DaemonSet", "gpushare-node-agent")
-    assert _secret_refs(agent) == {("gpushare-node-agent", "nats-password")}
-    env = {e["name"] for e in pod_spec(agent)["containers"][0].get("env", [])}
-    assert not any("DATABASE" in e for e in env), env
+    """A GPU node's kubelet fetches only the Secrets its pods name: a node agent's names its NATS password."""
+    agents = [o for o in rendered[name] if o["kind"] == "DaemonSet" and o["metadata"]["name"] in NODE_AGENTS]
+    assert "gpushare-node-agent" in {a["metadata"]["name"] for a in agents}
+    for agent in agents:
+        assert _secret_refs(agent) == {("gpushare-node-agent", "nats-password")}, key(agent)
+        env = {e["name"] for e in pod_spec(agent)["containers"][0].get("env", [])}
+        assert not any("DATABASE" in e for e in env), env
     (secret,) = [o for o in rendered[name] if key(o) == ("Secret", "gpushare-node-agent")]
     assert set(secret.get("data") or secret.get("stringData")) == {"nats-password"}
 

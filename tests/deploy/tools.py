@@ -75,3 +75,45 @@ def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
     if obj["kind"] in {"Deployment", "StatefulSet", "DaemonSet", "Job"}:
         return obj["spec"]["template"]["spec"]
     return None
+
+
+def runs_on(spec: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a pod with this spec may run on a node with these labels: its nodeSelector and its required node
+    affinity, as kube-scheduler and the DaemonSet controller decide it (`RequiredNodeAffinity.Match`,
+    k8s.io/component-helpers/scheduling/corev1/nodeaffinity/nodeaffinity.go, v0.37.2: every nodeSelector pair, and
+    one of the nodeSelectorTerms whose matchExpressions all hold; `NotIn` holds for a node without the label,
+    `labels.Requirement.Matches` in k8s.io/apimachinery/pkg/labels/selector.go)."""
+    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    required = (
+        (spec.get("affinity") or {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    )
+    if not required:
+        return True
+
+    def holds(expr: dict[str, Any]) -> bool:
+        present, value = expr["key"] in labels, labels.get(expr["key"])
+        match expr["operator"]:
+            case "In":
+                return present and value in expr["values"]
+            case "NotIn":
+                return not present or value not in expr["values"]
+            case "Exists":
+                return present
+            case "DoesNotExist":
+                return not present
+        raise ValueError(f"node affinity operator {expr['operator']} is not used by gpushare's manifests")
+
+    terms = required["nodeSelectorTerms"]  # a term without expressions matches no node
+    return any(term.get("matchExpressions") and all(holds(e) for e in term["matchExpressions"]) for term in terms)
+
+
+def assert_serving_certificate(ca: Path, cert: Path) -> None:
+    """`cert` is a TLS server certificate that `ca` signed, by openssl's check (kube-apiserver verifies webhooks so)."""
+    proc = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ca), "-purpose", "sslserver", str(cert)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

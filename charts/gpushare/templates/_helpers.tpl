@@ -80,10 +80,14 @@ policy/v1beta1
 {{- end -}}
 {{- end }}
 
-{{/* host:port/database of the ledger. */}}
+{{/* host:port/database of the ledger: the value given, else the in-cluster PostgreSQL (the StatefulSet's Service, or
+     the CloudNativePG Cluster's read-write Service, which follows the primary; the instances serve TLS with the
+     operator's certificates, and a connection that reaches a server that is not the primary is refused and retried). */}}
 {{- define "gpushare.databaseServer" -}}
 {{- if .Values.database.server -}}
 {{ .Values.database.server }}
+{{- else if and .Values.postgresql.enabled (eq .Values.postgresql.mode "cloudnativepg") -}}
+gpushare-db-rw:5432/gpushare?sslmode=require&target_session_attrs=read-write
 {{- else if .Values.postgresql.enabled -}}
 postgres:5432/gpushare
 {{- else -}}
@@ -106,4 +110,88 @@ it), else 32 random letters and digits. (list . "secret-name" "key" value)
 {{- else -}}
 {{ randAlphaNum 32 | b64enc }}
 {{- end -}}
+{{- end }}
+
+{{/*
+A PodDisruptionBudget that keeps one replica of a replicated workload through voluntary disruptions (a node drain),
+rendered only from two replicas on: with one, `minAvailable: 1` would block every drain of its node.
+(list . "gpushare-binder" replicas)
+*/}}
+{{- define "gpushare.pdb" -}}
+{{- $ctx := index . 0 -}}{{- $app := index . 1 -}}
+{{- if ge (int (index . 2)) 2 }}
+---
+apiVersion: {{ include "gpushare.pdbApiVersion" $ctx }}
+kind: PodDisruptionBudget
+metadata:
+  name: {{ $app }}
+  namespace: {{ $ctx.Release.Namespace }}
+  labels:
+    {{- include "gpushare.labels" $ctx | nindent 4 }}
+spec:
+  minAvailable: 1
+  selector:
+    matchLabels:
+      {{- include "gpushare.selector" (list $ctx $app) | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The objects of one of k8s/'s files (files/ links to them: one copy of each rule), as the chart installs them: in the
+release's namespace (the file's gpushare-system, wherever it is written: RoleBinding subjects, ServiceAccount names
+in CEL, the webhook's Service), with the chart's labels. "gpushare.fileObjectList" gives them as a JSON list (for a
+template that changes one), "gpushare.fileObjects" as YAML documents. (list . "files/rbac.yaml")
+*/}}
+{{- define "gpushare.fileObjectList" -}}
+{{- $ctx := index . 0 -}}
+{{- $text := $ctx.Files.Get (index . 1) | replace "gpushare-system" $ctx.Release.Namespace -}}
+{{- $objects := list -}}
+{{- range $doc := regexSplit "(?m)^---\\s*$" $text -1 }}
+{{- $obj := fromYaml $doc }}
+{{- if $obj }}
+{{- $labels := include "gpushare.labels" $ctx | fromYaml }}
+{{- $_ := set $obj.metadata "labels" (merge $labels ($obj.metadata.labels | default dict)) }}
+{{- if has $obj.kind (list "ServiceAccount" "Role" "RoleBinding") }}
+{{- $_ := set $obj.metadata "namespace" $ctx.Release.Namespace }}
+{{- end }}
+{{- $objects = append $objects $obj }}
+{{- end }}
+{{- end }}
+{{- toJson $objects }}
+{{- end }}
+
+{{- define "gpushare.fileObjects" -}}
+{{- range $obj := include "gpushare.fileObjectList" . | fromJsonArray }}
+---
+{{ toYaml $obj }}
+{{- end }}
+{{- end }}
+
+{{/*
+The webhook certificate of gpushare admission (dra.enabled), as JSON {crt, key, ca}, each base64 of the PEM: the
+values given (dra.admission.tls), else the installed Secret gpushare-admission-tls's (read with `lookup`, so an
+upgrade keeps them), else a new CA and a serving certificate it signs, for gpushare-extender.<namespace>.svc.
+Worked out once per render and kept in .Values (the Secret, the webhook's caBundle and the extender's restart
+checksum must agree); `helm template` and client-side dry runs cannot look up: they show a new one each time.
+*/}}
+{{- define "gpushare.admissionTls" -}}
+{{- $admission := .Values.dra.admission -}}
+{{- if not (hasKey $admission "_rendered") -}}
+{{- $given := $admission.tls -}}
+{{- $installed := lookup "v1" "Secret" .Release.Namespace "gpushare-admission-tls" -}}
+{{- $tls := dict -}}
+{{- if $given.certificate -}}
+{{- $tls = dict "crt" ($given.certificate | b64enc) "key" ($given.key | b64enc) "ca" ($given.caBundle | b64enc) -}}
+{{- else if and $installed $installed.data (hasKey $installed.data "tls.crt") (hasKey $installed.data "tls.key") (hasKey $installed.data "caBundle") -}}
+{{- $tls = dict "crt" (index $installed.data "tls.crt") "key" (index $installed.data "tls.key") "ca" $installed.data.caBundle -}}
+{{- else -}}
+{{- $host := printf "gpushare-extender.%s.svc" .Release.Namespace -}}
+{{- $days := int $admission.certificateDays -}}
+{{- $ca := genCA "gpushare-admission-ca" $days -}}
+{{- $cert := genSignedCert $host nil (list $host (printf "%s.cluster.local" $host)) $days $ca -}}
+{{- $tls = dict "crt" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc) "ca" ($ca.Cert | b64enc) -}}
+{{- end -}}
+{{- $_ := set $admission "_rendered" $tls -}}
+{{- end -}}
+{{- toJson (get $admission "_rendered") -}}
 {{- end }}
