@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -26,7 +27,7 @@ from services.extender.filter import Filter
 from services.extender.inspection import inspect
 from services.extender.outcomes import OutcomeWaiter
 from services.extender.pods import DEFAULT_MAX_BYTES, PodCache
-from services.extender.preempt import nodes_to_read, preempt
+from services.extender.preempt import Preemptions, nodes_to_read, preempt
 from services.extender.prioritize import prioritize
 from services.extender.refusals import RefusalPublisher
 from services.extender.resync import ViewSync
@@ -38,6 +39,8 @@ from shared.events.bus import EventBus
 from shared.ledger.ledger import Ledger
 from shared.placement import Policy
 from shared.settings import MemoryUnit
+
+log = logging.getLogger(__name__)
 
 
 class ExtenderService:
@@ -65,6 +68,7 @@ class ExtenderService:
         self.unit = unit
         self.policy = policy
         self.view = ClusterView()
+        self.preemptions = Preemptions()  # nodes answered per preemptor: its preemption may be under way there
         self.scores = ScoreCache()
         self.waiter = OutcomeWaiter(engine, poll_s=poll_s)
         # kube_enabled=False (`--trust-filter-pods`): bind takes the pod filter saw, unverified (development only)
@@ -132,8 +136,22 @@ class ExtenderService:
         """Answer a preempt call (`services.extender.preempt`) with the candidate nodes' pods and the
         PodDisruptionBudgets read from the API (`services.extender.victims`)."""
         api = None if self.pods.trust_filter else self.pods.api
-        facts = await read_facts(api, nodes_to_read(args))
-        return preempt(self.view, args, facts, unit=self.unit, policy=self.policy)
+        uid = str((args.pod.get("metadata") or {}).get("uid") or "")
+        recent = self.preemptions.recent(uid)
+        facts = await read_facts(api, nodes_to_read(args, recent))
+        answer = preempt(self.view, args, facts, unit=self.unit, policy=self.policy, recent=recent)
+        chosen = answer["NodeNameToMetaVictims"]
+        self.preemptions.answered(uid, frozenset(chosen))
+        meta = args.pod.get("metadata") or {}
+        log.info(
+            "preempt %s/%s: %d candidate node(s), victims offered on %s",
+            meta.get("namespace"),
+            meta.get("name"),
+            len(args.victims),
+            ", ".join(sorted(chosen)) or "none (waiting for an earlier preemption, or no eviction frees a GPU)",
+            extra={"candidates": sorted(args.victims), "recent": sorted(recent), "pods_known": facts.pods is not None},
+        )
+        return answer
 
     def inspect(self, node_name: str | None = None) -> dict[str, Any]:
         """gpushare's inspect JSON (`services.extender.inspection`)."""

@@ -37,6 +37,7 @@ class PodFacts:
     labels: dict[str, str]
     priority: int
     started: datetime | None
+    terminating: bool = False  # a deletionTimestamp: on its way out (kube-scheduler's victims are deleted so)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def pod_facts(pod: Pod) -> PodFacts:
         labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
         priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
         started=datetime.fromisoformat(started) if isinstance(started, str) and started else None,
+        terminating=bool(meta.get("deletionTimestamp")),
     )
 
 

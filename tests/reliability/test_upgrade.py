@@ -79,7 +79,7 @@ class RollingStack(Stack):
         self.previous = previous
         self.proxy = ServiceProxy(seed=7)
         self.templates: dict[str, ServiceCommand] = {}
-        self.replicas: dict[str, list[Replica]] = {"extender": [], "binder": []}
+        self.rolling: dict[str, list[Replica]] = {"extender": [], "binder": []}
         self._numbers = itertools.count()
 
     async def _start_stores(self) -> None:
@@ -88,7 +88,7 @@ class RollingStack(Stack):
         assert done.returncode == 0, f"the previous release's migration failed:\n{done.stderr[-3000:]}"
 
     def _spawn(self, command: ServiceCommand) -> Any:
-        if command.name in self.replicas:
+        if command.name in self.rolling:
             self.templates[command.name] = command
             return _ReplicaSetStart(self, command.name)
         return super()._spawn(self.previous.command(command))
@@ -113,7 +113,7 @@ class RollingStack(Stack):
         proc.start()
         self.processes[command.name] = proc
         replica = Replica(proc, port, label)
-        self.replicas[name].append(replica)
+        self.rolling[name].append(replica)
         return replica
 
     async def roll_node_agent(self, node: str) -> None:
@@ -129,7 +129,7 @@ class RollingStack(Stack):
         if name == "extender":
             self.proxy.remove(replica.port)
         await asyncio.to_thread(replica.proc.stop)
-        self.replicas[name].remove(replica)
+        self.rolling[name].remove(replica)
         self.processes.pop(replica.proc.name, None)
 
     async def ready(self, name: str, replica: Replica) -> None:
@@ -313,7 +313,7 @@ async def upgrade(
         assert migrated.returncode == 0, migrated.stderr[-3000:]
         restarted = []
         for name in ("extender", "binder"):
-            oldest = next(r for r in stack.replicas[name] if r.release == previous.version)
+            oldest = next(r for r in stack.rolling[name] if r.release == previous.version)
             again = stack.start_replica(name, previous)
             await stack.ready(name, again)
             await stack.retire(name, oldest)
@@ -330,8 +330,8 @@ async def upgrade(
         burst.phase = "rolling upgrade"
         await stack.ready("extender", early)
         for name in ("extender", "binder"):
-            for old in [r for r in stack.replicas[name] if r.release == previous.version]:
-                if sum(1 for r in stack.replicas[name] if r.release == "new") < REPLICAS:
+            for old in [r for r in stack.rolling[name] if r.release == previous.version]:
+                if sum(1 for r in stack.rolling[name] if r.release == "new") < REPLICAS:
                     await stack.ready(name, stack.start_replica(name, None))
                 await stack.retire(name, old)
                 await asyncio.sleep(1)

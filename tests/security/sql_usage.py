@@ -439,9 +439,17 @@ def _references(fn: Function, modules: set[str]) -> tuple[set[str], set[str], se
     attrs: set[str] = set()
     recorders: set[str] = set()
     without_db: set[str] = set()
+    # a parameter shadows a module-level function of its name (`claim` in `verdict(claim, result)` is a dict)
+    args = fn.node.args if isinstance(fn.node, ast.FunctionDef | ast.AsyncFunctionDef) else None
+    params = (
+        {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg) if a is not None}
+        if args is not None
+        else set()
+    )
     for node in _without_annotations(fn.node):
         if isinstance(node, ast.Name):
-            names.add(node.id)
+            if node.id not in params:
+                names.add(node.id)
         elif isinstance(node, ast.Attribute):
             (names if isinstance(node.value, ast.Name) and node.value.id in modules else attrs).add(node.attr)
         if isinstance(node, ast.Call) and _callee(node) in RECORDERS:
