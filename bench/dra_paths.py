@@ -38,7 +38,7 @@ import asyncpg
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from bench import api_requests, extender_calls
+from bench import api_requests, db_counts, extender_calls
 from bench.common import BenchResult, Context, Target, latency_summary
 from bench.cpu import CONTROL_PLANE_GROUPS, CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
 from bench.kube_stack import SCHEDULER_QPS, create_namespace, pod_body, whole_stack
@@ -279,6 +279,7 @@ class PhaseResult:
     calls: dict[str, float]
     api_before: Counter[str]
     api_after: Counter[str]
+    db: dict[str, float]
     ledger: Counter[str]
     torn_down: bool
 
@@ -325,6 +326,7 @@ class PhaseResult:
         m[f"{p}_gross_cpu_ms_per_pod_total"] = gross_cpu[f"{p}_gross_cpu_ms_per_pod_total"]
         m.update(self.calls)
         m.update(api_requests.per_pod(self.api_before, self.api_after, pods, p))
+        m.update(self.db)
         if self.path != "plain":
             m[f"{p}_ledger_allocations"] = sum(v for k, v in self.ledger.items() if k != "claim")
             m[f"{p}_ledger_assigned"] = self.ledger.get("assigned", 0)
@@ -349,6 +351,7 @@ async def run_phase(
     bodies = [pod_body(f"p-{i}", gpu_gib=0 if path == "plain" else 1) for i in range(pods)]
     calls_before = await extender_calls.read_calls(stack.extender_url)
     api_before = await api_requests.read_counts(api)
+    db_before = await db_counts.read_counts(stack.database_url)
     with CpuWindow(listeners) as start, phase_profiles(f"dra-{path}-c{level}-start"):
         flight = await closed_loop(api, ns, bodies, level, timeout_s)
     ledger = await ledger_states(stack.database_url, ns)  # outside the windows: the benchmark's own reading
@@ -356,6 +359,7 @@ async def run_phase(
         torn_down = await teardown(api, ns, stack.database_url, timeout_s)
     calls_after = await extender_calls.read_calls(stack.extender_url)
     api_after = await api_requests.read_counts(api)
+    db_after = await db_counts.read_counts(stack.database_url)
     await client.CoreV1Api(api).delete_namespace(ns, _preload_content=False)
     done = max(1, len(flight.bound))
     spent = Counter(start.spent())
@@ -371,6 +375,7 @@ async def run_phase(
         calls=extender_calls.per_pod(calls_before, calls_after, done, f"{path}_c{level}"),
         api_before=api_before,
         api_after=api_after,
+        db=db_counts.per_pod(db_before, db_after, done, f"{path}_c{level}"),
         ledger=ledger,
         torn_down=torn_down,
     )
