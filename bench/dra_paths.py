@@ -85,7 +85,7 @@ class Sizes:
 
 def sizes(ctx: Context) -> Sizes:
     """This run's sizes (GPUSHARE_BENCH_DRA_NODES / _PODS / _LEVELS override them, e.g. `16,128`)."""
-    base: Sizes = ctx.pick(Sizes(1, 6, (2, 6)), Sizes(2, 96, (16, 48)), Sizes(4, 320, (16, 128)))
+    base: Sizes = ctx.pick(Sizes(1, 6, (2, 6)), Sizes(2, 96, (16, 48)), Sizes(5, 480, (16, 128)))
     env = os.environ
     levels = tuple(int(x) for x in env.get("GPUSHARE_BENCH_DRA_LEVELS", "").split(",") if x.strip())
     return Sizes(
@@ -375,7 +375,13 @@ async def run_phase(
         calls=extender_calls.per_pod(calls_before, calls_after, done, f"{path}_c{level}"),
         api_before=api_before,
         api_after=api_after,
-        db=db_counts.per_pod(db_before, db_after, done, f"{path}_c{level}"),
+        db={
+            **db_counts.per_pod(db_before, db_after, done, f"{path}_c{level}"),
+            # reads end in a rollback (SQLAlchemy gives back a connection that wrote nothing that way)
+            f"{path}_c{level}_db_rolled_back_per_pod": round(
+                (db_after["xact_rollback"] - db_before["xact_rollback"]) / done, 2
+            ),
+        },
         ledger=ledger,
         torn_down=torn_down,
     )
