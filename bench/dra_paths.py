@@ -40,7 +40,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from bench import api_requests, db_counts, extender_calls
 from bench.common import BenchResult, Context, Target, latency_summary
-from bench.cpu import CONTROL_PLANE_GROUPS, CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
+from bench.cpu import (
+    CONTROL_PLANE_GROUPS,
+    PRODUCT_GROUPS,
+    CpuWindow,
+    benchmark_roots,
+    cpu_by_group,
+    ms_per_item,
+    product_ms_per_pod,
+)
 from bench.kube_stack import SCHEDULER_QPS, create_namespace, pod_body, whole_stack
 from bench.pyspy import phase_profiles
 from bench.scheduler_overhead import settle
@@ -282,6 +290,20 @@ class PhaseResult:
     db: dict[str, float]
     ledger: Counter[str]
     torn_down: bool
+    held: dict[str, float]  # CPU seconds per group, net of the idle stack, over `held_s` with every pod running
+    held_s: float
+    presence_s: float  # pod-seconds the phase's pods existed during its start window
+
+    def presence(self, p: str, pods: int) -> dict[str, float]:
+        """What the pods cost while they only exist (periodic work: reconciliation passes, the kubelet stand-ins'
+        polls), per pod per second of existence, and that cost over their start window's presence, per pod: the
+        part of `<p>_*_cpu_ms_per_pod` that grows with how long pods wait rather than with what they do."""
+        out: dict[str, float] = {f"{p}_presence_s_per_pod": round(self.presence_s / pods, 2)}
+        for name, groups in (("product", PRODUCT_GROUPS), ("control_plane", CONTROL_PLANE_GROUPS)):
+            per_pod_s = sum(self.held.get(g, 0.0) for g in groups) / (pods * self.held_s) if self.held_s else 0.0
+            out[f"{p}_held_{name}_cpu_us_per_pod_s"] = round(per_pod_s * 1e6, 2)
+            out[f"{p}_{name}_cpu_ms_per_pod_from_presence"] = round(per_pod_s * self.presence_s / pods * 1000, 2)
+        return out
 
     def shortfall(self, pods: int) -> str:
         """What went wrong, as a note."""
@@ -311,6 +333,7 @@ class PhaseResult:
         m[f"{p}_bound"] = len(f.bound)
         m[f"{p}_running"] = len(f.running)
         m[f"{p}_create_failed"] = len(f.failed)
+        m[f"{p}_first_create_to_last_running_s"] = round(f.running_span_s(), 2)
         m[f"{p}_life_s"] = round(self.seconds, 2)
         net_cpu = ms_per_item(net(self.cpu, self.background), pods, p)
         gross_cpu = ms_per_item(self.cpu, pods, f"{p}_gross")
@@ -324,6 +347,7 @@ class PhaseResult:
         m[f"{p}_cpu_bound_pods_per_s"] = round((os.cpu_count() or 1) * 1000 / system, 1) if system else 0.0
         m.update(net_cpu)
         m[f"{p}_gross_cpu_ms_per_pod_total"] = gross_cpu[f"{p}_gross_cpu_ms_per_pod_total"]
+        m.update(self.presence(p, pods))
         m.update(self.calls)
         m.update(api_requests.per_pod(self.api_before, self.api_after, pods, p))
         m.update(self.db)
@@ -343,28 +367,44 @@ async def measure_idle(roots: list[int], seconds: float) -> Idle:
 
 
 async def run_phase(
-    stack: Any, api: Any, path: str, level: int, pods: int, idle: Idle, listeners: list[int | str], timeout_s: float
+    stack: Any,
+    api: Any,
+    path: str,
+    level: int,
+    pods: int,
+    idle: Idle,
+    listeners: list[int | str],
+    timeout_s: float,
+    hold_s: float,
 ) -> PhaseResult:
-    """One path's phase at one level: the pods' start, then their end, in two CPU windows."""
+    """One path's phase at one level: the pods' start, then their end, in two CPU windows; between them `hold_s`
+    with every pod running, measured apart (what pods cost while they only exist)."""
     ns = f"bench-dra-{path}-c{level}-{uuid.uuid4().hex[:5]}"
     await create_namespace(api, ns, DRA_NAMESPACE if path == "dra" else None)
     bodies = [pod_body(f"p-{i}", gpu_gib=0 if path == "plain" else 1) for i in range(pods)]
     calls_before = await extender_calls.read_calls(stack.extender_url)
-    api_before = await api_requests.read_counts(api)
-    db_before = await db_counts.read_counts(stack.database_url)
+    readings = [(await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url))]
     with CpuWindow(listeners) as start, phase_profiles(f"dra-{path}-c{level}-start"):
         flight = await closed_loop(api, ns, bodies, level, timeout_s)
+    ended = time.monotonic()
     ledger = await ledger_states(stack.database_url, ns)  # outside the windows: the benchmark's own reading
+    readings.append((await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url)))
+    with CpuWindow(listeners) as held:
+        await asyncio.sleep(hold_s)
+    readings.append((await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url)))
     with CpuWindow(listeners) as end, phase_profiles(f"dra-{path}-c{level}-end"):
         torn_down = await teardown(api, ns, stack.database_url, timeout_s)
     calls_after = await extender_calls.read_calls(stack.extender_url)
-    api_after = await api_requests.read_counts(api)
-    db_after = await db_counts.read_counts(stack.database_url)
+    readings.append((await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url)))
     await client.CoreV1Api(api).delete_namespace(ns, _preload_content=False)
     done = max(1, len(flight.bound))
     spent = Counter(start.spent())
     spent.update(end.spent())
     seconds = start.seconds + end.seconds
+    (api0, db0), (api1, db1), (api2, db2), (api3, db3) = readings
+    api_after = Counter({k: api1[k] + api3[k] - api2[k] for k in api3})  # the held window left out
+    db_after = {k: db1.get(k, 0) + db3[k] - db2.get(k, 0) for k in db3}
+    p = f"{path}_c{level}"
     return PhaseResult(
         path=path,
         level=level,
@@ -372,18 +412,19 @@ async def run_phase(
         cpu=dict(spent),
         background=idle.over(seconds),
         seconds=seconds,
-        calls=extender_calls.per_pod(calls_before, calls_after, done, f"{path}_c{level}"),
-        api_before=api_before,
+        calls=extender_calls.per_pod(calls_before, calls_after, done, p),
+        api_before=api0,
         api_after=api_after,
         db={
-            **db_counts.per_pod(db_before, db_after, done, f"{path}_c{level}"),
+            **db_counts.per_pod(db0, db_after, done, p),
             # reads end in a rollback (SQLAlchemy gives back a connection that wrote nothing that way)
-            f"{path}_c{level}_db_rolled_back_per_pod": round(
-                (db_after["xact_rollback"] - db_before["xact_rollback"]) / done, 2
-            ),
+            f"{p}_db_rolled_back_per_pod": round((db_after["xact_rollback"] - db0["xact_rollback"]) / done, 2),
         },
         ledger=ledger,
         torn_down=torn_down,
+        held=net(held.spent(), idle.over(held.seconds)),
+        held_s=held.seconds,
+        presence_s=sum(ended - t for t in flight.created.values()),
     )
 
 
@@ -438,6 +479,7 @@ async def run(ctx: Context) -> BenchResult:
     kcm = [f"--kube-api-qps={kcm_qps}", f"--kube-api-burst={kcm_qps}"] if kcm_qps else []
     listeners = ctx.server_ports()
     timeout = ctx.pick(120.0, 300.0, 600.0)
+    hold = ctx.pick(2.0, 5.0, 10.0)
     m = result.metrics
     async with whole_stack(
         ctx, 2 * s.nodes, dra_nodes=s.nodes, max_pods=max_pods_per_node(s), gpus=GPUS, controller_manager_extra=kcm
@@ -450,7 +492,7 @@ async def run(ctx: Context) -> BenchResult:
         busy_below = idle.cores() + 0.25
         for level in s.levels:
             for path in PATHS:
-                phase = await run_phase(stack, api, path, level, s.pods, idle, listeners, timeout)
+                phase = await run_phase(stack, api, path, level, s.pods, idle, listeners, timeout, hold)
                 m.update(phase.metrics())
                 if level == max(s.levels):
                     result.notes.append(phase.api_note())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -103,4 +104,34 @@ def test_tiny_profile_runs_the_three_paths_through_what_each_exercises(
         assert not any(f"plain_c{level}_extender_{v}_calls_per_pod" in m for v in ("filter", "admission"))
     assert {t["metric"] for t in result["targets"]} == {
         f"dra_vs_extender_{k}_c{level}" for level in s.levels for k in ("pods_per_s", "product_cpu_ms_per_pod")
+    }
+
+
+def test_what_pods_cost_while_they_only_exist_is_scaled_to_their_presence() -> None:
+    from bench.dra_paths import PhaseResult
+
+    phase = PhaseResult(
+        path="dra",
+        level=16,
+        flight=Flight(),
+        cpu={},
+        background={},
+        seconds=0.0,
+        calls={},
+        api_before=Counter(),
+        api_after=Counter(),
+        db={},
+        ledger=Counter(),
+        torn_down=True,
+        # 100 pods held 10 s: the binder 0.1 s, PostgreSQL 0.1 s, kube-apiserver 0.5 s, the load generator aside
+        held={"binder": 0.1, "postgres": 0.1, "kube-apiserver": 0.5, "bench": 9.0},
+        held_s=10.0,
+        presence_s=100 * 40.0,  # each pod existed 40 s of the start window
+    )
+    assert phase.presence("dra_c16", 100) == {
+        "dra_c16_presence_s_per_pod": 40.0,
+        "dra_c16_held_product_cpu_us_per_pod_s": 200.0,  # 0.2 s / (100 pods x 10 s)
+        "dra_c16_product_cpu_ms_per_pod_from_presence": 8.0,  # 200 us x 40 s
+        "dra_c16_held_control_plane_cpu_us_per_pod_s": 500.0,
+        "dra_c16_control_plane_cpu_ms_per_pod_from_presence": 20.0,
     }
