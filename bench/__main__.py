@@ -32,6 +32,7 @@ MODULES = {
     "request_size": "bench.request_size",
     "catchup": "bench.accounting_catchup",
     "annotations": "bench.annotations",
+    "dra": "bench.dra_paths",
 }
 
 

@@ -1,6 +1,7 @@
 """How many calls kube-scheduler made to the extender during a benchmark phase, by verb, from the extender's own
 histograms (`gpushare_extender_<verb>_seconds_count`); per pod, more than one filter call means pods were
-retried."""
+retried. `admission` counts kube-apiserver's calls to gpushare admission (DRA namespaces), served by the same
+process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-VERBS = ("filter", "prioritize", "bind", "preempt")
+VERBS = ("filter", "prioritize", "bind", "preempt", "admission")
 
 
 def parse_calls(exposition: str) -> dict[str, int]:

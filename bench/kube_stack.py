@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -31,11 +31,14 @@ async def whole_stack(
     scheduler_qps: int = SCHEDULER_QPS,
     fleet_admit: bool = False,
     gpus: str = GPUS,
+    dra_nodes: int = 0,
+    controller_manager_extra: Sequence[str] = (),
 ) -> AsyncIterator[Any]:
     """A started Stack (control plane, services, simulated nodes) on a private database and private streams;
     `fleet`: every node's agent and kubelet stand-in in one process (hundreds of nodes), admitting no pods unless
     `fleet_admit`; `max_pods`: each node's pod capacity; `scheduler_qps`: kube-scheduler's API client rate and
-    burst; `gpus`: each node's GPUs.
+    burst; `gpus`: each node's GPUs; `dra_nodes`: how many of the nodes (the last ones) are DRA nodes;
+    `controller_manager_extra`: kube-controller-manager's extra flags.
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
@@ -70,6 +73,8 @@ async def whole_stack(
             fleet=fleet,
             fleet_admit=not fleet or fleet_admit,
             ready_timeout=90.0 + (nodes if fleet else 0),
+            dra_nodes=dra_nodes,
+            controller_manager_extra=list(controller_manager_extra),
         )
         stack = Stack(config)
         try:  # stopped also when starting fails or is cancelled half-way
@@ -81,9 +86,9 @@ async def whole_stack(
             await stack.stop()
 
 
-async def create_namespace(api: Any, name: str) -> None:
-    """A namespace for one phase."""
-    await client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+async def create_namespace(api: Any, name: str, labels: dict[str, str] | None = None) -> None:
+    """A namespace for one phase (with `labels`, e.g. the one that opts it in to gpushare admission)."""
+    await client.CoreV1Api(api).create_namespace({"metadata": {"name": name, "labels": labels or {}}})
 
 
 def pod_body(name: str, *, gpu_gib: int = 0, scheduler: str | None = None) -> dict[str, Any]:

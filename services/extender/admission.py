@@ -4,8 +4,10 @@ The extender serves it on its own port (`--webhook-port`, HTTPS with `--webhook-
 apart from kube-scheduler's verbs, so the verbs' plain or mutual-TLS port is unchanged and kube-apiserver needs no
 client certificate. The rewrite is `shared.dra.admission` (pure); this shell reads the review, creates the
 ResourceClaimTemplate the rewrite names (`409 AlreadyExists` with the same spec is success: a template is named by
-a hash of its spec; nothing is created on a dry run) and answers. Every refusal is logged and counted, and says
-why; a body that is not an `admission.k8s.io/v1` AdmissionReview gets a 400 with a JSON body.
+a hash of its spec; nothing is created on a dry run) and answers. A template found or created is trusted for
+`TEMPLATE_TRUSTED_S` without asking the API server again: every pod of a Deployment asks the same one. Every
+refusal is logged and counted, and says why; a body that is not an `admission.k8s.io/v1` AdmissionReview gets a
+400 with a JSON body.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -34,17 +38,31 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a pod is at most ~1.5 MiB in etcd; the review carries it once on CREATE
 API_TIMEOUT_S = 5.0  # below the webhook's timeoutSeconds (10), so a slow API server gets our answer, not a timeout
+# How long a template found or created is known to be there. Within it a pod asking the same demand costs no API
+# call (it cost a create answered 409 and a read before); a template deleted by hand meanwhile is written again by
+# the first admission after it.
+TEMPLATE_TRUSTED_S = 30.0
+TEMPLATES_REMEMBERED = 4096
 
 
 class Admission:
     """The webhook's handler: review bytes in, (HTTP status, JSON body) out."""
 
-    def __init__(self, unit: MemoryUnit, *, kubeconfig: str | None = None, api: Any = None) -> None:
+    def __init__(
+        self,
+        unit: MemoryUnit,
+        *,
+        kubeconfig: str | None = None,
+        api: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.unit = unit
         self._kubeconfig = kubeconfig
         self._api = api
         self._own_api = api is None
         self._api_lock = asyncio.Lock()
+        self._clock = clock
+        self._present: OrderedDict[tuple[str, str], float] = OrderedDict()  # (namespace, name) -> when confirmed
 
     async def close(self) -> None:
         """Close the Kubernetes client this handler opened."""
@@ -111,6 +129,18 @@ class Admission:
 
     async def _ensure_template(self, rewrite: Rewrite, namespace: str) -> None:
         """Create the rewrite's ResourceClaimTemplate, or find it there already; AdmissionRefused otherwise."""
+        name = rewrite.template_name
+        key, now = (namespace, name), self._clock()
+        confirmed = self._present.get(key)
+        if confirmed is not None and now - confirmed < TEMPLATE_TRUSTED_S:
+            return
+        await self._create_or_find(rewrite, namespace)
+        self._present[key] = now
+        self._present.move_to_end(key)
+        while len(self._present) > TEMPLATES_REMEMBERED:
+            self._present.popitem(last=False)
+
+    async def _create_or_find(self, rewrite: Rewrite, namespace: str) -> None:
         name = rewrite.template_name
         try:
             resource = client.ResourceV1Api(await self._client())

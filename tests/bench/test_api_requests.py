@@ -64,11 +64,14 @@ def test_extender_calls_are_counted_by_verb() -> None:
         'gpushare_extender_bind_seconds_bucket{le="+Inf"} 10.0\n'
         "gpushare_extender_bind_seconds_count 10.0\n"
         "gpushare_extender_bind_seconds_sum 1.5\n"
+        "# TYPE gpushare_extender_admission_seconds histogram\n"  # kube-apiserver's calls to gpushare admission
+        "gpushare_extender_admission_seconds_count 5.0\n"
     )
     calls = parse_calls(exposition)
-    assert calls == {"filter": 30, "prioritize": 0, "bind": 10, "preempt": 0}
-    before = {"filter": 10, "prioritize": 0, "bind": 0, "preempt": 0}
+    assert calls == {"filter": 30, "prioritize": 0, "bind": 10, "preempt": 0, "admission": 5}
+    before = {"filter": 10, "prioritize": 0, "bind": 0, "preempt": 0, "admission": 0}
     assert calls_per_pod(before, calls, 10, "gpu") == {
         "gpu_extender_filter_calls_per_pod": 2.0,
         "gpu_extender_bind_calls_per_pod": 1.0,
+        "gpu_extender_admission_calls_per_pod": 0.5,
     }

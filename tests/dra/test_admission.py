@@ -335,3 +335,57 @@ async def test_inspect_without_accounting_reads_dra_nodes_from_their_slices(stac
     }
     (one,) = await from_apiserver(api, Request(node=node), MemoryUnit.GIB)
     assert one["name"] == node and len(one["gpus"]) == len(rows)
+
+
+async def _template_requests(api) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """kube-apiserver's own count of ResourceClaimTemplate requests so far, by verb."""
+    from bench.api_requests import read_counts
+
+    counts = await read_counts(api)
+    return {verb: counts[f"{verb} resourceclaimtemplates"] for verb in ("POST", "GET")}
+
+
+async def test_pods_asking_the_same_demand_cost_one_template_request_until_it_is_no_longer_trusted(
+    stack, api, dra_namespace
+) -> None:  # type: ignore[no-untyped-def]
+    """Every pod of a Deployment asks the same template: the webhook creates it once and trusts it for
+    TEMPLATE_TRUSTED_S (each pod cost a create answered 409 and a read before, benchmark 12); after that it asks
+    the API server again, and writes a template deleted by hand anew."""
+    before = await _template_requests(api)
+    for i in range(3):  # through kube-apiserver and the extender's webhook, as any client creates a pod
+        await helpers.create_pod(api, dra_namespace, _pod(f"same-{i}", [_c("main", mem="1")]))
+    after = await _template_requests(api)
+    assert {v: after[v] - before[v] for v in after} == {"POST": 1, "GET": 0}
+    (template,) = await _templates(api, dra_namespace)
+
+    from services.extender.admission import TEMPLATE_TRUSTED_S, Admission
+    from shared.settings import MemoryUnit
+
+    now = [1000.0]
+    admission = Admission(MemoryUnit.GIB, api=api, clock=lambda: now[0])
+    body = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u-1",
+            "operation": "CREATE",
+            "namespace": dra_namespace,
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "object": _pod("direct", [_c("main", mem="1")]),
+        },
+    }
+
+    async def admit() -> dict[str, int]:
+        start = await _template_requests(api)
+        status, answer = await admission(json.dumps(body).encode())
+        assert status == 200 and json.loads(answer)["response"]["allowed"] is True
+        end = await _template_requests(api)
+        return {v: end[v] - start[v] for v in end}
+
+    assert await admit() == {"POST": 1, "GET": 1}  # a handler of its own: found there (409), read, matches
+    assert await admit() == {"POST": 0, "GET": 0}  # trusted
+    name = template["metadata"]["name"]
+    await client.ResourceV1Api(api).delete_namespaced_resource_claim_template(name, dra_namespace)
+    now[0] += TEMPLATE_TRUSTED_S  # no longer trusted: created again
+    assert await admit() == {"POST": 1, "GET": 0}
+    assert [t["metadata"]["name"] for t in await _templates(api, dra_namespace)] == [name]

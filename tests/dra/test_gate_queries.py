@@ -1,0 +1,132 @@
+"""The binder's claim gate against real PostgreSQL: a claim's events that cannot change what the ledger holds cost
+no ledger query (benchmark 12 counted six or seven claim events per DRA pod, each a query), and a claim
+deallocated while nobody watched is still ended by reconciliation. No API call is made on these paths: the gate's
+Kubernetes client is never used here."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+from sqlalchemy import event, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.binder.claims import ClaimGate, live_claim_allocations
+from services.binder.metrics import BinderMetrics
+from shared.dra.claims import our_results, read_claim
+from shared.dra.conditions import status_apply
+from shared.events.catalogue import InventoryEvent
+from shared.kube.watching import ADDED, DELETED, MODIFIED
+from shared.ledger.ledger import Ledger
+from shared.ledger.models import allocations
+from shared.settings import MemoryUnit
+from tests.dra.objects import claim, gpu, ledger_gpus, pod, request
+
+NODE = "dra-node"
+GPUS = [gpu(NODE, 0)]
+
+
+def _lookups(engine: AsyncEngine) -> list[str]:
+    """Every ledger lookup of a claim's allocations the engine runs from now on (the statements, as sent)."""
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "allocations.claim_uid" in statement:
+            seen.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", before)
+    return seen
+
+
+async def _recorded(ledger: Ledger, name: str) -> tuple[dict[str, Any], uuid.UUID]:
+    """A claim allocated by kube-scheduler, recorded in the ledger and carrying the gate's LedgerReserved."""
+    p = pod(name, [("main", "r")], namespace="team")
+    c = claim(f"{name}-gpushare", "team", [request("r", "4Gi")], [("r", GPUS[0], "4Gi", "0")], node=NODE)
+    c["status"]["reservedFor"] = [{"resource": "pods", "name": name, "uid": p["metadata"]["uid"]}]
+    allocation = read_claim(c, p, ledger_gpus(GPUS), MemoryUnit.GIB)
+    await ledger.reserve_claim(allocation.event(source="test"))
+    applied = status_apply(c, our_results(c), reserved=True, reason="Recorded", message="recorded")
+    c["status"]["devices"] = applied["status"]["devices"]
+    return c, allocation.allocation_id
+
+
+def _deallocated(c: dict[str, Any]) -> dict[str, Any]:
+    """The claim once the resourceclaim controller took its reservation and allocation away."""
+    out = copy.deepcopy(c)
+    out["status"] = {}
+    return out
+
+
+async def _state(engine: AsyncEngine, allocation_id: uuid.UUID) -> str:
+    async with engine.connect() as conn:
+        return str((await conn.execute(select(allocations.c.state).where(allocations.c.id == allocation_id))).scalar())
+
+
+@pytest.fixture
+async def gate(engine: AsyncEngine):  # type: ignore[no-untyped-def]
+    ledger = Ledger(engine, prefix="t")
+    await ledger.record(InventoryEvent(node=NODE, gpus=GPUS, allocator="dra"))  # type: ignore[arg-type]
+    api = client.ApiClient()
+    g = ClaimGate(ledger, api, unit=MemoryUnit.GIB, metrics=BinderMetrics())
+    g.served = True
+    yield g
+    await g.close()
+    await api.close()
+
+
+async def _handled(gate: ClaimGate, *events: tuple[str, dict[str, Any]]) -> None:
+    """Hand the gate watch events, as its watch does, and wait until it handled them all."""
+    for kind, obj in events:
+        gate.submit(kind, obj)
+        await _drained(gate)
+    await _drained(gate)
+
+
+async def _drained(gate: ClaimGate) -> None:
+    while gate._tasks:
+        await asyncio.gather(*list(gate._tasks))
+
+
+async def test_a_claim_never_allocated_costs_no_ledger_query(gate: ClaimGate, engine: AsyncEngine) -> None:
+    fresh = claim("idle-gpushare", "team", [request("r", "4Gi")], [], node=NODE)
+    lookups = _lookups(engine)
+    # created by the resourceclaim controller, a finalizer added, deleted with its pod before it was scheduled
+    await _handled(gate, (ADDED, fresh), (MODIFIED, fresh), (DELETED, fresh))
+    assert lookups == []
+
+
+async def test_a_recorded_claim_is_looked_up_when_something_may_have_changed_and_ended_once(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    reserved, allocation_id = await _recorded(gate.ledger, "p1")
+    lookups = _lookups(engine)
+    await _handled(gate, (MODIFIED, reserved))  # first sight of it in this term: looked up, found recorded
+    assert len(lookups) == 1 and await _state(engine, allocation_id) == "reserved"
+    await _handled(gate, (MODIFIED, reserved), (MODIFIED, reserved))  # the gate's own condition, a finalizer
+    assert len(lookups) == 1
+    gone = _deallocated(reserved)
+    await _handled(gate, (MODIFIED, gone))  # deallocated: looked up and ended
+    assert len(lookups) == 2 and await _state(engine, allocation_id) == "failed"  # it never bound
+    await _handled(gate, (MODIFIED, gone), (DELETED, gone))  # its finalizer removed, then deleted
+    assert len(lookups) == 2
+    assert await live_claim_allocations(engine) == []
+
+
+async def test_a_claim_deallocated_while_nobody_watched_is_ended_by_reconciliation(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """The gate takes a claim it first sees without an allocation to hold nothing; the reconciliation that follows
+    every (re)list reads the ledger and hands it back to be checked."""
+    reserved, allocation_id = await _recorded(gate.ledger, "p2")
+    gone = _deallocated(reserved)
+    await _handled(gate, (ADDED, gone))  # as a relist delivers it
+    assert await _state(engine, allocation_id) == "reserved"
+    uid = gone["metadata"]["uid"]
+    await gate._reconcile_with({uid: gone}, await live_claim_allocations(engine))
+    await _handled(gate)
+    assert await _state(engine, allocation_id) == "failed"
+    assert await live_claim_allocations(engine) == []
