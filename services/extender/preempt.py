@@ -1,7 +1,8 @@
 """The preempt verb: per candidate node, the victims kube-scheduler's own preemption would choose if it knew the GPUs.
 
-kube-scheduler (`SelectVictimsOnNode`) chose its victims by the resources it checks itself; with `aliyun.com/gpu-mem`
-left to the extender (`ignoredByScheduler: true`) those free no GPU. The extender runs kube-scheduler's rule again
+kube-scheduler (`SelectVictimsOnNode`) chose its victims by what it counts itself: each `aliyun.com/*` resource per
+node in total (the shipped configuration, `ignoredByScheduler: false`), never per GPU, so its victims may free enough
+memory in total and too little on every GPU. The extender runs kube-scheduler's rule again
 with the GPU rule added (`shared.placement.preempt.select_victims`): it keeps kube-scheduler's victims, adds the
 lower-priority GPU holders that must go too, drops the node when no eviction frees the right GPUs, and answers
 what kube-scheduler would: the victims most important first (kube-scheduler takes the first as the highest
@@ -9,26 +10,78 @@ priority when it picks a node) and the number of them that violate a PodDisrupti
 kube-scheduler counts (`shared.placement.disruption`). The pods and budgets come from the API
 (`services.extender.victims`).
 
-A preemptor already nominated to a node whose victims are gone while the ledger still releases their shares gets
-no node: kube-scheduler would preempt a second time elsewhere (its cache forgot the victims, the extender's view
-still holds their shares for a moment, so its filter refuses the nominated node). kube-scheduler itself waits
-while victims on the nominated node are terminating (`PodEligibleToPreemptOthers`); this is the same wait for
-shares on their way back.
+A preemptor whose victims are gone while the ledger still releases their shares gets no node: kube-scheduler would
+preempt a second time elsewhere (its cache forgot the victims, the extender's view still holds their shares for a
+moment, so its filter refuses the node it preempted on). kube-scheduler itself waits while victims on the nominated
+node are terminating (`PodEligibleToPreemptOthers`); this is the same wait for shares on their way back. The node
+is known two ways: the preemptor's `status.nominatedNodeName`, and this extender's own recent answers for it
+(`Evictions`): kube-scheduler's status write can reach its informer after the next attempt has begun, and victims
+deleted without a grace period leave nothing terminating to wait for, so without the memory a preemptor retried at
+once evicted a second node's pods (tests/e2e/test_preemption.py: the pod a PodDisruptionBudget guards, too).
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from services.extender.victims import Facts, PodFacts
 from services.extender.view import ClusterView
 from services.extender.wire import PreemptionArgs
-from shared.placement import DemandError, Policy, parse_pod
+from shared.placement import DemandError, PodDemand, Policy, parse_pod
 from shared.placement.preempt import Victim, fits_without, select_victims
 from shared.settings import MemoryUnit
 
 LOWEST_PRIORITY = -(2**31)
+EVICTION_MEMORY_S = 60.0  # how long a preemptor waits for the node it preempted on before preempting elsewhere
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The victims a preempt answer named on each node for one preemptor, and when (monotonic seconds)."""
+
+    victims: dict[str, frozenset[str]]
+    at: float
+
+
+class Evictions:
+    """This extender's recent preempt answers, by preemptor UID (the last `size` preemptors, for `ttl_s`).
+
+    kube-scheduler evicts the victims of the one node it picks among the answer's; which one shows later, as the
+    victims that are gone from the API."""
+
+    def __init__(
+        self, *, size: int = 10_000, ttl_s: float = EVICTION_MEMORY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.size = size
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._answers: OrderedDict[str, Answered] = OrderedDict()
+
+    def remember(self, pod_uid: str, answer: dict[str, Any]) -> None:
+        """Keep an answer that named victims (an empty one leaves the last answer in place: it may be the wait)."""
+        named = {
+            node: frozenset(p["UID"] for p in victims["Pods"])
+            for node, victims in answer.get("NodeNameToMetaVictims", {}).items()
+            if victims["Pods"]
+        }
+        if not pod_uid or not named:
+            return
+        self._answers[pod_uid] = Answered(named, self.clock())
+        self._answers.move_to_end(pod_uid)
+        while len(self._answers) > self.size:
+            self._answers.popitem(last=False)
+
+    def recent(self, pod_uid: str) -> dict[str, frozenset[str]]:
+        """The victims per node of the pod's last answer, when it is recent enough to wait for."""
+        answered = self._answers.get(pod_uid)
+        if answered is None or self.clock() - answered.at > self.ttl_s:
+            return {}
+        return answered.victims
 
 
 def preemptor_priority(pod: dict[str, Any]) -> int:
@@ -43,11 +96,14 @@ def nominated_node(pod: dict[str, Any]) -> str:
     return name if isinstance(name, str) else ""
 
 
-def nodes_to_read(args: PreemptionArgs) -> list[str]:
-    """The nodes whose pods preempt reads: the candidates, and the node the preemptor is nominated to."""
+def nodes_to_read(args: PreemptionArgs, answered: Collection[str] = ()) -> list[str]:
+    """The nodes whose pods preempt reads: the candidates, the node the preemptor is nominated to, and the nodes
+    this extender recently answered victims on for it."""
     nodes = list(args.victims)
-    waiting = nominated_node(args.pod)
-    return [*nodes, waiting] if waiting and waiting not in args.victims else nodes
+    for node in (nominated_node(args.pod), *answered):
+        if node and node not in nodes:
+            nodes.append(node)
+    return nodes
 
 
 def being_released(view: ClusterView, node: str, listed: list[PodFacts]) -> list[Victim]:
@@ -55,6 +111,34 @@ def being_released(view: ClusterView, node: str, listed: list[PodFacts]) -> list
     present = {p.uid for p in listed}
     held = {a.pod_uid: a for g in view.nodes[node].gpus for a in view.pods_on(node, g.uuid)}
     return [Victim(uid, a.charges) for uid, a in held.items() if uid not in present]
+
+
+def waited_for(
+    view: ClusterView,
+    demand: PodDemand,
+    pod: dict[str, Any],
+    facts: Facts,
+    answered: Mapping[str, Collection[str]],
+    policy: Policy,
+) -> str | None:
+    """The node the preemptor waits for instead of preempting again, or None.
+
+    Its nominated node, when shares of pods gone from the API are still held there and the pod fits once they are
+    back; or a node this extender recently named victims on for it, when some of them are gone from the API
+    (kube-scheduler evicted there) and the pod fits there now or once the shares of gone pods are back."""
+    if facts.pods is None:
+        return None
+    nominated = nominated_node(pod)
+    for node in (nominated, *answered):
+        if node not in view.nodes or node not in facts.pods:
+            continue
+        listed = facts.pods[node]
+        gone = being_released(view, node, listed)
+        present = {p.uid for p in listed}
+        evicted = node in answered and not set(answered[node]) <= present
+        if (gone or evicted) and fits_without(view.nodes[node], demand, gone, policy):
+            return node
+    return None
 
 
 def _victim(view: ClusterView, node: str, facts: PodFacts) -> Victim:
@@ -71,9 +155,11 @@ def preempt(
     unit: MemoryUnit,
     policy: Policy,
     now: datetime | None = None,
+    answered: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, Any]:
     """Keep the nodes where evictions free the right GPUs, each with kube-scheduler's victims and the GPU holders
-    that must go too, in kube-scheduler's order and with its count of PodDisruptionBudget violations."""
+    that must go too, in kube-scheduler's order and with its count of PodDisruptionBudget violations. `answered`:
+    the victims per node this extender recently answered for the pod (`Evictions.recent`)."""
     try:
         demand = parse_pod(args.pod, unit)
     except DemandError:
@@ -82,11 +168,8 @@ def preempt(
         return {"NodeNameToMetaVictims": {}}
     now = now or datetime.now(UTC)
     priority = preemptor_priority(args.pod)
-    waiting = nominated_node(args.pod)
-    if waiting in view.nodes and facts.pods is not None and waiting in facts.pods:
-        gone = being_released(view, waiting, facts.pods[waiting])
-        if gone and fits_without(view.nodes[waiting], demand, gone, policy):
-            return {"NodeNameToMetaVictims": {}}  # wait for the release, as kube-scheduler waits for its victims
+    if demand.wants_gpu and waited_for(view, demand, args.pod, facts, answered or {}, policy) is not None:
+        return {"NodeNameToMetaVictims": {}}  # wait for the release, as kube-scheduler waits for its victims
     out: dict[str, Any] = {}
     for node_name, (uids, pdb) in args.victims.items():
         node = view.nodes.get(node_name)

@@ -26,7 +26,7 @@ from services.extender.filter import Filter
 from services.extender.inspection import inspect
 from services.extender.outcomes import OutcomeWaiter
 from services.extender.pods import DEFAULT_MAX_BYTES, PodCache
-from services.extender.preempt import nodes_to_read, preempt
+from services.extender.preempt import Evictions, nodes_to_read, preempt
 from services.extender.prioritize import prioritize
 from services.extender.refusals import RefusalPublisher
 from services.extender.resync import ViewSync
@@ -35,6 +35,7 @@ from services.extender.victims import read_facts
 from services.extender.view import ClusterView
 from services.extender.wire import BindingArgs, ExtenderArgs, PreemptionArgs
 from shared.events.bus import EventBus
+from shared.kube.pods import pod_uid
 from shared.ledger.ledger import Ledger
 from shared.placement import Policy
 from shared.settings import MemoryUnit
@@ -72,6 +73,7 @@ class ExtenderService:
             size=pod_cache_size, max_bytes=pod_cache_bytes, kubeconfig=kubeconfig, kube_enabled=kube_enabled
         )
         self.sync = ViewSync(self.view, engine, self.waiter, period_s=resync_s)
+        self.evictions = Evictions(size=pod_cache_size)  # preempt's own recent answers (a preemptor waits for them)
         refusals = RefusalPublisher(bus, size=pod_cache_size)
         self._filter = Filter(self.view, self.scores, self.pods, refusals, unit, policy)
         self._bind = Bind(self.view, self.sync, ledger, engine, self.waiter, self.pods, unit, policy, bind_timeout_s)
@@ -132,8 +134,12 @@ class ExtenderService:
         """Answer a preempt call (`services.extender.preempt`) with the candidate nodes' pods and the
         PodDisruptionBudgets read from the API (`services.extender.victims`)."""
         api = None if self.pods.trust_filter else self.pods.api
-        facts = await read_facts(api, nodes_to_read(args))
-        return preempt(self.view, args, facts, unit=self.unit, policy=self.policy)
+        uid = pod_uid(args.pod)
+        answered = self.evictions.recent(uid)
+        facts = await read_facts(api, nodes_to_read(args, answered))
+        answer = preempt(self.view, args, facts, unit=self.unit, policy=self.policy, answered=answered)
+        self.evictions.remember(uid, answer)
+        return answer
 
     def inspect(self, node_name: str | None = None) -> dict[str, Any]:
         """gpushare's inspect JSON (`services.extender.inspection`)."""
