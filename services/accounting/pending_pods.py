@@ -34,9 +34,10 @@ def _holders(item: dict[str, Any], waiting: Waiting | None, holders: list[dict[s
 def annotate(
     item: dict[str, Any], uid: str, waiting: Waiting | None, holders: list[dict[str, Any]], now: datetime
 ) -> dict[str, Any]:
-    """An extender refusal with the pod's creation time, its wait so far and kube-scheduler's verdict, where the pod
-    watch knows them (pure)."""
-    item["source"] = EXTENDER
+    """A recorded refusal with the pod's creation time, its wait so far and kube-scheduler's verdict, where the pod
+    watch knows them (pure). Its source is kube-scheduler when the summary is kube-scheduler's message (the binder
+    records DRA pods' so, `kube-scheduler (DRA): ...`), else the extender."""
+    item["source"] = KUBE_SCHEDULER if item["summary"].startswith(KUBE_SCHEDULER) else EXTENDER
     item["scheduler"] = waiting.verdict.as_dict() if waiting is not None and waiting.verdict is not None else None
     item["terminating_holders"] = _holders(item, waiting, holders)
     if waiting is not None:

@@ -79,7 +79,6 @@ def scheduled_at(pod: Pod) -> datetime | None:
     return None
 
 
-UNPLACED_REASONS = ("Unschedulable", "SchedulerError")  # v1.PodReasonUnschedulable, v1.PodReasonSchedulerError
 MAX_MESSAGE = 4096
 
 
@@ -107,19 +106,17 @@ class SchedulerVerdict:
 
 def scheduler_verdict(pod: Pod) -> SchedulerVerdict | None:
     """kube-scheduler's verdict on an unbound pod, or None when it has not refused it (not tried yet, gated, bound)."""
-    if pods.node_name(pod):
+    condition = pods.unplaced_condition(pod)
+    if condition is None:
         return None
-    for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") != "PodScheduled":
-            continue
-        reason, message = cond.get("reason"), cond.get("message")
-        if cond.get("status") != "False" or reason not in UNPLACED_REASONS or not isinstance(message, str):
-            return None
-        if len(message) > MAX_MESSAGE:
-            message = message[: MAX_MESSAGE - 15] + " ... (cut here)"
-        # interned: pods refused alike (a Deployment's replicas) share one message
-        return SchedulerVerdict(reason, sys.intern(message), parse_time(cond.get("lastTransitionTime")))
-    return None
+    message = str(condition.get("message") or condition.get("reason"))
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 15] + " ... (cut here)"
+    # interned: pods refused alike (a Deployment's replicas) share one message
+    verdict = SchedulerVerdict(
+        str(condition["reason"]), sys.intern(message), parse_time(condition.get("lastTransitionTime"))
+    )
+    return verdict
 
 
 def is_gpu_pod(pod: Pod) -> bool:

@@ -232,5 +232,5 @@ def test_kube_schedulers_verdict_is_read_from_the_condition_and_kept_short() -> 
     verdict = scheduler_verdict(body)
     assert verdict is not None and len(verdict.message) == MAX_MESSAGE and verdict.message.endswith("(cut here)")
     assert scheduler_verdict(refused_by_scheduler(pod("q", created=T0), "boom", since=T0, reason="SchedulerError"))
-    assert scheduler_verdict(pod("r", created=T0)) is None  # Unschedulable without a message: nothing to say
+    assert scheduler_verdict(pod("r", created=T0)).message == "Unschedulable"  # no message: its reason
     assert scheduler_verdict(pod("s", created=T0, bound=T0)) is None
