@@ -31,13 +31,18 @@ def _holders(item: dict[str, Any], waiting: Waiting | None, holders: list[dict[s
     return [h for h in holders if h["node"] in item["reasons"]]
 
 
+def source_of(summary: str) -> str:
+    """Who refused, from a recorded refusal's summary: kube-scheduler when it is its message, else the extender."""
+    return KUBE_SCHEDULER if summary.startswith(KUBE_SCHEDULER) else EXTENDER
+
+
 def annotate(
     item: dict[str, Any], uid: str, waiting: Waiting | None, holders: list[dict[str, Any]], now: datetime
 ) -> dict[str, Any]:
     """A recorded refusal with the pod's creation time, its wait so far and kube-scheduler's verdict, where the pod
     watch knows them (pure). Its source is kube-scheduler when the summary is kube-scheduler's message (the binder
     records DRA pods' so, `kube-scheduler (DRA): ...`), else the extender."""
-    item["source"] = KUBE_SCHEDULER if item["summary"].startswith(KUBE_SCHEDULER) else EXTENDER
+    item["source"] = source_of(item["summary"])
     item["scheduler"] = waiting.verdict.as_dict() if waiting is not None and waiting.verdict is not None else None
     item["terminating_holders"] = _holders(item, waiting, holders)
     if waiting is not None:
@@ -103,7 +108,9 @@ async def pod_view(
     view = await queries.pod_view(conn, namespace, name)
     now = _clock(scheduling)
     pending = scheduling.pending if scheduling is not None else {}
-    if view is not None and view["pending"] is not None:  # the extender refused it
+    if view is not None and view["last_refusal"] is not None:
+        view["last_refusal"]["source"] = source_of(view["last_refusal"]["summary"])
+    if view is not None and view["pending"] is not None:  # a recorded refusal (the extender's, or a DRA pod's)
         uid = view["pending"]["pod_uid"]
         annotate(view["pending"], uid, pending.get(uid), await queries.terminating_holders(conn), now)
         return view
