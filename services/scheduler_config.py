@@ -7,7 +7,9 @@ extender fields are the same, spelled the same, except two: `enableHttps` become
 `httpTimeout`, nanoseconds in a Policy, becomes a duration string (`30s`). The configuration's API version
 follows the release: `kubescheduler.config.k8s.io/v1beta1` on 1.19-1.21, `v1beta2` on 1.22, `v1beta3` on
 1.23-1.24, `v1` from 1.25. What a Policy says besides its extenders (predicates, priorities, ...) has no
-one-to-one equivalent: it is named in a note, never dropped silently.
+one-to-one equivalent: it is named in a note, never dropped silently. One thing is changed for gpushare's extender:
+`ignoredByScheduler: true` on an `aliyun.com/` resource becomes false (with a note), since kube-scheduler never
+preempts for a resource it does not count.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ EXTENDER_FIELDS = {
 TLS_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
 RENAMED = {"enableHttps": "enableHTTPS"}
 GPUSHARE_VERBS = {"prioritizeVerb": "prioritize", "preemptVerb": "preempt"}
+GPUSHARE_RESOURCE_PREFIX = "aliyun.com/"
 OTHER_POLICY_FIELDS = {
     "predicates": "predicates select filter plugins: list the ones to keep under profiles[].plugins.filter",
     "priorities": "priorities select score plugins and weights: profiles[].plugins.score",
@@ -130,12 +133,32 @@ def _extender(raw: Any, where: str, notes: list[str]) -> dict[str, Any]:
             notes.append(
                 f"{where} has no httpTimeout: kube-scheduler's default is 5s; gpushare's bind may take up to 30s"
             )
+        counted = _count_gpushare_resources(out.get("managedResources") or [])
+        if counted:
+            notes.append(
+                f"{where}.managedResources: {', '.join(counted)} had ignoredByScheduler: true, written as false: "
+                "kube-scheduler must count them per node itself (as kubelet does at admission) to preempt for them "
+                "at all (docs/extender.md, Preemption)"
+            )
     return out
+
+
+def _count_gpushare_resources(managed: list[dict[str, Any]]) -> list[str]:
+    """Turn `ignoredByScheduler: true` into false on gpushare's resources (in place); the names changed.
+
+    With `true` kube-scheduler's NodeResourcesFit skips the resource, so its preemption finds no shortage to relieve
+    and reprieves every victim ("preemption: expected at least one victim pod on node"): GPU pods never preempt."""
+    changed = []
+    for resource in managed:
+        if resource["name"].startswith(GPUSHARE_RESOURCE_PREFIX) and resource.get("ignoredByScheduler"):
+            resource["ignoredByScheduler"] = False
+            changed.append(resource["name"])
+    return changed
 
 
 def _managed(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
-        raise PolicyError(f'{where}: expected {{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": true}}')
+        raise PolicyError(f'{where}: expected {{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": false}}')
     if set(raw) - {"name", "ignoredByScheduler"}:
         raise PolicyError(f"{where}: unknown field(s) {', '.join(sorted(set(raw) - {'name', 'ignoredByScheduler'}))}")
     if not isinstance(raw.get("ignoredByScheduler", False), bool):
@@ -190,7 +213,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         description="Print the KubeSchedulerConfiguration equivalent to a legacy scheduler Policy (the gpushare "
         "guide's scheduler-policy-config.json), in the API version the target kube-scheduler reads: v1beta1 for "
         "1.19-1.21, v1beta2 for 1.22, v1beta3 for 1.23-1.24, v1 from 1.25. kube-scheduler 1.23 removed Policy "
-        "files. Notes (what was not converted, verbs gpushare adds) go to stderr and into the file's header.",
+        "files. For gpushare's extender, ignoredByScheduler: true on an aliyun.com/ resource becomes false (without "
+        "it kube-scheduler never preempts for GPU shares). Notes (what was not converted or was changed, verbs "
+        "gpushare adds) go to stderr and into the file's header.",
     )
     p.add_argument("--from-policy", metavar="FILE", required=True, help="the Policy JSON file (- reads stdin)")
     p.add_argument(

@@ -76,8 +76,10 @@ class ExtenderConfig:
     http_timeout: str = "30s"
     node_cache_capable: bool = True
     managed_resources: Sequence[str] = RESOURCES
-    ignored_by_scheduler: bool = True
-    counted_by_scheduler: Sequence[str] = ()  # managed resources kube-scheduler counts itself all the same
+    # managed resources kube-scheduler leaves to the extender alone (`ignoredByScheduler: true`); none, as shipped
+    # (k8s/scheduler/): kube-scheduler counts every aliyun.com/* resource per node as kubelet does at admission,
+    # which is what makes it preempt for them (docs/extender.md, "Preemption")
+    ignored_by_scheduler: Sequence[str] = ()
     ignorable: bool = False
     tls_config: Mapping[str, Any] | None = None  # for https: kube-scheduler's tlsConfig (default: insecure)
 
@@ -91,8 +93,7 @@ class ExtenderConfig:
             "enableHTTPS": self.url_prefix.startswith("https://"),
             "ignorable": self.ignorable,
             "managedResources": [
-                {"name": n, "ignoredByScheduler": self.ignored_by_scheduler and n not in self.counted_by_scheduler}
-                for n in self.managed_resources
+                {"name": n, "ignoredByScheduler": n in self.ignored_by_scheduler} for n in self.managed_resources
             ],
         }
         for key, verb in (

@@ -79,7 +79,6 @@ class StackConfig:
     fleet_admit: bool = True  # the fleet admits pods (off: scheduling benchmarks)
     usage: spec.AgentUsage = field(default_factory=spec.AgentUsage)  # simulated usage of the node agents
     controller_manager_extra: list[str] = field(default_factory=list)  # e.g. a short HPA sync period for tests
-    scheduler_counts: tuple[str, ...] = ()  # resources kube-scheduler counts per node too (ignoredByScheduler: false)
     monitoring: bool = False  # Prometheus scraping the services, prometheus-adapter serving custom.metrics.k8s.io
     admission_policies: bool = False  # k8s/base's ValidatingAdmissionPolicies on the local control plane (1.30+)
     scrape_interval: float = 5.0
@@ -416,7 +415,6 @@ class Stack:
             extender=ExtenderConfig(
                 url_prefix=self.extender_url,
                 http_timeout=f"{max(c.bind_timeout + 5, 30):.0f}s",
-                counted_by_scheduler=c.scheduler_counts,
             ),
             scheduler_extra=c.scheduler_extra,
             controller_manager_extra=c.controller_manager_extra,

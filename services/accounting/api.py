@@ -62,7 +62,7 @@ def create_app(
     async def _refresh_metrics(request: Request, call_next):  # type: ignore[no-untyped-def]
         if request.url.path == "/metrics":
             try:
-                await metrics.refresh(engine, owners=app.state.workload_names.resolve)
+                await metrics.refresh(engine, owners=app.state.workload_names.resolve, scheduling=app.state.scheduling)
             except Exception as exc:  # serve the last snapshot rather than fail the scrape
                 log.warning("could not refresh metrics from the ledger: %s", exc)
         return await call_next(request)

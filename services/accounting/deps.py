@@ -96,14 +96,6 @@ def get_scheduling(request: Request) -> SchedulingWaits | None:
 MaybeScheduling = Annotated[SchedulingWaits | None, Depends(get_scheduling)]
 
 
-def with_waits(pending: dict | None, scheduling: SchedulingWaits | None) -> dict | None:
-    """A pending pod's entry with its creation time and wait so far, where the pod watch knows them."""
-    known = scheduling.waiting(pending["pod_uid"]) if pending is not None and scheduling is not None else None
-    if pending is not None and known is not None:
-        pending.update(created_at=known[0].isoformat(), waiting_seconds=int(known[1]))
-    return pending
-
-
 bearer = HTTPBearer(auto_error=False, description="GPUSHARE_ADMIN_TOKEN, for quota changes")
 
 

@@ -16,7 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.metrics import GPU_LABELS, NODE_LABELS, gpu_labels, mib_to_bytes, node_labels
 
 from . import queries
-from .scheduling import WAIT_BUCKETS
+from .pending_pods import pending_items
+from .scheduling import WAIT_BUCKETS, SchedulingWaits
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -87,7 +88,9 @@ class LedgerCollector(Collector):
             if q["memory_mib"] is not None:
                 ns_quota.add_metric([q["namespace"]], mib_to_bytes(q["memory_mib"]))
         pending = GaugeMetricFamily(
-            "gpushare_pending_pods", "Pods the extender could not place, by reason", labels=["reason"]
+            "gpushare_pending_pods",
+            "GPU pods waiting for a node, by reason (the extender's, or kube-scheduler's own message)",
+            labels=["reason"],
         )
         for reason, count in sorted(s.pending_by_reason.items()):
             pending.add_metric([reason], count)
@@ -182,14 +185,20 @@ class AccountingMetrics:
             self.bound_to_assigned.observe(seconds)
 
     async def refresh(
-        self, engine: AsyncEngine, *, force: bool = False, owners: queries.OwnerLookup | None = None
+        self,
+        engine: AsyncEngine,
+        *,
+        force: bool = False,
+        owners: queries.OwnerLookup | None = None,
+        scheduling: SchedulingWaits | None = None,
     ) -> None:
         """Read the gauges' values from the database (at most once per `min_refresh_s` unless forced; `owners`
-        names pods' workloads, a ReplicaSet's by its Deployment)."""
+        names pods' workloads, a ReplicaSet's by its Deployment; `scheduling` adds the pods kube-scheduler refused
+        before the extender saw them)."""
         if not force and time.monotonic() - self._refreshed < self.min_refresh_s:
             return
         async with engine.connect() as conn:
-            pending = await queries.list_pending(conn)
+            pending = await pending_items(conn, scheduling)
             tally: Tally[str] = Tally()
             for p in pending:
                 texts = set(p["reasons"].values()) or {p["summary"]}

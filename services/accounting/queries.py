@@ -423,6 +423,16 @@ async def pod_view(conn: AsyncConnection, namespace: str, name: str) -> dict[str
     }
 
 
+async def live_pod_uids(conn: AsyncConnection, pod_uids: list[str]) -> set[str]:
+    """Those of `pod_uids` that hold a live allocation (reserved, bound or assigned)."""
+    rows = await conn.execute(
+        select(allocations.c.pod_uid).where(
+            allocations.c.pod_uid.in_(pod_uids), allocations.c.state.in_(LIVE_STATE_VALUES)
+        )
+    )
+    return set(rows.scalars())
+
+
 async def list_pending(
     conn: AsyncConnection, *, namespace: str | None = None, now: datetime | None = None
 ) -> list[dict[str, Any]]:

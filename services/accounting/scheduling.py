@@ -12,13 +12,19 @@ Every GPU pod (one asking for an `aliyun.com/` resource) that kube-scheduler bin
 deletion was seen). Pods created with `spec.nodeName` (no PodScheduled condition) were never scheduled and are
 left out. "Once" holds across restarts and replicas: each observation claims the pod in `applied_events`
 (consumer `accounting-scheduling`, pruned after the dedupe horizon), and a listing only considers pods bound
-within that horizon. Pending pods' creation times are kept in memory for `/v1/pending` and the dashboard.
+within that horizon. Pending pods' creation times are kept in memory for `/v1/pending` and the dashboard, with
+kube-scheduler's own verdict on each: the `PodScheduled` condition it writes False when a scheduling attempt fails
+(`handleSchedulingFailure` -> `updatePod` in pkg/scheduler/schedule_one.go: reason `Unschedulable`, or
+`SchedulerError`, and the FailedScheduling message), which names what its own filters refused (`Insufficient
+aliyun.com/gpu-mem` for a node short of GPU memory in total, which the extender never sees) as well as what the
+extender said.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +79,46 @@ def scheduled_at(pod: Pod) -> datetime | None:
     return None
 
 
+MAX_MESSAGE = 4096
+
+
+@dataclass(frozen=True)
+class SchedulerVerdict:
+    """Why kube-scheduler's latest attempt did not place a pod: its `PodScheduled` condition (status False)."""
+
+    reason: str  # Unschedulable or SchedulerError
+    message: str  # kube-scheduler's FailedScheduling message (cut at MAX_MESSAGE characters, marked so)
+    since: datetime | None  # the condition's lastTransitionTime: when the pod first became unschedulable
+
+    @property
+    def short_of_gpu(self) -> bool:
+        """Whether its own filters found some node short of a gpushare resource in total (NodeResourcesFit)."""
+        return "Insufficient aliyun.com/" in self.message
+
+    def as_dict(self) -> dict[str, Any]:
+        """The verdict as `/v1/pending` shows it."""
+        return {
+            "reason": self.reason,
+            "message": self.message,
+            "since": self.since.isoformat() if self.since else None,
+        }
+
+
+def scheduler_verdict(pod: Pod) -> SchedulerVerdict | None:
+    """kube-scheduler's verdict on an unbound pod, or None when it has not refused it (not tried yet, gated, bound)."""
+    condition = pods.unplaced_condition(pod)
+    if condition is None:
+        return None
+    message = str(condition.get("message") or condition.get("reason"))
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 15] + " ... (cut here)"
+    # interned: pods refused alike (a Deployment's replicas) share one message
+    verdict = SchedulerVerdict(
+        str(condition["reason"]), sys.intern(message), parse_time(condition.get("lastTransitionTime"))
+    )
+    return verdict
+
+
 def is_gpu_pod(pod: Pod) -> bool:
     """Whether the pod asks for one of gpushare's resources."""
     return pods.requests_resource_prefix(pod)
@@ -115,11 +161,12 @@ def finished_wait(event_type: str, pod: Pod, now: datetime) -> Waited | None:
 
 @dataclass(frozen=True)
 class Waiting:
-    """A GPU pod not bound yet, since its creation."""
+    """A GPU pod not bound yet, since its creation, and kube-scheduler's verdict on it (None: none yet)."""
 
     namespace: str
     pod_name: str
     created_at: datetime
+    verdict: SchedulerVerdict | None = None
 
 
 def claim_id(pod_uid: str) -> uuid.UUID:
@@ -157,6 +204,14 @@ class SchedulingWaits:
             return None
         return w.created_at, max((self.clock() - w.created_at).total_seconds(), 0.0)
 
+    def refused(self, namespace: str | None = None) -> dict[str, Waiting]:
+        """Pending GPU pods kube-scheduler has refused (by UID), in one namespace or all."""
+        return {
+            uid: w
+            for uid, w in list(self.pending.items())
+            if w.verdict is not None and (namespace is None or w.namespace == namespace)
+        }
+
     def handle(self, event: WatchEvent) -> None:
         """Apply one watch event (pure bookkeeping; finished waits are queued for `flush`)."""
         if event.type == SYNCED:
@@ -176,7 +231,8 @@ class SchedulingWaits:
                 created = created_at(pod)
                 meta = pods.metadata(pod)
                 if created is not None:
-                    self.pending[uid] = Waiting(str(meta.get("namespace") or ""), str(meta.get("name") or ""), created)
+                    namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+                    self.pending[uid] = Waiting(namespace, name, created, scheduler_verdict(pod))
             else:
                 self.pending.pop(uid, None)
             if event.type == DELETED:

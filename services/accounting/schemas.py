@@ -192,6 +192,17 @@ class TerminatingHolder(Answer):
     terminating_since: Timestamp
 
 
+class SchedulerVerdict(Answer):
+    """kube-scheduler's own verdict on a pod it could not place: its PodScheduled condition."""
+
+    reason: str = Field(description="Unschedulable, or SchedulerError")
+    message: str = Field(
+        description="its FailedScheduling message: what its own filters refused (`Insufficient aliyun.com/gpu-mem`: "
+        "too little GPU memory in total on a node, which the extender never sees) and what the extender said"
+    )
+    since: Timestamp | None = Field(description="when the pod became unschedulable (lastTransitionTime)")
+
+
 class Pending(Answer):
     """A pod's latest refusal: a summary, the reason per node, and who holds GPUs there on the way out."""
 
@@ -199,10 +210,19 @@ class Pending(Answer):
     namespace: str
     pod_name: str
     summary: str
-    reasons: dict[str, str]
+    reasons: dict[str, str] = Field(description="the extender's reason per node it refused (none from kube-scheduler)")
     refused_at: Timestamp
+    source: Literal["extender", "kube-scheduler"] = Field(
+        "extender",
+        description="who refused: the extender (reasons per node), or kube-scheduler's own filters before the "
+        "extender saw any node (its message is the summary)",
+    )
+    scheduler: SchedulerVerdict | None = Field(
+        None, description="kube-scheduler's latest verdict on the pod; null without Kubernetes access or before any"
+    )
     terminating_holders: list[TerminatingHolder] = Field(
-        description="terminating pods still holding shares on the refusing nodes: the pod may fit once they are gone"
+        description="terminating pods still holding shares on the refusing nodes (on every node when kube-scheduler "
+        "found nodes short of GPU resources in total): the pod may fit once they are gone"
     )
     created_at: Timestamp | None = Field(
         description="the pod's creationTimestamp, from the API server; null without Kubernetes access or once bound"

@@ -29,18 +29,12 @@ from shared.kube.watching import DELETED
 log = logging.getLogger(__name__)
 
 REPUBLISH_S = 600.0
-WAITING_REASONS = ("Unschedulable", "SchedulerError")
 
 
 def scheduling_refusal(pod: dict[str, Any]) -> str | None:
     """kube-scheduler's reason why an unbound pod is not placed (None while it is not refused or is bound)."""
-    if pods.node_name(pod) or pods.is_terminated(pod):
-        return None
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-            if condition.get("reason") in WAITING_REASONS:
-                return str(condition.get("message") or condition.get("reason"))
-    return None
+    condition = pods.unplaced_condition(pod)
+    return None if condition is None else str(condition.get("message") or condition.get("reason"))
 
 
 @dataclass

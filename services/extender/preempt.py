@@ -1,7 +1,8 @@
 """The preempt verb: per candidate node, the victims kube-scheduler's own preemption would choose if it knew the GPUs.
 
-kube-scheduler (`SelectVictimsOnNode`) chose its victims by the resources it checks itself; with `aliyun.com/gpu-mem`
-left to the extender (`ignoredByScheduler: true`) those free no GPU. The extender runs kube-scheduler's rule again
+kube-scheduler (`SelectVictimsOnNode`) chose its victims by what it counts itself: each `aliyun.com/*` resource per
+node in total (the shipped configuration, `ignoredByScheduler: false`), never per GPU, so its victims may free enough
+memory in total and too little on every GPU. The extender runs kube-scheduler's rule again
 with the GPU rule added (`shared.placement.preempt.select_victims`): it keeps kube-scheduler's victims, adds the
 lower-priority GPU holders that must go too, drops the node when no eviction frees the right GPUs, and answers
 what kube-scheduler would: the victims most important first (kube-scheduler takes the first as the highest
@@ -9,31 +10,78 @@ priority when it picks a node) and the number of them that violate a PodDisrupti
 kube-scheduler counts (`shared.placement.disruption`). The pods and budgets come from the API
 (`services.extender.victims`).
 
-A preemptor whose earlier preemption is still under way gets no node: kube-scheduler would preempt a second time
-elsewhere (its cache forgot the victims, the extender's view still holds their shares for a moment, so its filter
-refuses the node the victims left). kube-scheduler itself waits while lower-priority pods on the nominated node are
-terminating (`PodEligibleToPreemptOthers`, pkg/scheduler/framework/plugins/defaultpreemption); this is the same wait
-for victims gone or terminating, for shares on their way back, and for shares back already (the filter that sent the
-pod to preemption saw the view a moment before). The node it waits on is the nominated one, or,
-since kube-scheduler 1.37 preempts asynchronously and may try the pod again before its `nominatedNodeName` shows, any
-node this extender answered victims on for the same preemptor a moment earlier (`Preemptions`).
+A preemptor whose victims are gone while the ledger still releases their shares gets no node: kube-scheduler would
+preempt a second time elsewhere (its cache forgot the victims, the extender's view still holds their shares for a
+moment, so its filter refuses the node it preempted on). kube-scheduler itself waits while victims on the nominated
+node are terminating (`PodEligibleToPreemptOthers`); this is the same wait for shares on their way back. The node
+is known two ways: the preemptor's `status.nominatedNodeName`, and this extender's own recent answers for it
+(`Evictions`): kube-scheduler's status write can reach its informer after the next attempt has begun, and victims
+deleted without a grace period leave nothing terminating to wait for, so without the memory a preemptor retried at
+once evicted a second node's pods (tests/e2e/test_preemption.py: the pod a PodDisruptionBudget guards, too).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from services.extender.victims import Facts, PodFacts
 from services.extender.view import ClusterView
 from services.extender.wire import PreemptionArgs
-from shared.placement import DemandError, Policy, parse_pod
+from shared.placement import DemandError, PodDemand, Policy, parse_pod
 from shared.placement.preempt import Victim, fits_without, select_victims
 from shared.settings import MemoryUnit
 
 LOWEST_PRIORITY = -(2**31)
+EVICTION_MEMORY_S = 60.0  # how long a preemptor waits for the node it preempted on before preempting elsewhere
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The victims a preempt answer named on each node for one preemptor, and when (monotonic seconds)."""
+
+    victims: dict[str, frozenset[str]]
+    at: float
+
+
+class Evictions:
+    """This extender's recent preempt answers, by preemptor UID (the last `size` preemptors, for `ttl_s`).
+
+    kube-scheduler evicts the victims of the one node it picks among the answer's; which one shows later, as the
+    victims that are gone from the API."""
+
+    def __init__(
+        self, *, size: int = 10_000, ttl_s: float = EVICTION_MEMORY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.size = size
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._answers: OrderedDict[str, Answered] = OrderedDict()
+
+    def remember(self, pod_uid: str, answer: dict[str, Any]) -> None:
+        """Keep an answer that named victims (an empty one leaves the last answer in place: it may be the wait)."""
+        named = {
+            node: frozenset(p["UID"] for p in victims["Pods"])
+            for node, victims in answer.get("NodeNameToMetaVictims", {}).items()
+            if victims["Pods"]
+        }
+        if not pod_uid or not named:
+            return
+        self._answers[pod_uid] = Answered(named, self.clock())
+        self._answers.move_to_end(pod_uid)
+        while len(self._answers) > self.size:
+            self._answers.popitem(last=False)
+
+    def recent(self, pod_uid: str) -> dict[str, frozenset[str]]:
+        """The victims per node of the pod's last answer, when it is recent enough to wait for."""
+        answered = self._answers.get(pod_uid)
+        if answered is None or self.clock() - answered.at > self.ttl_s:
+            return {}
+        return answered.victims
 
 
 def preemptor_priority(pod: dict[str, Any]) -> int:
@@ -48,56 +96,58 @@ def nominated_node(pod: dict[str, Any]) -> str:
     return name if isinstance(name, str) else ""
 
 
-class Preemptions:
-    """The nodes this extender recently answered victims on, per preemptor (bounded, forgotten after `keep_s`)."""
-
-    def __init__(self, keep_s: float = 60.0, size: int = 1024) -> None:
-        self.keep_s, self.size = keep_s, size
-        self._nodes: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
-
-    def answered(self, pod_uid: str, nodes: frozenset[str], now: float | None = None) -> None:
-        """Remember the nodes a preempt answer offered victims on."""
-        if pod_uid and nodes:
-            self._nodes[pod_uid] = (time.monotonic() if now is None else now, nodes)
-            self._nodes.move_to_end(pod_uid)
-            while len(self._nodes) > self.size:
-                self._nodes.popitem(last=False)
-
-    def recent(self, pod_uid: str, now: float | None = None) -> frozenset[str]:
-        """The nodes answered for this preemptor within `keep_s`."""
-        entry = self._nodes.get(pod_uid)
-        if entry is None:
-            return frozenset()
-        if (time.monotonic() if now is None else now) - entry[0] > self.keep_s:
-            del self._nodes[pod_uid]
-            return frozenset()
-        return entry[1]
-
-
-def waiting_nodes(args: PreemptionArgs, recent: frozenset[str] = frozenset()) -> list[str]:
-    """Where an earlier preemption for this preemptor may be under way: its nominated node and `recent`."""
-    nominated = nominated_node(args.pod)
-    return sorted({nominated, *recent} - {""})
-
-
-def nodes_to_read(args: PreemptionArgs, recent: frozenset[str] = frozenset()) -> list[str]:
-    """The nodes whose pods preempt reads: the candidates, and the nodes an earlier preemption may be under way on."""
+def nodes_to_read(args: PreemptionArgs, answered: Collection[str] = ()) -> list[str]:
+    """The nodes whose pods preempt reads: the candidates, the node the preemptor is nominated to, and the nodes
+    this extender recently answered victims on for it."""
     nodes = list(args.victims)
-    return nodes + [n for n in waiting_nodes(args, recent) if n not in args.victims]
+    for node in (nominated_node(args.pod), *answered):
+        if node and node not in nodes:
+            nodes.append(node)
+    return nodes
 
 
 def being_released(view: ClusterView, node: str, listed: list[PodFacts], priority: int | None = None) -> list[Victim]:
-    """Shares the view still holds on `node` for pods the API no longer has there, or (with the preemptor's
-    `priority`) for lower-priority pods there that are terminating: their release is on its way."""
+    """Shares the view still holds on `node` for pods the API no longer has there, or (given the preemptor's
+    `priority`) for lower-priority pods there that are terminating, as `PodEligibleToPreemptOthers` reads a pod
+    being preempted: their release is on its way."""
     present = {p.uid: p for p in listed}
     held = {a.pod_uid: a for g in view.nodes[node].gpus for a in view.pods_on(node, g.uuid)}
     out = []
     for uid, a in held.items():
         facts = present.get(uid)
-        leaving = facts is None or (priority is not None and facts.terminating and facts.priority < priority)
-        if leaving:
+        if facts is None or (priority is not None and facts.terminating and facts.priority < priority):
             out.append(Victim(uid, a.charges))
     return out
+
+
+def waited_for(
+    view: ClusterView,
+    demand: PodDemand,
+    pod: dict[str, Any],
+    facts: Facts,
+    answered: Mapping[str, Collection[str]],
+    policy: Policy,
+) -> str | None:
+    """The node the preemptor waits for instead of preempting again, or None.
+
+    Its nominated node, when shares of pods gone from the API (or of lower-priority pods terminating there) are still
+    held there and the pod fits once they are back; or a node this extender recently named victims on for it, when
+    some of them are gone from the API or terminating (kube-scheduler evicted there) and the pod fits there now or
+    once those shares are back."""
+    if facts.pods is None:
+        return None
+    nominated = nominated_node(pod)
+    priority = preemptor_priority(pod)
+    for node in (nominated, *answered):
+        if node not in view.nodes or node not in facts.pods:
+            continue
+        listed = facts.pods[node]
+        gone = being_released(view, node, listed, priority)
+        present = {p.uid for p in listed if not p.terminating}
+        evicted = node in answered and not set(answered[node]) <= present
+        if (gone or evicted) and fits_without(view.nodes[node], demand, gone, policy):
+            return node
+    return None
 
 
 def _victim(view: ClusterView, node: str, facts: PodFacts) -> Victim:
@@ -114,11 +164,11 @@ def preempt(
     unit: MemoryUnit,
     policy: Policy,
     now: datetime | None = None,
-    recent: frozenset[str] = frozenset(),
+    answered: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, Any]:
     """Keep the nodes where evictions free the right GPUs, each with kube-scheduler's victims and the GPU holders
-    that must go too, in kube-scheduler's order and with its count of PodDisruptionBudget violations; none while an
-    earlier preemption for the pod is under way on its nominated node or on `recent` nodes."""
+    that must go too, in kube-scheduler's order and with its count of PodDisruptionBudget violations. `answered`:
+    the victims per node this extender recently answered for the pod (`Evictions.recent`)."""
     try:
         demand = parse_pod(args.pod, unit)
     except DemandError:
@@ -127,12 +177,8 @@ def preempt(
         return {"NodeNameToMetaVictims": {}}
     now = now or datetime.now(UTC)
     priority = preemptor_priority(args.pod)
-    for waiting in waiting_nodes(args, recent):
-        if waiting in view.nodes and facts.pods is not None and waiting in facts.pods:
-            # released meanwhile (it fits now: filter saw the view a moment before the release) or on its way back
-            gone = being_released(view, waiting, facts.pods[waiting], priority)
-            if fits_without(view.nodes[waiting], demand, gone, policy):
-                return {"NodeNameToMetaVictims": {}}  # wait for the release, as kube-scheduler waits for its victims
+    if demand.wants_gpu and waited_for(view, demand, args.pod, facts, answered or {}, policy) is not None:
+        return {"NodeNameToMetaVictims": {}}  # wait for the release, as kube-scheduler waits for its victims
     out: dict[str, Any] = {}
     for node_name, (uids, pdb) in args.victims.items():
         node = view.nodes.get(node_name)

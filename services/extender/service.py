@@ -27,7 +27,7 @@ from services.extender.filter import Filter
 from services.extender.inspection import inspect
 from services.extender.outcomes import OutcomeWaiter
 from services.extender.pods import DEFAULT_MAX_BYTES, PodCache
-from services.extender.preempt import Preemptions, nodes_to_read, preempt
+from services.extender.preempt import Evictions, nodes_to_read, preempt
 from services.extender.prioritize import prioritize
 from services.extender.refusals import RefusalPublisher
 from services.extender.resync import ViewSync
@@ -36,6 +36,7 @@ from services.extender.victims import read_facts
 from services.extender.view import ClusterView
 from services.extender.wire import BindingArgs, ExtenderArgs, PreemptionArgs
 from shared.events.bus import EventBus
+from shared.kube.pods import pod_uid
 from shared.ledger.ledger import Ledger
 from shared.placement import Policy
 from shared.settings import MemoryUnit
@@ -68,7 +69,6 @@ class ExtenderService:
         self.unit = unit
         self.policy = policy
         self.view = ClusterView()
-        self.preemptions = Preemptions()  # nodes answered per preemptor: its preemption may be under way there
         self.scores = ScoreCache()
         self.waiter = OutcomeWaiter(engine, poll_s=poll_s)
         # kube_enabled=False (`--trust-filter-pods`): bind takes the pod filter saw, unverified (development only)
@@ -76,6 +76,7 @@ class ExtenderService:
             size=pod_cache_size, max_bytes=pod_cache_bytes, kubeconfig=kubeconfig, kube_enabled=kube_enabled
         )
         self.sync = ViewSync(self.view, engine, self.waiter, period_s=resync_s)
+        self.evictions = Evictions(size=pod_cache_size)  # preempt's own recent answers (a preemptor waits for them)
         refusals = RefusalPublisher(bus, size=pod_cache_size)
         self._filter = Filter(self.view, self.scores, self.pods, refusals, unit, policy)
         self._bind = Bind(self.view, self.sync, ledger, engine, self.waiter, self.pods, unit, policy, bind_timeout_s)
@@ -136,20 +137,24 @@ class ExtenderService:
         """Answer a preempt call (`services.extender.preempt`) with the candidate nodes' pods and the
         PodDisruptionBudgets read from the API (`services.extender.victims`)."""
         api = None if self.pods.trust_filter else self.pods.api
-        uid = str((args.pod.get("metadata") or {}).get("uid") or "")
-        recent = self.preemptions.recent(uid)
-        facts = await read_facts(api, nodes_to_read(args, recent))
-        answer = preempt(self.view, args, facts, unit=self.unit, policy=self.policy, recent=recent)
-        chosen = answer["NodeNameToMetaVictims"]
-        self.preemptions.answered(uid, frozenset(chosen))
+        uid = pod_uid(args.pod)
+        answered = self.evictions.recent(uid)
+        facts = await read_facts(api, nodes_to_read(args, answered))
+        answer = preempt(self.view, args, facts, unit=self.unit, policy=self.policy, answered=answered)
+        self.evictions.remember(uid, answer)
         meta = args.pod.get("metadata") or {}
         log.info(
             "preempt %s/%s: %d candidate node(s), victims offered on %s",
             meta.get("namespace"),
             meta.get("name"),
             len(args.victims),
-            ", ".join(sorted(chosen)) or "none (waiting for an earlier preemption, or no eviction frees a GPU)",
-            extra={"candidates": sorted(args.victims), "recent": sorted(recent), "pods_known": facts.pods is not None},
+            ", ".join(sorted(answer["NodeNameToMetaVictims"]))
+            or "none (waiting for an earlier preemption, or no eviction frees a GPU)",
+            extra={
+                "candidates": sorted(args.victims),
+                "answered": sorted(answered),
+                "pods_known": facts.pods is not None,
+            },
         )
         return answer
 

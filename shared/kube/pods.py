@@ -61,6 +61,22 @@ def is_terminating(pod: Pod) -> bool:
     return bool(metadata(pod).get("deletionTimestamp"))
 
 
+UNPLACED_REASONS = ("Unschedulable", "SchedulerError")  # v1.PodReasonUnschedulable, v1.PodReasonSchedulerError
+
+
+def unplaced_condition(pod: Pod) -> dict[str, Any] | None:
+    """kube-scheduler's word on an unbound, unterminated pod it could not place: its `PodScheduled` condition with
+    status False and reason Unschedulable or SchedulerError (`handleSchedulingFailure` -> `updatePod`,
+    pkg/scheduler/schedule_one.go; the message is its FailedScheduling message). None otherwise (not tried yet,
+    gated, bound, ended)."""
+    if node_name(pod) or is_terminated(pod):
+        return None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return condition if condition.get("reason") in UNPLACED_REASONS else None
+    return None
+
+
 def owner(pod: Pod) -> tuple[str, str]:
     """(kind, name) of the pod's controller (the ownerReference with controller=true), or ('', '')."""
     refs = metadata(pod).get("ownerReferences") or []

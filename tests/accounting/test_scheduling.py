@@ -127,3 +127,110 @@ async def test_pending_pods_show_how_long_they_waited(seeded: Stack) -> None:
     assert (item["pod_name"], item["created_at"], item["waiting_seconds"]) == ("huge-0", T0.isoformat(), 95)
     view = (await seeded.client.get("/v1/pods/team-b/huge-0")).json()
     assert view["pending"]["waiting_seconds"] == 95
+
+
+def refused_by_scheduler(pod_body: dict, message: str, *, since: datetime, reason: str = "Unschedulable") -> dict:
+    """The pod as kube-scheduler leaves it after a failed attempt: PodScheduled False with its FailedScheduling
+    message (pkg/scheduler/schedule_one.go, handleSchedulingFailure -> updatePod)."""
+    pod_body["status"]["conditions"] = [
+        {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": stamp(since),
+        }
+    ]
+    return pod_body
+
+
+SHORT = (
+    "0/2 nodes are available: 2 Insufficient aliyun.com/gpu-mem. preemption: 0/2 nodes are available: "
+    "2 No preemption victims found for incoming pod."
+)
+
+
+async def test_pods_kube_scheduler_refuses_before_the_extender_sees_them_are_pending_with_its_reason(
+    seeded: Stack,
+) -> None:
+    """kube-scheduler counts aliyun.com/gpu-mem per node (the shipped configuration): a node short of it in total
+    never reaches the extender, so no refusal event names it; a pod every node refuses so was not listed at all."""
+    now = T0 + timedelta(seconds=95)
+    waits = SchedulingWaits(seeded.engine, lambda *a: None, horizon_s=3600, clock=lambda: now)
+    short = refused_by_scheduler(pod("short-0", created=T0, ns="team-c"), SHORT, since=T0 + timedelta(seconds=2))
+    gated = refused_by_scheduler(pod("gated-0", created=T0, ns="team-c"), "", since=T0, reason="SchedulingGated")
+    fresh = pod("fresh-0", created=T0, ns="team-c")  # not tried yet: no message
+    del fresh["status"]["conditions"]
+    # bert-2 holds a reservation (its Binding on the way): kube-scheduler's word from an earlier attempt is stale
+    placing = refused_by_scheduler(pod("bert-2", created=T0, ns="team-a"), SHORT, since=T0)
+    placing["metadata"]["uid"] = "uid-b"
+    for body in (short, gated, fresh, placing):
+        waits.handle(WatchEvent(ADDED, body))
+    waits.handle(WatchEvent(SYNCED))
+    seeded.app.state.scheduling = waits
+
+    items = (await seeded.client.get("/v1/pending")).json()["items"]
+    # the latest refusal first: short-0's (T0 + 2 s) is later than the seeded extender refusal of huge-0
+    assert [(p["pod_name"], p["source"]) for p in items] == [("short-0", "kube-scheduler"), ("huge-0", "extender")]
+    item = items[0]
+    assert item["summary"] == f"kube-scheduler: {SHORT}" and item["reasons"] == {}
+    assert item["scheduler"] == {
+        "reason": "Unschedulable",
+        "message": SHORT,
+        "since": (T0 + timedelta(seconds=2)).isoformat(),
+    }
+    assert (item["refused_at"], item["created_at"], item["waiting_seconds"]) == (
+        (T0 + timedelta(seconds=2)).isoformat(),
+        T0.isoformat(),
+        95,
+    )
+    assert items[1]["scheduler"] is None  # the watch does not know huge-0
+    assert [p["pod_name"] for p in (await seeded.client.get("/v1/pending?namespace=team-c")).json()["items"]] == [
+        "short-0"
+    ]
+    view = (await seeded.client.get("/v1/pods/team-c/short-0")).json()
+    assert view["status"] == "pending" and view["pod_uid"] == "uid-short-0" and view["allocations"] == []
+    assert view["pending"]["summary"] == item["summary"] and view["last_refusal"]["source"] == "kube-scheduler"
+    assert (await seeded.client.get("/v1/pods/team-c/gated-0")).status_code == 404
+    assert (await seeded.client.get("/v1/pods/team-a/bert-2")).json()["status"] == "bound"
+    assert (await seeded.client.get("/v1/cluster")).json()["pending_pods"] == 2
+    metrics = (await seeded.client.get("/metrics")).text
+    assert (
+        'gpushare_pending_pods{reason="kube-scheduler: N/N nodes are available: N Insufficient aliyun.com/gpu-mem.'
+        in metrics
+    )
+
+
+async def test_an_extender_refusal_carries_kube_schedulers_verdict_and_every_terminating_holder(
+    seeded: Stack,
+) -> None:
+    """huge-0 was refused by the extender on node-0 and node-1; now kube-scheduler refuses node-1 by its total (a
+    terminating holder still counts there), so the extender saw node-0 only: its verdict says both."""
+    assert await seeded.ledger.mark_terminating("uid-c") == 1
+    await seeded.settle()
+    message = (
+        "0/2 nodes are available: 1 Insufficient aliyun.com/gpu-mem, 1 node-0: needs 20 GiB on one GPU. preemption: "
+        "0/2 nodes are available: 2 No preemption victims found for incoming pod."
+    )
+    huge = refused_by_scheduler(pod("huge-0", created=T0, ns="team-b"), message, since=T0)
+    huge["metadata"]["uid"] = "uid-big"
+    waits = SchedulingWaits(seeded.engine, lambda *a: None, horizon_s=3600, clock=lambda: T0 + timedelta(seconds=9))
+    waits.handle(WatchEvent(ADDED, huge))
+    seeded.app.state.scheduling = waits
+    (item,) = (await seeded.client.get("/v1/pending")).json()["items"]
+    assert item["source"] == "extender" and set(item["reasons"]) == {"node-0", "node-1"}
+    assert item["scheduler"]["message"] == message and item["waiting_seconds"] == 9
+    assert [h["pod_name"] for h in item["terminating_holders"]] == ["train-0"]
+    view = (await seeded.client.get("/v1/pods/team-b/huge-0")).json()
+    assert view["pending"]["scheduler"]["message"] == message
+
+
+def test_kube_schedulers_verdict_is_read_from_the_condition_and_kept_short() -> None:
+    from services.accounting.scheduling import MAX_MESSAGE, scheduler_verdict
+
+    body = refused_by_scheduler(pod("p", created=T0), "x" * (MAX_MESSAGE + 10), since=T0)
+    verdict = scheduler_verdict(body)
+    assert verdict is not None and len(verdict.message) == MAX_MESSAGE and verdict.message.endswith("(cut here)")
+    assert scheduler_verdict(refused_by_scheduler(pod("q", created=T0), "boom", since=T0, reason="SchedulerError"))
+    assert scheduler_verdict(pod("r", created=T0)).message == "Unschedulable"  # no message: its reason
+    assert scheduler_verdict(pod("s", created=T0, bound=T0)) is None

@@ -26,12 +26,15 @@ EXPECTED_EXTENDER = {
     "preemptVerb": "preempt",
     "nodeCacheCapable": True,
     "ignorable": False,
+    # kube-scheduler counts each per node (NodeResourcesFit), as kubelet does at admission: with `true` its
+    # preemption finds nothing to relieve and never evicts for GPU shares (tests/e2e/test_preemption.py)
     "managedResources": [
-        {"name": "aliyun.com/gpu-mem", "ignoredByScheduler": True},
-        {"name": "aliyun.com/gpu-core", "ignoredByScheduler": True},
-        {"name": "aliyun.com/gpu-count", "ignoredByScheduler": True},
+        {"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False},
+        {"name": "aliyun.com/gpu-core", "ignoredByScheduler": False},
+        {"name": "aliyun.com/gpu-count", "ignoredByScheduler": False},
     ],
 }
+LOADED_MANAGED = [{"name": r["name"]} for r in EXPECTED_EXTENDER["managedResources"]]  # false is omitted on output
 EXTENDER_FIELDS = {
     "urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS", "tlsConfig",
     "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable",
@@ -109,6 +112,7 @@ def _assert_loaded(proc: subprocess.CompletedProcess[str], tmp_path: Path) -> di
     loaded = yaml.safe_load((tmp_path / "out.yaml").read_text())
     ext = _extender(loaded)
     expected = {k: v for k, v in EXPECTED_EXTENDER.items() if v is not False}  # false is omitted on output
+    expected["managedResources"] = LOADED_MANAGED
     assert {k: ext.get(k) for k in expected} == expected
     assert ext["httpTimeout"] == "30s"
     return loaded
@@ -218,6 +222,21 @@ def test_current_kube_scheduler_loads_the_mutual_tls_config(k8s_binaries: Paths,
     assert _extender(loaded)["enableHTTPS"] is True
 
 
+def test_the_local_control_plane_runs_the_shipped_extender_stanza(tmp_path: Path) -> None:
+    """`gpushare up` and the e2e tier run kube-scheduler with the resources counted as shipped (before: every
+    aliyun.com/* resource ignored, so no test could see what a shipped kube-scheduler refuses or preempts)."""
+    from devstack.cluster.controlplane import ExtenderConfig, scheduler_config
+
+    cfg = scheduler_config(tmp_path / "kubeconfig", ExtenderConfig("http://127.0.0.1:1/gpushare-scheduler"))
+    ext = _extender(cfg)
+    assert ext["managedResources"] == EXPECTED_EXTENDER["managedResources"]
+    assert {k: ext[k] for k in EXPECTED_EXTENDER if k != "managedResources"} == {
+        k: v for k, v in EXPECTED_EXTENDER.items() if k != "managedResources"
+    }
+    only_mem = ExtenderConfig("http://127.0.0.1:1/x", ignored_by_scheduler=["aliyun.com/gpu-mem"]).to_dict()
+    assert [r["ignoredByScheduler"] for r in only_mem["managedResources"]] == [True, False, False]
+
+
 def test_devstack_scheduler_config_merges_extra_connection_settings(tmp_path: Path) -> None:
     from devstack.cluster.controlplane import scheduler_config
 
@@ -307,6 +326,45 @@ def test_the_guides_own_policy_converts_as_written_with_notes(
     assert (loaded["filterVerb"], loaded["bindVerb"], loaded["nodeCacheCapable"]) == ("filter", "bind", True)
     assert loaded["managedResources"] == [{"name": "aliyun.com/gpu-mem"}]  # false is omitted on output
     assert loaded["httpTimeout"] == "5s"  # kube-scheduler's default, as the note said
+
+
+@pytest.mark.parametrize(("release", "fixture"), [("1.20", "k8s_1_20_binaries"), ("v1.37.2", "k8s_binaries")])
+def test_gpushare_resources_a_policy_ignores_are_counted_with_a_note(
+    request: pytest.FixtureRequest, tmp_path: Path, release: str, fixture: str
+) -> None:
+    """A Policy written like gpushare's earlier shipped one (every aliyun.com/* resource ignoredByScheduler: true)
+    converts into a configuration under which kube-scheduler counts them, so it preempts for GPU shares; another
+    extender's resources, and gpushare's under another extender, are converted as written."""
+    policy = json.loads(json.dumps(GUIDE_POLICY))
+    policy["extenders"][0]["managedResources"] = [
+        {"name": "aliyun.com/gpu-mem", "ignoredByScheduler": True},
+        {"name": "aliyun.com/gpu-core", "ignoredByScheduler": True},
+        {"name": "example.com/fpga", "ignoredByScheduler": True},
+    ]
+    policy["extenders"].append(
+        {"urlPrefix": "http://other:80/sched", "filterVerb": "f", "managedResources": [
+            {"name": "aliyun.com/gpu-count", "ignoredByScheduler": True}
+        ]}
+    )  # fmt: skip
+    code, out, err = _convert(tmp_path, policy, "--kubernetes-version", release)
+    assert code == 0, err
+    gpushare, other = yaml.safe_load(out)["extenders"]
+    assert gpushare["managedResources"] == [
+        {"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False},
+        {"name": "aliyun.com/gpu-core", "ignoredByScheduler": False},
+        {"name": "example.com/fpga", "ignoredByScheduler": True},
+    ]
+    assert other["managedResources"] == [{"name": "aliyun.com/gpu-count", "ignoredByScheduler": True}]
+    note = "extenders[0].managedResources: aliyun.com/gpu-mem, aliyun.com/gpu-core had ignoredByScheduler: true"
+    assert note in err and f"# NOTE: {note}" in out and "to preempt for them" in err
+    proc = _load(request.getfixturevalue(fixture), tmp_path, out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = yaml.safe_load((tmp_path / "out.yaml").read_text())["extenders"][0]
+    assert loaded["managedResources"] == [
+        {"name": "aliyun.com/gpu-mem"},
+        {"name": "aliyun.com/gpu-core"},
+        {"name": "example.com/fpga", "ignoredByScheduler": True},
+    ]
 
 
 def test_tls_settings_and_other_policy_parts_carry_over_or_are_named(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Both paths in one cluster, end to end on the real 1.37.2 control plane: a device-plugin node (extender, device
 plugins) and a DRA node (kube-scheduler's allocator, the ledger's gate), one ledger, filled at the same time. No
-pod of one path lands on the other path's node, no GPU is ever overcommitted in the ledger or in the claims'
+pod of one path lands on the other path's node (kube-scheduler's own count keeps aliyun.com/* pods off the DRA node,
+which advertises none), no GPU is ever overcommitted in the ledger or in the claims'
 `consumedCapacity` (sampled all along), and accounting shows the DRA shares like the extender's."""
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ async def test_device_plugin_and_dra_nodes_fill_at_once_without_sharing_a_gpu(st
         waiting = sorted(set(dp_pods + dra_pods) - set(placed))
         for name in waiting:
             assert await helpers.stays_pending(api, namespace, name, 3)
+        # kube-scheduler keeps aliyun.com/* pods off the DRA node by itself: it counts aliyun.com/gpu-mem per node
+        # (the shipped configuration) and a DRA node advertises none, so NodeResourcesFit refuses it (allocatable 0
+        # is below any request: unresolvable, so preemption skips it too) before the extender is asked
+        (dp_waiting,) = [n for n in waiting if n.startswith("dp")]
+        condition = await helpers.scheduled_condition(api, namespace, dp_waiting)
+        assert "0/2 nodes are available: 2 Insufficient aliyun.com/gpu-mem" in condition, condition
+        assert "DRA node" not in condition, condition  # the extender's own reason for a DRA node never shows
     finally:
         done.set()
         await watcher

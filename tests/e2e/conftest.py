@@ -47,9 +47,9 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags,
 # STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, STACK_REPLICAS /
 # STACK_SCHEDULERS for replicated services and kube-schedulers, STACK_SCHEDULER_EXTRA for more kube-scheduler
-# configuration, STACK_SCHEDULER_COUNTS for managed resources kube-scheduler counts per node itself
-# (ignoredByScheduler: false), and STACK_DRA_NODES to make that many of the nodes (the last ones) DRA nodes
-# (tests/dra).
+# configuration, and STACK_DRA_NODES to make that many of the nodes (the last ones) DRA nodes (tests/dra). The
+# scheduler configuration is the shipped one's (k8s/scheduler/): kube-scheduler counts every aliyun.com/* resource
+# per node itself.
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,6 @@ async def stack(
         control_plane_paths=control_plane_binaries,
         usage=usage,
         controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),
-        scheduler_counts=tuple(getattr(request.module, "STACK_SCHEDULER_COUNTS", ())),
         monitoring=getattr(request.module, "STACK_MONITORING", False),
         dra_nodes=getattr(request.module, "STACK_DRA_NODES", 0),
         scrape_interval=1.0,

@@ -1,15 +1,16 @@
 """The compatibility run on Kubernetes 1.20 (built with Debian's Go 1.19 and reflect2 1.0.2).
 
 The seed packing scenario and the terminating-pod rule pass through kube-scheduler 1.20 with the v1beta1
-configuration, as they do on the current release. And the 1.20 kube-apiserver survives the burst that used to
-kill it: with the reflect2 1.0.1 that 1.20 vendors, Go >= 1.18 builds died under a 1,000-pod burst with
-"unexpected fault address" in `mapiterinit`.
+configuration, as they do on the current release, and a GPU pod preempts a lower-priority one there. And the 1.20
+kube-apiserver survives the burst that used to kill it: with the reflect2 1.0.1 that 1.20 vendors, Go >= 1.18 builds
+died under a 1,000-pod burst with "unexpected fault address" in `mapiterinit`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from devstack.cluster.nodes import create_gpu_node
 from devstack.cluster.releases import COMPAT
 from devstack.cluster.waits import poll
 from tests import system_tools
+from tests.e2e import helpers as h
 from tests.e2e.test_sharing import test_a_terminating_pod_keeps_its_share_until_it_is_gone as _terminating_rule
 from tests.e2e.test_sharing import test_seven_pods_fill_one_gpu_then_the_next_waits as _seed_packing
 
@@ -64,6 +66,36 @@ async def _wait_buckets(stack, namespace: str, count: int) -> dict[float, float]
 async def test_terminating_rule_on_1_20(stack, api, namespace) -> None:
     """The current release's test, with its assertions, run against the 1.20 API server."""
     await _terminating_rule(stack, api, namespace)
+
+
+async def test_a_gpu_pod_preempts_a_lower_priority_one_on_1_20(stack, api, namespace) -> None:
+    """kube-scheduler 1.20 with the v1beta1 configuration as shipped (aliyun.com/* counted per node): it finds its
+    victims by the node's GPU memory and asks the extender's preempt verb. With the resources ignored, as shipped
+    before, it found no shortage and never preempted (the urgent pod stayed pending)."""
+    node = stack.node_names[0]
+    tag = uuid.uuid4().hex[:6]
+    classes = {"low": (f"e2e-low-{tag}", 10), "high": (f"e2e-high-{tag}", 1000)}
+    scheduling = client.SchedulingV1Api(api)
+    for name, value in classes.values():
+        await scheduling.create_priority_class({"metadata": {"name": name}, "value": value})
+    try:
+        for name, gib in (("low-a", 10), ("low-b", 6)):  # one after the other: low-a started first
+            body = h.gpu_pod(name, [gib])
+            body["spec"]["priorityClassName"] = classes["low"][0]
+            await h.create_pod(api, namespace, body)
+            await h.wait_bound(api, namespace, [name])
+        urgent = h.gpu_pod("urgent", [8])
+        urgent["spec"]["priorityClassName"] = classes["high"][0]
+        await h.create_pod(api, namespace, urgent)
+        # by the node's total kube-scheduler gives low-b back (10 GiB free without low-a): low-a is the one victim
+        assert (await h.wait_bound(api, namespace, ["urgent"], timeout_s=90))["urgent"] == node
+        names = {p.metadata.name for p in (await client.CoreV1Api(api).list_namespaced_pod(namespace)).items}
+        assert names == {"low-b", "urgent"}, names
+        allocs = await h.wait_ledger(stack.database_url, namespace, ["low-b", "urgent"])
+        assert sum(a["memory_mib"] for a in allocs.values()) == 14 * 1024
+    finally:
+        for name, _ in classes.values():
+            await scheduling.delete_priority_class(name)
 
 
 def test_the_1_20_build_carries_reflect2_1_0_2() -> None:

@@ -1,11 +1,12 @@
-"""Preemption for GPU shares through the real kube-scheduler (v1.37.2), with a PodDisruptionBudget.
+"""Preemption for GPU shares through the real kube-scheduler (v1.37.2) with the shipped scheduler configuration, and
+a PodDisruptionBudget.
 
-kube-scheduler calls the extender's preempt verb only with victims of its own choosing. With every
-`aliyun.com/*` resource left to the extender (`ignoredByScheduler: true`, the shipped configuration) its filters
-see no shortage after removing the lower-priority pods, it reprieves them all and gives up ("preemption:
-expected at least one victim pod on node"): the verb is never called for GPU pressure. Here kube-scheduler
-counts `aliyun.com/gpu-mem` per node (`ignoredByScheduler: false` for it, docs/extender.md "Preemption"), so
-it finds victims by the node's total, and the extender makes them free one GPU.
+kube-scheduler calls the extender's preempt verb only with victims of its own choosing. With the `aliyun.com/*`
+resources left to the extender alone (`ignoredByScheduler: true`, what gpushare shipped before) its filters see
+no shortage after removing the lower-priority pods, it reprieves them all and gives up ("preemption: expected at
+least one victim pod on node"): the verb was never called for GPU pressure and this test failed (the preemptor
+stayed pending). As shipped now kube-scheduler counts them per node (`ignoredByScheduler: false`,
+docs/extender.md "Preemption"), so it finds victims by the node's total, and the extender makes them free one GPU.
 
 Two nodes of two 8 GiB GPUs each, the same shape of load on both:
 - a pod of higher priority than the preemptor holding 6 GiB of GPU 0 (never a victim);
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.e2e
 
 STACK_NODES = 2
 STACK_GPUS = "2x8GiB:Tesla-T4"
-STACK_SCHEDULER_COUNTS = ("aliyun.com/gpu-mem",)
 
 
 def placed(name: str, gib: int, priority_class: str, node: str | None, labels: dict[str, str] | None = None) -> dict:

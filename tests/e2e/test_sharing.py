@@ -2,7 +2,8 @@
 
 API -> kube-scheduler -> extender (filter, bind) -> ledger -> binder -> Binding -> node agent (via the kubelet
 stand-in's Allocate) -> container environment. Then the GPU is full: the next pod stays Pending with a reason
-that accounting shows, and deleting one pod lets it in.
+that accounting shows (kube-scheduler's own: the node has no GPU memory left in total), and deleting one pod lets
+it in.
 """
 
 from __future__ import annotations
@@ -47,17 +48,22 @@ async def test_seven_pods_fill_one_gpu_then_the_next_waits(stack, api, namespace
         assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
         assert env["ALIYUN_COM_GPU_MEM_DEV"] == "16"
 
-    # The GPU is full: the next 2 GiB pod is refused, and accounting says why.
+    # The GPU is full: the next 2 GiB pod is refused, and accounting says why. kube-scheduler counts GPU memory per
+    # node (the shipped configuration): the node has none left in total, so its own filter refuses it and the
+    # extender is never asked; accounting shows kube-scheduler's reason, read from the pod.
     await h.create_pod(api, namespace, h.gpu_pod(WAITER, [2]))
     assert await h.stays_pending(api, namespace, WAITER, 5.0)
 
     view = await h.wait_pending_reason(stack, namespace, WAITER)
     assert view["status"] == "pending", view
-    reasons = view["pending"]["reasons"]
-    assert node in reasons, view
-    assert view["pending"]["summary"]
+    pending = view["pending"]
+    assert pending["source"] == "kube-scheduler" and pending["reasons"] == {}, view
+    assert "0/1 nodes are available: 1 Insufficient aliyun.com/gpu-mem" in pending["summary"], view
+    assert pending["scheduler"]["reason"] == "Unschedulable", view
     cond = await h.scheduled_condition(api, namespace, WAITER)
-    assert cond.startswith("False:Unschedulable"), cond
+    assert cond.startswith("False:Unschedulable") and pending["scheduler"]["message"] in cond, (cond, pending)
+    (listed,) = [p for p in await h.accounting_pending(stack, namespace) if p["pod_name"] == WAITER]
+    assert listed["summary"] == pending["summary"]
 
     # Deleting one inference pod frees 2 GiB; kube-scheduler retries the waiting pod and it gets them.
     await h.delete_pod(api, namespace, INFER[0])
@@ -136,3 +142,26 @@ async def test_a_terminating_pod_keeps_its_share_until_it_is_gone(stack, api, na
     await h.wait_released(stack.database_url, namespace, "leaving")
     placed = await h.wait_bound(api, namespace, ["next"], timeout_s=30)
     assert placed["next"] == node
+
+
+async def test_a_second_pod_asking_for_the_nodes_only_gpu_by_count_waits_for_it(stack, api, namespace) -> None:
+    """`aliyun.com/gpu-count` is a device per GPU that kubelet counts (the node agent's device plugin): a pod asking
+    for one holds it whatever memory it asks. The ledger places two such pods on one GPU (their memory fits), but
+    kubelet's admission refuses the second (lifecycle/predicate.go: `noderesources.Fits` against node allocatable,
+    `OutOfaliyun.com/gpu-count`; its device manager has no gpu-count device left). kube-scheduler counts gpu-count
+    per node as shipped, so the second stays Pending with that reason instead of being bound and refused there."""
+    node = stack.node_names[0]
+    first, second = h.gpu_pod("one-gpu", [4], count=1), h.gpu_pod("one-more-gpu", [4], count=1)
+    await h.create_pod(api, namespace, first)
+    assert (await h.wait_bound(api, namespace, ["one-gpu"], timeout_s=60))["one-gpu"] == node
+    await h.create_pod(api, namespace, second)
+    assert await h.stays_pending(api, namespace, "one-more-gpu", 5.0)
+    view = await h.wait_pending_reason(stack, namespace, "one-more-gpu")
+    assert view["pending"]["source"] == "kube-scheduler", view
+    assert "0/1 nodes are available: 1 Insufficient aliyun.com/gpu-count" in view["pending"]["summary"], view
+    assert "one-more-gpu" not in await h.ledger_allocations(stack.database_url, namespace)
+    assert (namespace, "one-more-gpu") not in stack.kubelets[node].errors, "never sent to the node"
+
+    await h.delete_pod(api, namespace, "one-gpu")
+    await h.wait_released(stack.database_url, namespace, "one-gpu")
+    assert (await h.wait_bound(api, namespace, ["one-more-gpu"], timeout_s=60))["one-more-gpu"] == node

@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from .. import queries
-from ..deps import Conn, MaybeScheduling, found, with_waits
+from .. import pending_pods, queries
+from ..deps import Conn, MaybeScheduling, found
 from ..params import MAX_PAGE, NAME_RE, Name, Namespace, NsFilter, Since, StateFilter, Until, time_range
 from ..schemas import AllocationPage, PendingList, PodView, lookup, refusals
 
@@ -46,16 +46,15 @@ async def allocations(
 
 @router.get("/pods/{namespace}/{name}", **lookup("A pod: allocation, timeline, reasons", PodView))
 async def pod(conn: Conn, scheduling: MaybeScheduling, namespace: Namespace, name: Name) -> dict[str, Any]:
-    view = found(await queries.pod_view(conn, namespace, name), f"accounting knows no pod {namespace}/{name}")
-    with_waits(view["pending"], scheduling)
-    return view
+    view = await pending_pods.pod_view(conn, scheduling, namespace, name)
+    return found(view, f"accounting knows no pod {namespace}/{name}")
 
 
 @router.get(
     "/pending",
-    summary="Pods waiting for GPUs, with the latest reasons",
+    summary="GPU pods waiting for a node, with the latest reasons (the extender's and kube-scheduler's)",
     response_model=PendingList,
     responses=refusals(422),
 )
 async def pending(conn: Conn, scheduling: MaybeScheduling, namespace: NsFilter = None) -> dict[str, Any]:
-    return {"items": [with_waits(p, scheduling) for p in await queries.list_pending(conn, namespace=namespace)]}
+    return {"items": await pending_pods.pending_items(conn, scheduling, namespace=namespace)}

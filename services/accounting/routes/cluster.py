@@ -11,16 +11,20 @@ from fastapi.responses import StreamingResponse
 from shared.http import dump_json
 
 from .. import queries
-from ..deps import AppSettings, Conn, found
+from ..deps import AppSettings, Conn, MaybeScheduling, found
 from ..params import Name
+from ..pending_pods import pending_items
 from ..schemas import Cluster, NodeDetail, NodeList, lookup, refusals
 
 router = APIRouter(prefix="/v1", tags=["cluster"])
 
 
 @router.get("/cluster", summary="Cluster totals", response_model=Cluster)
-async def cluster(conn: Conn, settings: AppSettings) -> dict[str, Any]:
-    return await queries.cluster_totals(conn, settings.resource_memory_unit.value)
+async def cluster(conn: Conn, settings: AppSettings, scheduling: MaybeScheduling) -> dict[str, Any]:
+    totals = await queries.cluster_totals(conn, settings.resource_memory_unit.value)
+    if scheduling is not None:  # with the pods kube-scheduler refused before the extender saw them
+        totals["pending_pods"] = len(await pending_items(conn, scheduling))
+    return totals
 
 
 @router.get("/nodes", summary="Nodes with their GPUs", response_model=NodeList, responses=refusals(422))
