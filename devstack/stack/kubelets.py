@@ -9,7 +9,12 @@ second; pods created in the same second in the order they reached this node) and
 the whole path API -> kube-scheduler -> extender -> ledger -> binder -> Binding -> node agent -> container
 environment runs. Each container's environment is kept for `container_env`. Like kubelet, it then reports the
 pod Running and Ready (nothing runs, but controllers that count running pods, such as the HPA controller and a
-Deployment's available replicas, see what they would see on a real node).
+Deployment's available replicas, see what they would see on a real node). And like kubelet it reports the node's
+device-plugin resources in the node's status, at most every 10 s (`nodeStatusUpdateFrequency`'s default): capacity
+every device a plugin listed, allocatable the healthy ones, so a GPU turned unhealthy or a node agent away (its
+devices unhealthy until it registers again) is counted by kube-scheduler as on a real node
+(`ManagerImpl.GetCapacity` and `markResourceUnhealthy` in pkg/kubelet/cm/devicemanager/manager.go, k8s.io/kubernetes
+v1.37.2; the 5-minute grace after which kubelet drops a stopped plugin's resource is not played).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,15 @@ from shared.kube.pods import list_pods
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 20
+NODE_STATUS_UPDATE_S = 10.0  # kubelet's nodeStatusUpdateFrequency default (pkg/kubelet/apis/config/v1beta1)
+
+
+def device_capacity(devices: dict[str, dict[str, str]]) -> tuple[dict[str, str], dict[str, str]]:
+    """(capacity, allocatable) of the registered device-plugin resources as kubelet's device manager counts them
+    (`GetCapacity`): every listed device, and the healthy ones (pure)."""
+    capacity = {resource: str(len(ids)) for resource, ids in devices.items()}
+    allocatable = {resource: str(sum(1 for h in ids.values() if h == "Healthy")) for resource, ids in devices.items()}
+    return capacity, allocatable
 
 
 def running_status(pod: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -97,6 +112,8 @@ class NodeKubelet:
         self._admitted: dict[str, dict[str, Any]] = {}
         self._not_started: dict[str, tuple[dict[str, Any], dict[str, dict[str, str]]]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._reported: tuple[dict[str, str], dict[str, str]] | None = None  # last device status sent
+        self._report_due = 0.0  # monotonic time of the next node status update
 
     async def start(self, *, poll: bool = True) -> NodeKubelet:
         """Serve the kubelet sockets and begin admitting pods (`poll`: list this node's pods itself; without
@@ -138,8 +155,34 @@ class NodeKubelet:
                 log.warning("kubelet stand-in sync failed: %s", exc, extra={"node": self.node})
             await asyncio.sleep(self.interval)
 
+    async def report_devices(self, *, now: float | None = None) -> bool:
+        """Update the node's device-plugin capacity and allocatable when they changed, at most every
+        `NODE_STATUS_UPDATE_S` (kubelet's node status loop); True when the status was written."""
+        now = time.monotonic() if now is None else now
+        if now < self._report_due:
+            return False
+        self._report_due = now + NODE_STATUS_UPDATE_S
+        devices = {r: self.standin.devices(r) for r in self.standin.plugins if r in RESOURCES}
+        if not devices:
+            return False  # nothing registered yet: the node keeps what it was created with
+        status = device_capacity(devices)
+        if status == self._reported:
+            return False
+        capacity, allocatable = status
+        try:
+            await client.CoreV1Api(self.api).patch_node_status(
+                self.node, {"status": {"capacity": capacity, "allocatable": allocatable}}
+            )
+        except ApiException as exc:
+            log.warning("kubelet stand-in could not update the node status: %s", exc.reason, extra={"node": self.node})
+            return False
+        self._reported = status
+        return True
+
     async def sync(self, pods: list[dict[str, Any]]) -> None:
-        """Admit new pods of this node (in kubelet's order) and forget the ones that are gone."""
+        """Admit new pods of this node (in kubelet's order) and forget the ones that are gone; report the node's
+        devices (`report_devices`)."""
+        await self.report_devices()
         live = {p["metadata"]["uid"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
         for uid in [u for u in self._not_started if u not in live]:
             gone = self._not_started.pop(uid)[0]

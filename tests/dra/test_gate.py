@@ -412,4 +412,6 @@ async def _no_pod(api, namespace: str, name: str) -> bool:  # type: ignore[no-un
 
 async def _adopted(database_url: str, namespace: str, kept) -> dict | None:  # type: ignore[no-untyped-def]
     allocs = await w.claim_allocations(database_url, namespace)
-    return allocs if set(allocs) == {"keep"} and allocs["keep"]["id"] == kept else None
+    # adoption records the claim (reserved) and then marks it bound through the binder's group commit: wait for both
+    done = set(allocs) == {"keep"} and allocs["keep"]["id"] == kept and allocs["keep"]["state"] in ("bound", "assigned")
+    return allocs if done else None

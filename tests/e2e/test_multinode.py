@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.e2e import helpers as h
@@ -119,3 +121,44 @@ async def test_inspect_matches_cluster(stack, api, namespace) -> None:
 def data_unit_ok(data: dict) -> bool:
     """inspect's JSON names its memory unit (GiB here)."""
     return data.get("memory_unit") == "GiB"
+
+
+async def test_a_node_whose_agent_is_away_is_not_chosen_until_it_registers_again(stack, api, namespace) -> None:
+    """kubelet counts a device plugin's devices unhealthy while the plugin is away and reports only healthy ones
+    as allocatable (`markResourceUnhealthy`, `GetCapacity`, pkg/kubelet/cm/devicemanager/manager.go), and
+    kube-scheduler counts aliyun.com/* itself as shipped: a node whose agent is down gets no GPU pod (kubelet would
+    reject it at admission), and gets them again once the agent registered and the node status says so."""
+    from kubernetes_asyncio import client
+
+    from devstack.stack.kubelets import NODE_STATUS_UPDATE_S
+    from tests.waiting import eventually
+
+    core = client.CoreV1Api(api)
+    away = stack.node_names[0]
+    agent = stack.processes[f"node-agent-{away}"]
+
+    async def allocatable(node: str) -> int:
+        return int((await core.read_node(node)).status.allocatable.get("aliyun.com/gpu-mem", "0"))
+
+    full = await allocatable(away)
+    assert full > 0
+    await asyncio.to_thread(agent.stop)
+    try:
+        await eventually(
+            lambda: _equals(allocatable(away), 0),
+            what="the node's gpu-mem allocatable at 0",
+            within=NODE_STATUS_UPDATE_S * 3,
+        )
+        pinned = h.gpu_pod("while-away", [2])
+        pinned["spec"]["nodeSelector"] = {"kubernetes.io/hostname": away}
+        await h.create_pod(api, namespace, pinned)
+        assert await h.stays_pending(api, namespace, "while-away", 3)
+        assert "Insufficient aliyun.com/gpu-mem" in await h.scheduled_condition(api, namespace, "while-away")
+    finally:
+        await asyncio.to_thread(agent.start)
+    await eventually(lambda: _equals(allocatable(away), full), what="the node's gpu-mem back", within=60)
+    assert (await h.wait_bound(api, namespace, ["while-away"], timeout_s=60))["while-away"] == away
+
+
+async def _equals(value, expected) -> bool:  # type: ignore[no-untyped-def]
+    return await value == expected
