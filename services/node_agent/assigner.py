@@ -19,6 +19,7 @@ retries). No node-wide lock: decisions are in-memory steps without awaits betwee
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -89,6 +90,7 @@ class Assigner:
         self.on_outcome = on_outcome or (lambda _reason: None)
         self.confirm_deadline_s = confirm_deadline_s
         self.decisions: dict[frozenset[str], list[Decision]] = {}
+        self._settling = asyncio.Lock()  # PreStarts that exchange, reload or refuse: one at a time (`prestart`)
 
     async def containers(self) -> list[PendingContainer]:
         """The node's live containers from the view; forgets decisions of ended allocations."""
@@ -185,17 +187,36 @@ class Assigner:
 
         A refusal that rests on the view (the holder's reservation unknown to it) first reloads the view from
         the ledger once: the holder's reservation may have been made a moment ago, as in `allocate`.
+
+        kubelet starts pods in workers of their own, so PreStarts arrive concurrently. A container that received
+        what Allocate decided is confirmed at once; everything else (an exchange, a reload, a refusal, a device
+        set without a decision) is settled one PreStart at a time, each looking at the decisions afresh once it
+        is its turn: two pods admitted in swapped order would otherwise each exchange, the second swapping the
+        shares back.
         """
-        view = await self.containers()
-        by_key = {c.key: c for c in view}
+        listed = await self._listing()
+        if await self._decide(device_ids, listed, settle=False, reload_on_miss=False):
+            return
+        async with self._settling:
+            await self._decide(device_ids, listed, settle=True, reload_on_miss=reload_on_miss)
+
+    async def _listing(self) -> list[podresources.Listed]:
         try:
-            listed = await podresources.listing(self.pod_resources_socket, RESOURCE_MEM)
+            return await podresources.listing(self.pod_resources_socket, RESOURCE_MEM)
         except grpc.aio.AioRpcError as exc:
             self.on_outcome("pod_resources_unavailable")
             raise AssignmentError(
                 f"cannot ask kubelet's pod-resources API ({self.pod_resources_socket}) who holds the devices: "
                 f"{exc.code().name} {exc.details()}"
             ) from None
+
+    async def _decide(
+        self, device_ids: list[str], listed: list[podresources.Listed], *, settle: bool, reload_on_miss: bool
+    ) -> bool:
+        """`prestart` against kubelet's listing; without `settle` only the received case is done (True), anything
+        else is left (False) for a settling turn."""
+        view = await self.containers()
+        by_key = {c.key: c for c in view}
         holders = podresources.holders(listed, device_ids)
         pods = podresources.pods_holding_any(listed, device_ids)
         decisions = self.decisions.get(frozenset(device_ids), [])
@@ -208,28 +229,41 @@ class Assigner:
             # node can say otherwise
             others = pods - {(chosen.namespace, chosen.pod_name)}
             if len(pods) > 1:
+                if not settle:
+                    return False
                 self.on_outcome("refused")
                 raise AssignmentError(
                     f"kubelet lists these devices in several pods ({sorted(pods)}); refusing to guess"
                 )
             received = not others
+            if not received and not settle:
+                return False
             candidates = sorted((c for c in view if (c.namespace, c.pod_name) in others), key=_start_order)
             meant = f"init container {chosen.container} of {chosen.namespace}/{chosen.pod_name}"
             given = ", ".join(f"pod {ns}/{name} (its later containers were handed them on)" for ns, name in others)
-            return await self._settle(chosen, pending, received, candidates, meant, given, device_ids, reload_on_miss)
+            await self._settle(chosen, pending, received, candidates, meant, given, device_ids, reload_on_miss)
+            return True
+        received = chosen is not None and (chosen.namespace, chosen.pod_name, chosen.container) in holders
+        if not settle and not received:
+            return False
         if not holders and (pending is not None or not self._init_candidates(view, device_ids, pods)):
             self.on_outcome("no_holder")
             raise AssignmentError(f"kubelet's pod-resources API lists no container holding {len(device_ids)} devices")
         if pending is None:
             # a restarted container, or the agent restarted between Allocate and PreStart
-            return await self._prestart_undecided(view, device_ids, holders, pods, reload_on_miss)
+            await self._prestart_undecided(view, device_ids, holders, pods, reload_on_miss)
+            return True
         if chosen is None:
             self.on_outcome("refused")
             raise AssignmentError("the reservation this device set was allocated for has ended")
-        received = (chosen.namespace, chosen.pod_name, chosen.container) in holders
         candidates = [c for c in view if (c.namespace, c.pod_name, c.container) in holders]
         meant = f"{chosen.namespace}/{chosen.pod_name}/{chosen.container}"
         await self._settle(chosen, pending, received, candidates, meant, _names(holders), device_ids, reload_on_miss)
+        return True
+
+    async def _again(self, device_ids: list[str]) -> None:
+        """After a reload of the view: decide once more (within the settling turn), from a fresh listing."""
+        await self._decide(device_ids, await self._listing(), settle=True, reload_on_miss=False)
 
     async def _settle(
         self,
@@ -251,7 +285,7 @@ class Assigner:
         actual = _exchangeable(chosen, candidates)
         if actual is None:
             if reload_on_miss and await self.reload():
-                return await self.prestart(device_ids, reload_on_miss=False)
+                return await self._again(device_ids)
             self.on_outcome("refused")
             raise AssignmentError(
                 f"kubelet gave the devices meant for {meant} to {given}, which has no pending reservation of the "
@@ -312,7 +346,7 @@ class Assigner:
                 self.decisions.setdefault(frozenset(device_ids), []).append(Decision(h.key, confirmed=True))
                 return
         if reload_on_miss and await self.reload():
-            return await self.prestart(device_ids, reload_on_miss=False)
+            return await self._again(device_ids)
         self.on_outcome("refused")
         raise AssignmentError(
             f"kubelet gave these devices to {_names(holders)}, which holds no reservation on exactly these GPUs"

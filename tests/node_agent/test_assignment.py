@@ -3,6 +3,7 @@ multi-GPU pods, refusals, restarted containers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -213,6 +214,24 @@ async def test_interleaved_admissions_prestart_after_both_allocates(harness: Har
     assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0]
     assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0]
     assert gpus1 != gpus2
+
+
+async def test_concurrent_prestarts_of_pods_admitted_in_reverse_order_exchange_once(harness: Harness) -> None:
+    """kubelet starts each admitted pod in a worker of its own (`podWorkers`), so the PreStartContainer calls of
+    two pods admitted against the agent's prediction arrive together. Each finds the other pod holding its device
+    set; one exchange corrects both. Before: both exchanged, the second swapping the shares back, and each
+    container's environment named the other pod's GPU in the ledger."""
+    first, first_id = await harness.reserve("c-first", [("main", [(0, 5)])])
+    second, second_id = await harness.reserve("c-second", [("main", [(1, 5)])])
+    k = harness.kubelet
+    env_second = (await k.admit(second, start=False))["main"]  # handed GPU 0, the older pod's reservation
+    env_first = (await k.admit(first, start=False))["main"]
+    await asyncio.gather(k.start_pod(second), k.start_pod(first))
+    _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert assigned1 and assigned2
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(0)
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0] == harness.gpu(1)
 
 
 async def test_agent_restart_between_allocate_and_prestart_still_exact(harness: Harness) -> None:
