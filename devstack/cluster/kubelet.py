@@ -157,6 +157,8 @@ class KubeletStandIn:
         # set: ignore GetPreferredAllocation and take the devices of a GPU chosen at random (a kubelet, or a
         # topology manager, that overrides the plugin's preference), to test that nothing depends on it
         self.random_devices: random.Random | None = None
+        # called with the pod once its last container's PreStartContainer was answered (a benchmark's clock)
+        self.on_started: Callable[[dict[str, Any]], None] | None = None
 
     # -- servers --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -332,13 +334,19 @@ class KubeletStandIn:
         if start:
             for container, plugin, ids in prestarts:
                 await self._prestart(container, plugin, ids)
+            self._started(pod)
         return envs
+
+    def _started(self, pod: dict[str, Any]) -> None:
+        if self.on_started is not None:
+            self.on_started(pod)
 
     async def start_pod(self, pod: dict[str, Any]) -> None:
         """PreStartContainer for every recorded container of an admitted pod (init containers first)."""
         spec = pod.get("spec", {})
         for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
             await self.restart_container(pod, c["name"])
+        self._started(pod)
 
     async def _pick(self, plugin: RegisteredPlugin, size: int, container: str, reusable: list[str]) -> list[str]:
         """kubelet's `devicesToAllocate`: reusable devices first (in Go's set order, arbitrary), then
