@@ -291,7 +291,14 @@ class Assigner:
                 f"kubelet gave the devices meant for {meant} to {given}, which has no pending reservation of the "
                 "same shape on this node"
             )
-        await self._exchange(chosen, actual)
+        if _same_shares(chosen, actual):
+            # the very same shares: the environment Allocate handed out is right for either container, and an
+            # exchange would change nothing in the ledger; the decisions follow kubelet instead
+            self._retarget(actual.key, chosen.key)
+            self.on_outcome("swapped_same_shares")
+            await self._confirm(actual)
+        else:
+            await self._exchange(chosen, actual)
         pending.target = actual.key
         pending.confirmed = True
 
@@ -433,6 +440,12 @@ def _exchangeable(target: PendingContainer, candidates: Iterable[PendingContaine
         if not c.assigned and c.key != target.key and c.kind == target.kind and c.share_shape() == target.share_shape()
     ]
     return next((c for c in fitting if c.shape() == target.shape()), fitting[0] if fitting else None)
+
+
+def _same_shares(a: PendingContainer, b: PendingContainer) -> bool:
+    """Containers holding the same share of the same GPUs, in pods of the same total memory: everything their
+    environments say is the same (`assignment.container_env`)."""
+    return a.shares == b.shares and a.pod_memory_mib == b.pod_memory_mib
 
 
 def _start_order(c: PendingContainer) -> tuple:

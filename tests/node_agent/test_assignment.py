@@ -58,6 +58,26 @@ async def test_in_order_admission_needs_no_exchange(harness: Harness) -> None:
         await harness.bus.js.get_last_msg(harness.bus.names.stream, f"{harness.bus.names.prefix}.exchanged.>")
 
 
+async def test_pods_admitted_in_reverse_order_on_the_same_shares_need_no_exchange(harness: Harness) -> None:
+    """Two pods of the same size reserved on the same GPU are interchangeable: kubelet admitting them in reverse
+    order changes nothing the ledger says, so the decisions follow kubelet and no exchange is written (before: an
+    exchange per such pair, a ledger transaction and both pods' annotations rewritten for nothing)."""
+    first, first_id = await harness.reserve("same-first", [("main", [(2, 3)])])
+    second, second_id = await harness.reserve("same-second", [("main", [(2, 3)])])
+    k = harness.kubelet
+    env_second = (await k.admit(second))["main"]  # handed the devices the agent meant for same-first
+    env_first = (await k.admit(first))["main"]
+    for alloc in (first_id, second_id):
+        state, gpus, assigned = await harness.ledger_gpus(alloc, "main")
+        assert (state, gpus, assigned) == ("assigned", [harness.gpu(2)], True)
+    assert env_first == env_second and env_first["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(2)
+    await harness.relay.flush()
+    with pytest.raises(Exception):  # noqa: B017 - nats raises NotFoundError: no exchange happened
+        await harness.bus.js.get_last_msg(harness.bus.names.stream, f"{harness.bus.names.prefix}.exchanged.>")
+    assigned = await _last_event(harness, "assigned")
+    assert assigned["allocation_id"] == str(first_id)
+
+
 async def test_multi_container_pod(harness: Harness) -> None:
     pod, alloc = await harness.reserve("multi", [("web", [(0, 2)]), ("worker", [(2, 10)]), ("side", [(0, 2)])])
     envs = await harness.kubelet.admit(pod)
