@@ -124,37 +124,40 @@ class Assigner:
         """Device IDs on the GPU(s) of the oldest pending container of `size` units (the pod's own, when kubelet
         must include devices it hands on from the pod's init container).
 
-        Containers handed a device set that was never started come last: kubelet drops a device set when
-        the pod's admission fails and asks again, and such a container must not be left without devices.
+        Answered from the view. When no container of this size waits there, the view may lag a reservation made a
+        moment ago (without a preference kubelet would pick devices that match no reservation, and Allocate would
+        refuse them): the ledger is read once. Only then are containers handed a device set that was never started
+        considered (kubelet drops a device set when the pod's admission fails and asks again, and such a container
+        must not be left without devices); before the ledger is read, such a container may be the very one a
+        lagging view hides a better match for.
         """
         prefer = self.reusing(must)
-        for attempt in range(2):
+        view = await self.containers()
+        found = preferred_devices(view, self.claimed(), available, must, size, self.unit, prefer)
+        if found:
+            return found
+        if await self.reload():
             view = await self.containers()
-            found = preferred_devices(
-                view, self.claimed(), available, must, size, self.unit, prefer
-            ) or preferred_devices(view, self.claimed(started_only=True), available, must, size, self.unit, prefer)
-            # no pending container of this size: the view may lag a reservation made a moment ago, and without a
-            # preference kubelet picks devices that match no reservation (Allocate then refuses): reload once
-            if found or attempt or not await self.reload():
-                return found
-        return []
+            found = preferred_devices(view, self.claimed(), available, must, size, self.unit, prefer)
+        return found or preferred_devices(
+            view, self.claimed(started_only=True), available, must, size, self.unit, prefer
+        )
 
     async def allocate(self, device_ids: list[str]) -> dict[str, str]:
         """The env for the container this device set is for; AssignmentError when none matches.
 
-        A container that was handed a device set kubelet never started may be handed another one when no
-        other container matches (see `preferred`); PreStartContainer still checks who really got it.
+        Answered from the view; when no unclaimed container matches, the ledger is read once first (the view may
+        lag a reservation made a moment ago). A container that was handed a device set kubelet never started may
+        be handed another one when no other container matches (see `preferred`); PreStartContainer still checks
+        who really got it.
         """
-        view = await self.containers()
+        prefer = self.reusing(device_ids)
         try:
-            chosen = self._match(view, device_ids)
+            chosen = match_container(await self.containers(), self.claimed(), device_ids, self.unit, prefer)
         except AssignmentError:
-            # the view may lag a reservation made a moment ago: read the ledger once before refusing
-            if not await self.reload():
-                self.on_outcome("no_match")
-                raise
+            await self.reload()  # unreachable: the view as it is, with the fallback below
             try:
-                chosen = self._match(await self.containers(), device_ids)
+                chosen = self._match(await self.containers(), device_ids, prefer)
             except AssignmentError:
                 self.on_outcome("no_match")
                 raise
@@ -172,8 +175,7 @@ class Assigner:
         env = container_env(chosen, self.gpu_memory_mib(), self.gpu_total_mib(), self.unit, mps=self.mps or client)
         return {**env, **self.mps_root.client_env()} if client and self.mps_root is not None else env
 
-    def _match(self, view: list[PendingContainer], device_ids: list[str]) -> PendingContainer:
-        prefer = self.reusing(device_ids)
+    def _match(self, view: list[PendingContainer], device_ids: list[str], prefer: uuid.UUID | None) -> PendingContainer:
         try:
             return match_container(view, self.claimed(), device_ids, self.unit, prefer)
         except AssignmentError as first:

@@ -337,3 +337,35 @@ async def test_admission_right_after_the_reservation_reloads_a_lagging_view(
         await holder.close()
     _, gpus, assigned = await harness.ledger_gpus(alloc_id, "main")
     assert assigned and gpus == [harness.gpu(1)] and env["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(1)
+
+
+async def test_a_pod_admitted_before_its_reservation_reached_the_agent_never_takes_an_allocated_container(
+    harness: Harness, database_url: str
+) -> None:
+    """kubelet allocated one pod and admits a second whose `reserved` event has not reached the agent (held in the
+    outbox). The first pod's container holds a device set that was not started yet; the agent must read the
+    ledger rather than hand that container a second set (the fallback for device sets kubelet dropped). Before:
+    both sets were decided for the first pod's container, the second pod's PreStart then exchanged it, and the
+    first pod's environment named a GPU the ledger gave the second."""
+    import asyncpg
+
+    from shared.ledger.outbox import RELAY_LOCK_KEY
+
+    first, first_id = await harness.reserve("held-first", [("main", [(0, 3)])])
+    k = harness.kubelet
+    env_first = (await k.admit(first, start=False))["main"]
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", RELAY_LOCK_KEY)  # no relay publishes from here on
+        second, second_id = await harness.reserve("held-second", [("main", [(1, 3)])], wait_for_view=False)
+        env_second = (await k.admit(second, start=False))["main"]
+    finally:
+        await holder.execute("SELECT pg_advisory_unlock($1)", RELAY_LOCK_KEY)
+        await holder.close()
+    await k.start_pod(second)
+    await k.start_pod(first)
+    _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert assigned1 and assigned2
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0] == harness.gpu(0)
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(1)
