@@ -41,7 +41,9 @@ from services.node_agent.ledger_link import CommandRefused, LedgerLink, LedgerUn
 from services.node_agent.mps import MpsRoot
 from services.node_agent.view import NodeView
 from shared.annotations import RESOURCE_MEM
-from shared.events.catalogue import AssignedEvent, ExchangedEvent, decode_event
+from shared.events.agent_rpc import MAX_BATCH, CommandReply
+from shared.events.catalogue import AssignedEvent, Event, ExchangedEvent, decode_event
+from shared.ledger.group_commit import GroupCommit
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,10 @@ class Assigner:
         self.confirm_deadline_s = confirm_deadline_s
         self.decisions: dict[frozenset[str], list[Decision]] = {}
         self._settling = asyncio.Lock()  # PreStarts that exchange, reload or refuse: one at a time (`prestart`)
+        # commands that arrive while a request is in flight go together in the next (a pod's containers, a burst)
+        self._commands: GroupCommit[Event, CommandReply] = GroupCommit(
+            self._send, what="node_agent_commands", max_batch=MAX_BATCH
+        )
 
     async def containers(self) -> list[PendingContainer]:
         """The node's live containers from the view; forgets decisions of ended allocations."""
@@ -243,9 +249,18 @@ class Assigner:
             candidates = sorted((c for c in view if (c.namespace, c.pod_name) in others), key=_start_order)
             meant = f"init container {chosen.container} of {chosen.namespace}/{chosen.pod_name}"
             given = ", ".join(f"pod {ns}/{name} (its later containers were handed them on)" for ns, name in others)
-            await self._settle(chosen, pending, received, candidates, meant, given, device_ids, reload_on_miss)
+            await self._settle(chosen, pending, received, candidates, meant, given, device_ids, reload_on_miss, listed)
             return True
         received = chosen is not None and (chosen.namespace, chosen.pod_name, chosen.container) in holders
+        if pending is None:
+            done = next((d for d in reversed(decisions) if d.confirmed), None)
+            started = by_key.get(done.target) if done is not None else None
+            if (
+                started is not None
+                and started.assigned
+                and (started.namespace, started.pod_name, started.container) in holders
+            ):
+                return True  # confirmed with its pod's first container, or started before: nothing to record
         if not settle and not received:
             return False
         if not holders and (pending is not None or not self._init_candidates(view, device_ids, pods)):
@@ -260,7 +275,9 @@ class Assigner:
             raise AssignmentError("the reservation this device set was allocated for has ended")
         candidates = [c for c in view if (c.namespace, c.pod_name, c.container) in holders]
         meant = f"{chosen.namespace}/{chosen.pod_name}/{chosen.container}"
-        await self._settle(chosen, pending, received, candidates, meant, _names(holders), device_ids, reload_on_miss)
+        await self._settle(
+            chosen, pending, received, candidates, meant, _names(holders), device_ids, reload_on_miss, listed
+        )
         return True
 
     async def _again(self, device_ids: list[str]) -> None:
@@ -277,12 +294,13 @@ class Assigner:
         given: str,
         device_ids: list[str],
         reload_on_miss: bool,
+        listed: list[podresources.Listed],
     ) -> None:
-        """`chosen` received the devices -> confirm it; else exchange with the candidate that did (same kind and
-        shape), or refuse (after one reload of a view that may lag the candidate's reservation)."""
+        """`chosen` received the devices -> confirm it (with the rest of its pod, `_confirm_with_pod`); else
+        exchange with the candidate that did (same kind and shape), or refuse (after one reload of a view that may
+        lag the candidate's reservation)."""
         if received:
-            await self._confirm(chosen)
-            pending.confirmed = True
+            await self._confirm_with_pod(chosen, pending, listed)
             return
         actual = _exchangeable(chosen, candidates)
         if actual is None:
@@ -293,15 +311,45 @@ class Assigner:
                 f"kubelet gave the devices meant for {meant} to {given}, which has no pending reservation of the "
                 "same shape on this node"
             )
-        if _same_shares(chosen, actual):
-            # the very same shares: the environment Allocate handed out is right for either container, and an
-            # exchange would change nothing in the ledger; the decisions follow kubelet instead
-            self._retarget(actual.key, chosen.key)
-            self.on_outcome("swapped_same_shares")
-            await self._confirm(actual)
-        else:
-            await self._exchange(chosen, actual)
+        if not _same_shares(chosen, actual):
+            return await self._exchange(chosen, actual, pending)
+        # the very same shares: the environment Allocate handed out is right for either container, and an
+        # exchange would change nothing in the ledger; the decisions follow kubelet instead
+        self._retarget(actual.key, chosen.key)
         pending.target = actual.key
+        self.on_outcome("swapped_same_shares")
+        await self._confirm(actual)
+        pending.confirmed = True
+
+    async def _confirm_with_pod(
+        self, chosen: PendingContainer, pending: Decision, listed: list[podresources.Listed]
+    ) -> None:
+        """Confirm `chosen` and, in the same request, every other container of its pod that kubelet lists holding
+        exactly the device set Allocate decided for it: kubelet allocates all of a pod's containers at admission,
+        before it starts the first, so what pod-resources says of them now is what they get; their own PreStarts
+        then find them confirmed (one ledger transaction per pod, not per container). A companion the ledger does
+        not confirm now is confirmed at its own PreStart."""
+        companions: list[tuple[Decision, PendingContainer]] = []
+        for devices, decided in self.decisions.items():
+            for d in decided:
+                if d.confirmed or d is pending or d.target[0] != chosen.allocation_id or d.target == chosen.key:
+                    continue
+                c = self.view.container(d.target)
+                if c is None or c.assigned or c.regular_init:
+                    continue
+                if (c.namespace, c.pod_name, c.container) in podresources.holders(listed, devices):
+                    companions.append((d, c))
+        if not companions:
+            await self._confirm(chosen)
+            pending.confirmed = True
+            return
+        results = await asyncio.gather(
+            self._confirm(chosen), *(self._confirm(c) for _, c in companions), return_exceptions=True
+        )
+        for (d, _), result in zip(companions, results[1:], strict=True):
+            d.confirmed = not isinstance(result, BaseException)
+        if isinstance(results[0], BaseException):
+            raise results[0]
         pending.confirmed = True
 
     def _init_candidates(
@@ -351,8 +399,9 @@ class Assigner:
                 (o for o in sorted(view, key=lambda o: o.admission_order) if o.units(self.unit) == want),
             )
             if owner is not None:
-                await self._exchange(owner, h)
-                self.decisions.setdefault(frozenset(device_ids), []).append(Decision(h.key, confirmed=True))
+                decision = Decision(owner.key)
+                self.decisions.setdefault(frozenset(device_ids), []).append(decision)
+                await self._exchange(owner, h, decision)
                 return
         if reload_on_miss and await self.reload():
             return await self._again(device_ids)
@@ -368,8 +417,9 @@ class Assigner:
                 if not d.confirmed and d.target == old:
                     d.target = new
 
-    async def _exchange(self, expected: PendingContainer, actual: PendingContainer) -> None:
-        """Swap `expected`'s share (the devices' GPUs) with `actual`'s, then mark `actual` assigned."""
+    async def _exchange(self, expected: PendingContainer, actual: PendingContainer, decision: Decision) -> None:
+        """Swap `expected`'s share (the devices' GPUs) with `actual`'s, then mark `actual` assigned; `decision` (the
+        device set's) names `actual` from the exchange on, so no Allocate meanwhile takes `actual` for another set."""
         command = ExchangedEvent(
             node=self.node,
             first_allocation_id=expected.allocation_id,
@@ -380,6 +430,7 @@ class Assigner:
         )
         await self._command(command, refused_outcome="refused")
         self._retarget(actual.key, expected.key)
+        decision.target = actual.key
         log.warning(
             "kubelet admitted %s/%s/%s where %s/%s/%s was expected; exchanged their equal shares in the ledger",
             actual.namespace,
@@ -394,8 +445,8 @@ class Assigner:
             },
         )
         self.on_outcome("exchanged")
-        refreshed = {c.key: c for c in await self.containers()}
-        await self._confirm(refreshed.get(actual.key, actual))
+        await self._confirm(self.view.container(actual.key) or actual)
+        decision.confirmed = True
 
     async def _confirm(self, c: PendingContainer) -> None:
         """Record in the ledger that `c` received its GPU(s) (the binder then sets the pod's assigned flag)."""
@@ -412,11 +463,14 @@ class Assigner:
             self.on_outcome("assigned")
             log.info("assigned %s/%s container %s", c.namespace, c.pod_name, c.container)
 
+    async def _send(self, commands: list[Event]) -> list[CommandReply | Exception]:
+        return await self.link.send_many(commands, deadline_s=self.confirm_deadline_s)
+
     async def _command(self, command: AssignedEvent | ExchangedEvent, *, refused_outcome: str) -> None:
         """Send a command and fold the staged event into the view at once; AssignmentError with a short reason
         when the ledger refuses it or cannot be reached before the deadline."""
         try:
-            reply = await self.link.send(command, deadline_s=self.confirm_deadline_s)
+            reply = await self._commands.submit(command)
         except CommandRefused as exc:
             self.on_outcome(refused_outcome)
             raise AssignmentError(str(exc)) from None
@@ -454,6 +508,11 @@ def _start_order(c: PendingContainer) -> tuple:
     """The order kubelet starts containers in: pods by admission, within a pod init containers then app
     containers, each by spec index."""
     return (c.admission_order, str(c.allocation_id), not c.init, c.container_index)
+
+
+def _name(c: PendingContainer) -> tuple[str, str, str]:
+    """(namespace, pod, container): how pod-resources names a container."""
+    return (c.namespace, c.pod_name, c.container)
 
 
 def _names(holders: list[tuple]) -> str:

@@ -95,6 +95,25 @@ async def test_multi_container_pod(harness: Harness) -> None:
         assert assigned and state == "assigned"
 
 
+async def test_a_pods_containers_are_confirmed_together_at_its_first_prestart(harness: Harness) -> None:
+    """kubelet allocates all of a pod's containers at admission, then starts them one after the other: the first
+    PreStart confirms every container kubelet lists with the devices Allocate decided for it, in one request to
+    the gateway (one ledger transaction); the later PreStarts find them confirmed and ask the ledger nothing."""
+    pod, alloc = await harness.reserve("together", [("web", [(0, 2)]), ("worker", [(2, 10)]), ("side", [(1, 2)])])
+    k, commands = harness.kubelet, harness.agent.assigner._commands
+    envs = await k.admit(pod, start=False)
+    before = commands.batches
+    await k.restart_container(pod, "web")  # kubelet starts the first container
+    assert commands.batches == before + 1
+    for c, gpu in (("web", 0), ("worker", 2), ("side", 1)):
+        state, gpus, assigned = await harness.ledger_gpus(alloc, c)
+        assert (state, gpus, assigned) == ("assigned", [harness.gpu(gpu)], True)
+        assert envs[c]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(gpu)
+    await k.restart_container(pod, "worker")
+    await k.restart_container(pod, "side")
+    assert commands.batches == before + 1  # nothing more to record
+
+
 async def test_init_container_sidecar_and_app_get_their_gpu_with_kubelets_device_reuse(harness: Harness) -> None:
     """kubelet hands a regular init container's devices on to later containers (the sidecar takes 4 of setup's
     6, the app the other 2 and 6 more) but never a sidecar's: 12 devices, as the ledger charges GPU 0."""
