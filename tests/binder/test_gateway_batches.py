@@ -8,47 +8,25 @@ commands one by one."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.binder.gateway import LedgerGateway
-from services.binder.metrics import BinderMetrics
 from services.node_agent.ledger_link import CommandRefused, LedgerLink
 from shared.events.agent_rpc import CommandReply, ErrorReply, rpc_prefix
 from shared.events.bus import EventBus
 from shared.events.catalogue import AllocationPart, AssignedEvent, BoundEvent, GpuInfo, InventoryEvent, ReleasedEvent
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocation_parts, allocations
-from shared.ledger.outbox import OutboxRelay
 from shared.ledger.replay import differences, load_state, replay_state, wait_for_quiet
 from shared.ledger.reservations import Reservation, ReservationRequest
 from shared.ledger.rules import AllocationState
+from tests.node_agent.conftest import running_gateway
 
 NODES = [f"batch-node-{i}" for i in range(3)]
 PODS_PER_NODE = 8
 GIB = 1024
-
-
-@contextlib.asynccontextmanager
-async def _gateway(engine: AsyncEngine, bus: EventBus):  # type: ignore[no-untyped-def]
-    stop = asyncio.Event()
-    relay = OutboxRelay(engine, bus, poll_s=0.2)
-    ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
-    gw = LedgerGateway(ledger, bus, metrics=BinderMetrics())
-    tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(gw.run(stop))]
-    await asyncio.wait_for(gw.ready.wait(), 10)
-    try:
-        yield ledger, gw
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(relay.flush(), 5)
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _pod(ledger: Ledger, node: str, i: int) -> Reservation:
@@ -69,7 +47,7 @@ def _assigned(r: Reservation, container: str) -> AssignedEvent:
 
 
 async def test_racing_agents_assign_each_container_once_in_few_transactions(engine: AsyncEngine, bus: EventBus) -> None:
-    async with _gateway(engine, bus) as (ledger, gw):
+    async with running_gateway(engine, bus) as (ledger, _, gw):
         for node in NODES:
             gpus = [
                 GpuInfo(uuid=f"{node}-G{i}", index=i, memory_mib=64 * GIB, memory_total_mib=64 * GIB) for i in (0, 1)

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, QuotaEvent
+from shared.events.catalogue import AllocationPart, AssignedEvent, GpuInfo, InventoryEvent, QuotaEvent
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations, gpus, outbox
@@ -228,39 +228,38 @@ async def _row(engine: AsyncEngine, allocation_id: uuid.UUID) -> tuple:
     return (row.state, row.bound_at is not None)
 
 
+async def _in_state(ledger: Ledger, state: str) -> Reservation:
+    """A 1 GiB reservation on GPU 0 moved to `state` through the ledger's own events."""
+    from shared.events.catalogue import BoundEvent, ReleasedEvent
+
+    r = await ledger.reserve(_request(1))
+    if state == "failed":
+        await ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "test")
+    elif state in ("bound", "assigned", "released"):
+        await ledger.record(BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
+        if state == "assigned":
+            await ledger.record(_assigned(r))
+        if state == "released":
+            await ledger.record(ReleasedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, reason="t"))
+    return r
+
+
+def _assigned(r: Reservation, node: str = NODE) -> AssignedEvent:
+    return AssignedEvent(
+        allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=node, container="main", gpu_uuids=["GPU-g0"]
+    )
+
+
 async def test_bound_in_a_batch_does_what_one_bound_event_does_from_every_state(engine: AsyncEngine) -> None:
     """For each state an allocation can be in, the batched statement and `apply_transition` (what replay runs)
     leave the same row and report the same change."""
-    from shared.events.catalogue import AssignedEvent, BoundEvent, ReleasedEvent
+    from shared.events.catalogue import BoundEvent
     from shared.ledger.ledger import apply_event
 
     ledger = await _ledger(engine, gpus_gib=(64,))
-
-    async def in_state(state: str) -> Reservation:
-        r = await ledger.reserve(_request(1))
-        if state == "failed":
-            await ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "test")
-        elif state in ("bound", "assigned", "released"):
-            await ledger.record(BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
-            if state == "assigned":
-                await ledger.record(
-                    AssignedEvent(
-                        allocation_id=r.allocation_id,
-                        pod_uid=r.pod_uid,
-                        node=NODE,
-                        container="main",
-                        gpu_uuids=["GPU-g0"],
-                    )
-                )
-            if state == "released":
-                await ledger.record(
-                    ReleasedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, reason="t")
-                )
-        return r
-
     states = ["reserved", "bound", "assigned", "failed", "released"]
-    batched = [await in_state(s) for s in states]
-    single = [await in_state(s) for s in states]
+    batched = [await _in_state(ledger, s) for s in states]
+    single = [await _in_state(ledger, s) for s in states]
     changed = await ledger.mark_bound_many([(r.allocation_id, r.pod_uid, NODE) for r in batched])
     expected = []
     for r in single:
@@ -339,33 +338,12 @@ async def test_assigned_in_a_batch_does_what_one_assigned_event_does_from_every_
     """For each state an allocation can be in, the batched statements leave the same row as `apply_transition`
     (what replay runs) after the gateway's check: a live allocation on the event's node is assigned, anything
     else is refused and left as it was."""
-    from shared.events.catalogue import AssignedEvent, BoundEvent, ReleasedEvent
     from shared.ledger.ledger import apply_event
 
     ledger = await _ledger(engine, gpus_gib=(64,))
-
-    async def in_state(state: str) -> Reservation:
-        r = await ledger.reserve(_request(1))
-        if state == "failed":
-            await ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "test")
-        elif state in ("bound", "assigned", "released"):
-            await ledger.record(BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
-            if state == "assigned":
-                await ledger.record(_assigned(r))
-            if state == "released":
-                await ledger.record(
-                    ReleasedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, reason="t")
-                )
-        return r
-
-    def _assigned(r: Reservation, node: str = NODE) -> AssignedEvent:
-        return AssignedEvent(
-            allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=node, container="main", gpu_uuids=["GPU-g0"]
-        )
-
     states = ["reserved", "bound", "assigned", "failed", "released"]
-    batched = [await in_state(s) for s in states]
-    single = [await in_state(s) for s in states]
+    batched = [await _in_state(ledger, s) for s in states]
+    single = [await _in_state(ledger, s) for s in states]
     answers = await ledger.mark_assigned_many([_assigned(r) for r in batched])
     assert answers[:3] == [None, None, None]
     assert answers[3] == f"allocation {batched[3].allocation_id} is failed on {NODE}"
@@ -376,7 +354,7 @@ async def test_assigned_in_a_batch_does_what_one_assigned_event_does_from_every_
     for b, s in zip(batched, single, strict=True):
         assert await _assigned_row(engine, b.allocation_id) == await _assigned_row(engine, s.allocation_id)
     # another node's agent, an allocation the ledger never had: refused, nothing written
-    other = await in_state("bound")
+    other = await _in_state(ledger, "bound")
     ghost = Reservation(uuid.uuid4(), "ghost", NODE, AllocationState.RESERVED, (), created=True)
     answers = await ledger.mark_assigned_many([_assigned(other, node="elsewhere"), _assigned(ghost)])
     assert answers == [
