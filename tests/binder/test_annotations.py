@@ -149,3 +149,48 @@ def test_a_patch_never_puts_an_older_record_over_a_newer_one() -> None:
     legacy = {ALLOCATION: json.dumps({"id": str(uuid.UUID(int=7)), "node": "n1", "parts": []})}
     assert record_version(legacy[ALLOCATION]) == 1, "records written before versions count as version 1"
     assert annotation_patch(_record_of(2, 1), legacy, MemoryUnit.GIB, now_ns=4)[GPU_MEM_IDX] == "1"
+
+
+async def test_the_assigned_flag_is_one_patch_when_the_pod_watch_shows_the_pod(
+    cluster, ledger: Ledger, kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binder's pod watch already shows the pod: the assigned flag is one conditional PATCH, without a GET
+    first. When the watch trails the pod (its resourceVersion is older), the patch conflicts and the pod is read,
+    compared and patched again; a pod whose watched annotations already tell the ledger's record is left alone."""
+    from services.binder import annotate
+    from services.binder.pod_index import binder_index
+    from shared.kube.pods import get_pod
+
+    node = await cluster.node(ledger)
+    index = binder_index()
+    index.synced()
+    allocations = []
+    for gpu in (0, 1):
+        pod = await cluster.pod(gib=2)
+        res = await ledger.reserve(request_for(pod, node, gib=2, gpu=gpu))
+        annotations = binding_annotations(
+            res.allocation_id, node.name, list(res.parts), dict.fromkeys(node.gpus, 16 * GIB), MemoryUnit.GIB
+        )
+        meta = pod.metadata
+        await create_binding(kube, meta.namespace, meta.name, node.name, uid=meta.uid, annotations=annotations)
+        await ledger.mark_bound(res.allocation_id, meta.uid, node.name)
+        await ledger.mark_assigned(res.allocation_id, meta.uid, node.name, "main", [node.gpus[gpu]])
+        index.update("ADDED", await get_pod(kube, meta.namespace, meta.name))
+        allocations.append((res.allocation_id, meta.name))
+    # the second pod changes after the watch saw it (kubelet reports its status, say)
+    await cluster.core.patch_namespaced_pod(allocations[1][1], cluster.namespace, {"metadata": {"labels": {"x": "y"}}})
+
+    gets: list[str] = []
+
+    async def counted_get(api, namespace: str, name: str, **kwargs):  # type: ignore[no-untyped-def]
+        gets.append(name)
+        return await get_pod(api, namespace, name, **kwargs)
+
+    monkeypatch.setattr(annotate, "get_pod", counted_get)
+    sync = AnnotationSync(ledger.engine, kube, unit=MemoryUnit.GIB, metrics=BinderMetrics(), pods=index)
+    assert await sync.sync(allocations[0][0]) == "patched" and gets == []
+    assert await sync.sync(allocations[1][0]) == "patched" and gets == [allocations[1][1]]
+    for _, name in allocations:
+        assert await _assigned(cluster, name)
+    index.update("MODIFIED", await get_pod(kube, cluster.namespace, allocations[0][1]))
+    assert await sync.sync(allocations[0][0]) == "up_to_date" and len(gets) == 1

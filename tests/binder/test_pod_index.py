@@ -20,6 +20,21 @@ def test_answers_only_after_the_first_list_and_keeps_what_decide_reads() -> None
     index.synced()
     seen = index.get("ml", "a")
     assert seen is not None and "annotations" not in seen["metadata"] and "containers" not in seen["spec"]
+    # what the annotations' follower compares before its conditional patch: gpushare's annotations, the version
+    index.update(
+        "MODIFIED",
+        {
+            **pod("a", "u1"),
+            "metadata": {
+                **pod("a", "u1")["metadata"],
+                "resourceVersion": "9",
+                "annotations": {"big": "x", "ALIYUN_COM_GPU_MEM_ASSIGNED": "true"},
+            },
+        },
+    )
+    seen = index.get("ml", "a")
+    assert seen["metadata"]["annotations"] == {"ALIYUN_COM_GPU_MEM_ASSIGNED": "true"}
+    assert seen["metadata"]["resourceVersion"] == "9"
     assert decide(state="reserved", pod=seen, pod_uid="u1", node="n1").action is Action.BIND
     assert decide(state="reserved", pod=seen, pod_uid="other", node="n1").action is Action.FAIL
 
