@@ -85,6 +85,7 @@ class Assigner:
         self.node = node
         self.unit = unit
         self.pod_resources_socket = pod_resources_socket
+        self.pod_resources = podresources.PodResourcesClient(pod_resources_socket)
         self.gpu_memory_mib = gpu_memory_mib
         self.gpu_total_mib = gpu_total_mib
         self.mps = mps  # always hand out MPS limits (--mps)
@@ -202,15 +203,29 @@ class Assigner:
         is its turn: two pods admitted in swapped order would otherwise each exchange, the second swapping the
         shares back.
         """
+        own = await self._own_pod(device_ids)
+        if own is not None and await self._decide(device_ids, own, settle=False, reload_on_miss=False, whole=False):
+            return
         listed = await self._listing()
         if await self._decide(device_ids, listed, settle=False, reload_on_miss=False):
             return
         async with self._settling:
             await self._decide(device_ids, listed, settle=True, reload_on_miss=reload_on_miss)
 
+    async def _own_pod(self, device_ids: list[str]) -> list[podresources.Listed] | None:
+        """What kubelet lists for the pod Allocate decided this device set for (pod-resources `Get`: one pod, where
+        `List` reads every pod of the node), when that container is one kubelet lists; None otherwise, or when
+        kubelet has no `Get`."""
+        decided = self.decisions.get(frozenset(device_ids), [])
+        d = next((d for d in decided if not d.confirmed), None) or next((d for d in reversed(decided)), None)
+        c = self.view.container(d.target) if d is not None else None
+        if c is None or c.regular_init:
+            return None
+        return await self.pod_resources.pod(c.namespace, c.pod_name, RESOURCE_MEM)
+
     async def _listing(self) -> list[podresources.Listed]:
         try:
-            return await podresources.listing(self.pod_resources_socket, RESOURCE_MEM)
+            return await self.pod_resources.listing(RESOURCE_MEM)
         except grpc.aio.AioRpcError as exc:
             self.on_outcome("pod_resources_unavailable")
             raise AssignmentError(
@@ -219,10 +234,17 @@ class Assigner:
             ) from None
 
     async def _decide(
-        self, device_ids: list[str], listed: list[podresources.Listed], *, settle: bool, reload_on_miss: bool
+        self,
+        device_ids: list[str],
+        listed: list[podresources.Listed],
+        *,
+        settle: bool,
+        reload_on_miss: bool,
+        whole: bool = True,
     ) -> bool:
-        """`prestart` against kubelet's listing; without `settle` only the received case is done (True), anything
-        else is left (False) for a settling turn."""
+        """`prestart` against kubelet's listing (`whole`: of every pod; else of the decided pod alone, which
+        settles nothing about a regular init container); without `settle` only the received case is done (True),
+        anything else is left (False) for a settling turn."""
         view = await self.containers()
         by_key = {c.key: c for c in view}
         holders = podresources.holders(listed, device_ids)
@@ -231,6 +253,8 @@ class Assigner:
         pending = next((d for d in decisions if not d.confirmed), None)
         chosen = by_key.get(pending.target) if pending is not None else None
         if pending is not None and chosen is not None and chosen.regular_init:
+            if not whole:
+                return False
             # kubelet's pod-resources API never lists a regular init container: a container listing any of its
             # devices was handed them on from the init container of its own pod, the pod that received them; none
             # listed (the pod has no later container on them): the Allocate decision stands, as nothing on the
