@@ -73,7 +73,8 @@ class AnnotationSync:
 
     async def __call__(self, event: Event) -> None:
         if isinstance(event, AssignedEvent):
-            await self.sync(event.allocation_id)
+            if not await self.flag(event):
+                await self.sync(event.allocation_id)
         elif isinstance(event, ExchangedEvent):
             for allocation_id in dict.fromkeys((event.first_allocation_id, event.second_allocation_id)):
                 await self.sync(allocation_id)
@@ -110,6 +111,27 @@ class AnnotationSync:
             )
             return self._count("patched")
         raise RuntimeError(f"annotations of {record.namespace}/{record.pod_name} kept conflicting; will retry")
+
+    async def flag(self, event: AssignedEvent) -> bool:
+        """The assigned flag alone, from the pod as the binder's watch shows it, without reading the ledger: the
+        event says the allocation was assigned, and the pod's record annotations are the `exchanged` events' to
+        bring forward. Done (True): the pod carries the flag (now, or already); False: the pod is not watched, or it
+        changed since the watch saw it (the patch conflicts), and `sync` reads ledger and pod."""
+        pod = self.pods.by_uid(event.pod_uid) if self.pods is not None else None
+        if pod is None or not pods.metadata(pod).get("resourceVersion"):
+            return False
+        if pods.annotations(pod).get(GPU_MEM_ASSIGNED) == "true":
+            self._count("up_to_date")
+            return True
+        patch = {GPU_MEM_ASSIGNED: "true", GPU_MEM_ASSUME_TIME: str(time.time_ns())}
+        try:
+            await self._kube(lambda: self._patch(pod, patch), "PATCH pod annotations")
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        self._count("patched")
+        return True
 
     def _watched(self, record: PodRecord) -> Pod | None:
         """The pod as the binder's watch last showed it, when that is this very pod. Its annotations can only be

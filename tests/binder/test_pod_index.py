@@ -68,3 +68,14 @@ def test_a_relist_forgets_pods_deleted_while_the_watch_was_down() -> None:
     index.update("ADDED", pod("b", "u-b"))  # every relist lists every live pod again
     index.synced()
     assert index.get("ml", "c") is None and index.get("ml", "b") is not None and len(index) == 1
+
+
+def test_finds_a_pod_by_its_uid_and_never_a_same_named_replacement() -> None:
+    index = binder_index()
+    index.update("ADDED", pod("a", "u1"))
+    index.synced()
+    assert index.by_uid("u1")["metadata"]["name"] == "a"
+    index.update("ADDED", pod("a", "u2"))  # a same-named replacement: u1 is gone
+    assert index.by_uid("u1") is None and index.by_uid("u2")["metadata"]["uid"] == "u2"
+    index.update("DELETED", pod("a", "u2"))
+    assert index.by_uid("u2") is None and index.by_uid("nope") is None
