@@ -151,6 +151,21 @@ def test_a_patch_never_puts_an_older_record_over_a_newer_one() -> None:
     assert annotation_patch(_record_of(2, 1), legacy, MemoryUnit.GIB, now_ns=4)[GPU_MEM_IDX] == "1"
 
 
+async def _bound_and_assigned(cluster, ledger: Ledger, kube, node, gpu: int):  # type: ignore[no-untyped-def]
+    """A 2 GiB pod on `gpu`: reserved, its Binding written with its annotations (as the binder writes it), bound
+    and assigned in the ledger; (its reservation, its metadata)."""
+    pod = await cluster.pod(gib=2)
+    res = await ledger.reserve(request_for(pod, node, gib=2, gpu=gpu))
+    annotations = binding_annotations(
+        res.allocation_id, node.name, list(res.parts), dict.fromkeys(node.gpus, 16 * GIB), MemoryUnit.GIB
+    )
+    meta = pod.metadata
+    await create_binding(kube, meta.namespace, meta.name, node.name, uid=meta.uid, annotations=annotations)
+    await ledger.mark_bound(res.allocation_id, meta.uid, node.name)
+    await ledger.mark_assigned(res.allocation_id, meta.uid, node.name, "main", [node.gpus[gpu]])
+    return res, meta
+
+
 async def test_the_assigned_flag_is_one_patch_when_the_pod_watch_shows_the_pod(
     cluster, ledger: Ledger, kube, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,15 +181,7 @@ async def test_the_assigned_flag_is_one_patch_when_the_pod_watch_shows_the_pod(
     index.synced()
     allocations = []
     for gpu in (0, 1):
-        pod = await cluster.pod(gib=2)
-        res = await ledger.reserve(request_for(pod, node, gib=2, gpu=gpu))
-        annotations = binding_annotations(
-            res.allocation_id, node.name, list(res.parts), dict.fromkeys(node.gpus, 16 * GIB), MemoryUnit.GIB
-        )
-        meta = pod.metadata
-        await create_binding(kube, meta.namespace, meta.name, node.name, uid=meta.uid, annotations=annotations)
-        await ledger.mark_bound(res.allocation_id, meta.uid, node.name)
-        await ledger.mark_assigned(res.allocation_id, meta.uid, node.name, "main", [node.gpus[gpu]])
+        res, meta = await _bound_and_assigned(cluster, ledger, kube, node, gpu)
         index.update("ADDED", await get_pod(kube, meta.namespace, meta.name))
         allocations.append((res.allocation_id, meta.name))
     # the second pod changes after the watch saw it (kubelet reports its status, say)
@@ -212,15 +219,7 @@ async def test_an_assigned_event_sets_the_flag_from_the_pod_watch_without_readin
     index.synced()
     events = []
     for gpu, watched in ((0, True), (1, False)):
-        pod = await cluster.pod(gib=2)
-        res = await ledger.reserve(request_for(pod, node, gib=2, gpu=gpu))
-        annotations = binding_annotations(
-            res.allocation_id, node.name, list(res.parts), dict.fromkeys(node.gpus, 16 * GIB), MemoryUnit.GIB
-        )
-        meta = pod.metadata
-        await create_binding(kube, meta.namespace, meta.name, node.name, uid=meta.uid, annotations=annotations)
-        await ledger.mark_bound(res.allocation_id, meta.uid, node.name)
-        await ledger.mark_assigned(res.allocation_id, meta.uid, node.name, "main", [node.gpus[gpu]])
+        res, meta = await _bound_and_assigned(cluster, ledger, kube, node, gpu)
         if watched:
             index.update("ADDED", await get_pod(kube, meta.namespace, meta.name))
         events.append(
