@@ -166,17 +166,26 @@ class NodeWatchKubelets:
 
 
 async def create_timed(
-    api: Any, namespace: str, bodies: list[dict[str, Any]], concurrency: int, times: PodTimes
+    api: Any,
+    namespace: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    times: PodTimes,
+    *,
+    rate: float | None = None,
 ) -> None:
-    """Create the pods with at most `concurrency` requests in flight, each one's time taken as its request
-    goes out."""
+    """Create the pods with at most `concurrency` requests in flight (and, with `rate`, no more than `rate` a
+    second, evenly spaced), each one's time taken as its request goes out."""
     core = client.CoreV1Api(api)
+    start = time.monotonic()
 
-    async def one(body: dict[str, Any]) -> None:
+    async def one(i: int, body: dict[str, Any]) -> None:
+        if rate:
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
         times.created[f"{namespace}/{body['metadata']['name']}"] = time.monotonic()
-        await core.create_namespaced_pod(namespace, body, _preload_content=False)
+        await read_json(await core.create_namespaced_pod(namespace, body, _preload_content=False))
 
-    await gather_limited(concurrency, [one(b) for b in bodies])
+    await gather_limited(concurrency, [one(i, b) for i, b in enumerate(bodies)])
 
 
 async def wait_for(times: PodTimes, step: str, namespace: str, count: int, timeout_s: float) -> bool:
