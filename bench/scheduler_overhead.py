@@ -45,7 +45,7 @@ import aiohttp
 import asyncpg
 from kubernetes_asyncio import client
 
-from bench import extender_calls, peer
+from bench import db_counts, extender_calls, peer
 from bench.affinity import Pinning, deployment_plan, pinned
 from bench.common import BenchResult, Context, Target, median
 from bench.cpu import CENTRAL_GROUPS, CpuWindow, benchmark_roots, cpu_by_group, ms_per_item, product_ms_per_pod
@@ -164,6 +164,7 @@ class Variant:
     wrong: list[str] = field(default_factory=list)
     exchanges: float = 0.0
     paced_rates: list[float] = field(default_factory=list)
+    db: Counter[str] = field(default_factory=Counter)  # PostgreSQL's counters over the GPU phases
 
     async def run_round(self, ctx: Context, stack: Any, times: PodTimes, pods: int, timeout_s: float) -> None:
         """A plain phase, then a GPU phase with the exactness check, then the GPU pods' deletion (measured), then
@@ -176,6 +177,7 @@ class Variant:
             bodies = [pod_body(f"p-{i}", gpu_gib=gpu_gib(i) if kind == "gpu" else 0) for i in range(pods)]
             calls_before = await extender_calls.read_calls(stack.extender_url)
             exchanges_before = await node_agent_exchanges(stack)
+            db_before = await db_counts.read_counts(stack.database_url) if kind == "gpu" else {}
             with CpuWindow(listeners) as window, phase_profiles(f"overhead-{self.prefix}{kind}"):
                 phase = await life_phase(api, ns, bodies, times, timeout_s, assigned=kind == "gpu")
             self.rounds[kind].append(phase)
@@ -183,6 +185,8 @@ class Variant:
             calls_after = await extender_calls.read_calls(stack.extender_url)
             self.calls[kind].update({v: calls_after[v] - calls_before[v] for v in calls_after})
             if kind == "gpu":
+                db_after = await db_counts.read_counts(stack.database_url)
+                self.db.update({k: db_after[k] - db_before.get(k, 0) for k in db_after})
                 self.exchanges += await node_agent_exchanges(stack) - exchanges_before
                 self.wrong += await disagreements(api, stack.database_url, ns, envs_of(stack))
         with CpuWindow(listeners) as window:
@@ -242,6 +246,9 @@ class Variant:
             m.update(ms_per_item(self.cpu[kind], pods * len(gpu), kind))
         for kind in ("plain", "gpu"):
             m.update(extender_calls.per_pod(Counter(), self.calls[kind], pods * len(self.rounds[kind]), kind))
+        if self.db:
+            zero = dict.fromkeys(self.db, 0)
+            m.update(db_counts.per_pod(zero, dict(self.db), pods * len(gpu), "gpu"))
         m["gpu_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "gpu")
         m["gpu_product_cpu_ms_per_pod_without_node_agents"] = product_ms_per_pod(m, "gpu", CENTRAL_GROUPS)
         m["gpu_delete_product_cpu_ms_per_pod"] = product_ms_per_pod(m, "gpu_delete")
@@ -439,6 +446,11 @@ async def run(ctx: Context) -> BenchResult:
             await kubelets.stop()
     m.update(side_by_side(variants[0].metrics(pods), variants[1].metrics(pods) if plan else {}))
     m.update(peer_runs.metrics(pods, m["gpu_pods_per_s"]))
+    shared = variants[0]
+    if shared.db:
+        gpu_pods = pods * len(shared.rounds["gpu"])
+        rows = db_counts.tables_breakdown(dict.fromkeys(shared.db, 0), dict(shared.db), gpu_pods)
+        result.notes.append(f"GPU phase, PostgreSQL rows written per pod by table: {rows}")
     result.notes += peer_runs.notes
     if plan:
         m[f"{PINNED}threads_off_cpu"] = off_cpu
