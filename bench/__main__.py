@@ -48,6 +48,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="where to write JSON (bench/results)")
     p.add_argument("--database-url", default=None, help="PostgreSQL server (default: the machine's, else embedded)")
     p.add_argument("--nats-url", default=None, help="NATS server (default: the machine's, else embedded)")
+    p.add_argument(
+        "--peer-extender",
+        metavar="PATH",
+        default=None,
+        help="the seed's extender (gpushare-scheduler-extender) as shipped, for benchmark 1 (docs/benchmarks.md says "
+        "how to build it); without it: 'peer not available'",
+    )
+    p.add_argument(
+        "--peer-extender-raised",
+        metavar="PATH",
+        default=None,
+        help="the seed's extender built with its client's rate limit raised (QPS/burst 1,000), for benchmark 1",
+    )
     args = p.parse_args(argv)
     args.profile = args.profile or ("full" if args.full else "quick")
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(MODULES)
@@ -122,6 +135,9 @@ async def run_all(args: argparse.Namespace, work_dir: Path) -> list[BenchResult]
     """Run the selected benchmarks one after the other."""
     with cancelled_by_sigterm(), servers(work_dir) as (db_url, nats_url):
         ctx = Context(args.profile, args.database_url or db_url, args.nats_url or nats_url, work_dir)
+        ctx.peer_extenders = {
+            v: p for v, p in (("as_shipped", args.peer_extender), ("raised", args.peer_extender_raised)) if p
+        }
         results = []
         async with ctx.resources:
             for name in args.names:

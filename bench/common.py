@@ -80,6 +80,8 @@ class Context:
     work_dir: Path
     resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     cache: dict[str, Any] = field(default_factory=dict)
+    # the seed's extender binaries by variant (`bench.peer`): "as_shipped", "raised"
+    peer_extenders: dict[str, str] = field(default_factory=dict)
 
     async def seeded_database(self, nodes: int) -> tuple[str, list[Any]]:
         """A private database holding `nodes` x 8 half-full GPUs, made once per run and shared (read-only use).

@@ -26,8 +26,9 @@ k8s.io/kubernetes (v1.37.2 and v1.20.2):
   (init containers one after the other, then app containers), with the container's own devices
   (`GetDeviceRunContainerOptions` -> `callPreStartContainerIfNeeded`).
 * The pod-resources `List` (`pkg/kubelet/apis/podresources/server_v1.go`, `v1PodResourcesServer.List`) lists every
-  pod it admitted, and in each only the containers kubelet lists: app containers and, from 1.29, sidecars; never a
-  regular init container (1.20: app containers only). Their devices come from its allocation records (the
+  pod it admitted (`Get`, `v1PodResourcesServer.Get`, one of them, from 1.34), and in each only the containers
+  kubelet lists: app containers and, from 1.29, sidecars; never a regular init container (1.20: app containers
+  only). Their devices come from its allocation records (the
   device manager's `podDevices`), one `ContainerDevices` per device (per NUMA node) as 1.37's
   `containerDevicesFromResourceDeviceInstances` writes them, or one per resource and NUMA node (-1 without
   topology) as 1.20's `podDevices.getContainerDevices` does.
@@ -114,6 +115,7 @@ class Assignment:
 
 
 SIDECARS_SINCE = 29  # kubelet 1.29 lists sidecars in pod-resources and keeps their devices from later containers
+GET_SINCE = 34  # pod-resources `Get` on by default (its feature gate beta, default true, from 1.34; GA in 1.36)
 
 
 def is_sidecar(container: dict[str, Any], release: Release) -> bool:
@@ -150,6 +152,7 @@ class KubeletStandIn:
         # (pod UID, container) -> the mounts Allocate asked for: (container path, host path)
         self.mounts: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self.registrations: dict[str, int] = {}
+        self.pod_resources_calls: dict[str, int] = {}  # pod-resources calls answered, by method (List, Get)
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
@@ -157,6 +160,8 @@ class KubeletStandIn:
         # set: ignore GetPreferredAllocation and take the devices of a GPU chosen at random (a kubelet, or a
         # topology manager, that overrides the plugin's preference), to test that nothing depends on it
         self.random_devices: random.Random | None = None
+        # called with the pod once its last container's PreStartContainer was answered (a benchmark's clock)
+        self.on_started: Callable[[dict[str, Any]], None] | None = None
 
     # -- servers --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -332,13 +337,19 @@ class KubeletStandIn:
         if start:
             for container, plugin, ids in prestarts:
                 await self._prestart(container, plugin, ids)
+            self._started(pod)
         return envs
+
+    def _started(self, pod: dict[str, Any]) -> None:
+        if self.on_started is not None:
+            self.on_started(pod)
 
     async def start_pod(self, pod: dict[str, Any]) -> None:
         """PreStartContainer for every recorded container of an admitted pod (init containers first)."""
         spec = pod.get("spec", {})
         for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
             await self.restart_container(pod, c["name"])
+        self._started(pod)
 
     async def _pick(self, plugin: RegisteredPlugin, size: int, container: str, reusable: list[str]) -> list[str]:
         """kubelet's `devicesToAllocate`: reusable devices first (in Go's set order, arbitrary), then
@@ -454,20 +465,36 @@ class _PodResources:
 
     async def List(self, request: Any, context: Any) -> Any:
         pb = self.kubelet.pr_pb2
+        self._count("List")
+        return pb.ListPodResourcesResponse(pod_resources=[self._pod(*p) for p in self.kubelet.pod_resources()])
+
+    async def Get(self, request: Any, context: Any) -> Any:
+        """One pod's resources (`v1PodResourcesServer.Get`): its sidecars and app containers as `List` shows them;
+        an unknown pod is an error naming it (a Go error: gRPC code Unknown). Before 1.34 the method is off by
+        default (the `KubeletPodResourcesGet` gate, alpha from 1.27, `pkg/features/kube_features.go`), and 1.20 has
+        none: the stand-in answers as an unknown method there."""
+        self._count("Get")
+        if self.kubelet.release.minor < GET_SINCE:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method Get for service v1.PodResourcesLister")
+        for ns, pod, containers in self.kubelet.pod_resources():
+            if (ns, pod) == (request.pod_namespace, request.pod_name):
+                return self.kubelet.pr_pb2.GetPodResourcesResponse(pod_resources=self._pod(ns, pod, containers))
+        await context.abort(
+            grpc.StatusCode.UNKNOWN, f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
+        )
+
+    def _count(self, method: str) -> None:
+        self.kubelet.pod_resources_calls[method] = self.kubelet.pod_resources_calls.get(method, 0) + 1
+
+    def _pod(self, ns: str, pod: str, containers: list[tuple[str, list[tuple[str, list[str], list[int]]]]]) -> Any:
+        pb = self.kubelet.pr_pb2
 
         def devices(resource: str, ids: list[str], numa: list[int]) -> Any:
             topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=n) for n in numa]) if numa else None
             return pb.ContainerDevices(resource_name=resource, device_ids=ids, topology=topology)
 
-        return pb.ListPodResourcesResponse(
-            pod_resources=[
-                pb.PodResources(
-                    name=pod,
-                    namespace=ns,
-                    containers=[
-                        pb.ContainerResources(name=c, devices=[devices(*d) for d in devs]) for c, devs in containers
-                    ],
-                )
-                for ns, pod, containers in self.kubelet.pod_resources()
-            ]
+        return pb.PodResources(
+            name=pod,
+            namespace=ns,
+            containers=[pb.ContainerResources(name=c, devices=[devices(*d) for d in devs]) for c, devs in containers],
         )

@@ -114,6 +114,11 @@ class NodeKubelet:
         self._task: asyncio.Task[None] | None = None
         self._reported: tuple[dict[str, str], dict[str, str]] | None = None  # last device status sent
         self._report_due = 0.0  # monotonic time of the next node status update
+        # set: each admitted pod is started (PreStartContainer) and reported Running in a task of its own, while the
+        # next pods are admitted, as kubelet's per-pod workers and status manager do (a benchmark's latencies);
+        # unset: one pod after the other, which tests that order admissions rely on
+        self.concurrent_start = False
+        self._starting: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, *, poll: bool = True) -> NodeKubelet:
         """Serve the kubelet sockets and begin admitting pods (`poll`: list this node's pods itself; without
@@ -130,6 +135,8 @@ class NodeKubelet:
         """Stop admitting pods (the sockets stay up, so device plugins stay registered)."""
         task, self._task = self._task, None
         await cancelled(task)
+        for uid in list(self._starting):
+            await cancelled(self._starting.pop(uid, None))
 
     async def stop(self) -> None:
         """Stop watching and stop the stand-in's servers."""
@@ -204,7 +211,7 @@ class NodeKubelet:
             live.items(), key=lambda kv: (kv[1]["metadata"].get("creationTimestamp") or "", self._arrival[kv[0]])
         )
         for uid, pod in order:
-            if uid in self._admitted or self._attempts.get(uid, 0) >= MAX_ATTEMPTS:
+            if uid in self._admitted or uid in self._starting or self._attempts.get(uid, 0) >= MAX_ATTEMPTS:
                 continue
             wanted = gpu_resources_of(pod)
             if not wanted <= set(self.standin.plugins):
@@ -225,12 +232,37 @@ class NodeKubelet:
                 envs = await self.standin.admit(pod, start=False)
                 envs = await self._prepare(pod, envs)
                 self._not_started[uid] = (pod, envs)
+            if self.concurrent_start:
+                self._starting[uid] = asyncio.create_task(self._start(uid, pod, envs))
+                return
             await self.standin.start_pod(pod)
         except (AdmissionError, DraPrepareError) as exc:
-            self._attempts[uid] = self._attempts.get(uid, 0) + 1
-            self.errors[key] = str(exc)
-            log.warning("admission failed: %s", exc, extra={"node": self.node, "pod": meta["name"]})
+            self._failed(uid, key, exc)
             return
+        await self._started(uid, pod, envs)
+
+    async def _start(self, uid: str, pod: dict[str, Any], envs: dict[str, dict[str, str]]) -> None:
+        """Start an admitted pod in a task of its own (`concurrent_start`)."""
+        from devstack.cluster.kubelet import AdmissionError
+
+        meta = pod["metadata"]
+        try:
+            await self.standin.start_pod(pod)
+        except AdmissionError as exc:
+            self._failed(uid, (meta["namespace"], meta["name"]), exc)
+            return
+        finally:
+            self._starting.pop(uid, None)
+        await self._started(uid, pod, envs)
+
+    def _failed(self, uid: str, key: tuple[str, str], exc: Exception) -> None:
+        self._attempts[uid] = self._attempts.get(uid, 0) + 1
+        self.errors[key] = str(exc)
+        log.warning("admission failed: %s", exc, extra={"node": self.node, "pod": key[1]})
+
+    async def _started(self, uid: str, pod: dict[str, Any], envs: dict[str, dict[str, str]]) -> None:
+        meta = pod["metadata"]
+        key = (meta["namespace"], meta["name"])
         self._not_started.pop(uid, None)
         self._admitted[uid] = pod
         self.envs[key] = envs

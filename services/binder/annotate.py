@@ -23,7 +23,9 @@ from services.binder.reads import PodRecord
 from shared.annotations import ALLOCATION, GPU_MEM_ASSIGNED, GPU_MEM_ASSUME_TIME, record_annotations, record_version
 from shared.events.catalogue import AssignedEvent, Event, ExchangedEvent
 from shared.kube import pods
+from shared.kube.pod_index import PodIndex
 from shared.kube.pods import Pod, get_pod
+from shared.kube.raw import read_json
 from shared.kube.retry import RetryPolicy, call_with_retry
 from shared.ledger.rules import is_live
 from shared.settings import MemoryUnit
@@ -60,16 +62,19 @@ class AnnotationSync:
         unit: MemoryUnit,
         metrics: BinderMetrics,
         retry: RetryPolicy = RetryPolicy(),
+        pods: PodIndex | None = None,
     ) -> None:
         self.engine = engine
         self.api = api
         self.unit = unit
         self.metrics = metrics
         self.retry = retry
+        self.pods = pods  # the binder's pod watch: the pod as last seen, instead of a GET before the first patch
 
     async def __call__(self, event: Event) -> None:
         if isinstance(event, AssignedEvent):
-            await self.sync(event.allocation_id)
+            if not await self.flag(event):
+                await self.sync(event.allocation_id)
         elif isinstance(event, ExchangedEvent):
             for allocation_id in dict.fromkeys((event.first_allocation_id, event.second_allocation_id)):
                 await self.sync(allocation_id)
@@ -79,10 +84,12 @@ class AnnotationSync:
         record = await reads.pod_record(self.engine, allocation_id)  # type: ignore[arg-type]
         if record is None or not is_live(record.state):
             return self._count("skipped_ended")
-        for _ in range(CONFLICT_ROUNDS):
-            pod = await self._kube(lambda: get_pod(self.api, record.namespace, record.pod_name), "GET pod")
-            if pod is None or pods.pod_uid(pod) != record.pod_uid:
-                return self._count("skipped_pod_gone")
+        for attempt in range(CONFLICT_ROUNDS):
+            pod = self._watched(record) if attempt == 0 else None
+            if pod is None:
+                pod = await self._kube(lambda: get_pod(self.api, record.namespace, record.pod_name), "GET pod")
+                if pod is None or pods.pod_uid(pod) != record.pod_uid:
+                    return self._count("skipped_pod_gone")
             patch = annotation_patch(record, pods.annotations(pod), self.unit, time.time_ns())
             if not patch:
                 return self._count("up_to_date")
@@ -105,10 +112,46 @@ class AnnotationSync:
             return self._count("patched")
         raise RuntimeError(f"annotations of {record.namespace}/{record.pod_name} kept conflicting; will retry")
 
+    async def flag(self, event: AssignedEvent) -> bool:
+        """The assigned flag alone, from the pod as the binder's watch shows it, without reading the ledger: the
+        event says the allocation was assigned, and the pod's record annotations are the `exchanged` events' to
+        bring forward. Done (True): the pod carries the flag (now, or already); False: the pod is not watched, or it
+        changed since the watch saw it (the patch conflicts), and `sync` reads ledger and pod."""
+        pod = self.pods.by_uid(event.pod_uid) if self.pods is not None else None
+        if pod is None or not pods.metadata(pod).get("resourceVersion"):
+            return False
+        if pods.annotations(pod).get(GPU_MEM_ASSIGNED) == "true":
+            self._count("up_to_date")
+            return True
+        patch = {GPU_MEM_ASSIGNED: "true", GPU_MEM_ASSUME_TIME: str(time.time_ns())}
+        try:
+            await self._kube(lambda: self._patch(pod, patch), "PATCH pod annotations")
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        self._count("patched")
+        return True
+
+    def _watched(self, record: PodRecord) -> Pod | None:
+        """The pod as the binder's watch last showed it, when that is this very pod. Its annotations can only be
+        older than the pod's (the binder's writes move them forward): when they already tell the ledger's record,
+        so does the pod; otherwise the patch is conditional on the resourceVersion seen, and a conflict reads the
+        pod."""
+        pod = self.pods.get(record.namespace, record.pod_name) if self.pods is not None else None
+        if pod is None or pods.pod_uid(pod) != record.pod_uid or not pods.metadata(pod).get("resourceVersion"):
+            return None
+        return pod
+
     async def _patch(self, pod: Pod, patch: dict[str, str]) -> None:
         meta = pods.metadata(pod)
         body = {"metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": patch}}
-        await client.CoreV1Api(self.api).patch_namespaced_pod(meta.get("name"), meta.get("namespace"), body)
+        # raw JSON back: building the client's models of the whole pod cost more than the request itself
+        await read_json(
+            await client.CoreV1Api(self.api).patch_namespaced_pod(
+                meta.get("name"), meta.get("namespace"), body, _preload_content=False
+            )
+        )
 
     async def _kube(self, fn, what: str):  # type: ignore[no-untyped-def]
         return await call_with_retry(

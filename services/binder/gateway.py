@@ -11,6 +11,13 @@ database credentials on every node). The binder answers for them, in a queue gro
   exchange is applied at most once per event id (a repeat after a lost reply is answered "done"); the others
   are idempotent by nature. A refused command says why; a failing database gives a short, retryable answer
   (the driver's text stays in this log, never in a pod's condition).
+* `<prefix>-rpc.commands.<node>`: several such commands at once (what an agent has to say together: every
+  container of a pod it confirms), answered in order.
+
+`assigned` commands, whichever request brings them, are group-committed (`GroupCommit`): those that arrive while
+a transaction is in flight share the next one (`Ledger.mark_assigned_many`: the allocations locked, checked and
+stamped in three statements), so a pod's containers confirmed together, and the pods of a burst, cost one
+transaction, not one per container.
 
 Once an exchange is applied and the agent answered, `on_exchanged` (the binder's `AnnotationSync`) rewrites both
 pods' annotations at once: the `exchanged` event's consumer would do it too, but it shares its queue with every
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -36,6 +44,8 @@ from shared.events.agent_rpc import (
     COMMAND_EVENTS,
     COMMAND_KINDS,
     GATEWAY_QUEUE,
+    MAX_BATCH,
+    BatchReply,
     CommandReply,
     ErrorReply,
     rpc_prefix,
@@ -43,6 +53,7 @@ from shared.events.agent_rpc import (
 from shared.events.bus import EventBus
 from shared.events.catalogue import AssignedEvent, EventDecodeError, ExchangedEvent, decode_event, node_token
 from shared.ledger.db import UNAVAILABLE, is_transient
+from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import is_repeat_of_staged_event
 from shared.ledger.rules import ExchangeRefused, is_live
@@ -70,6 +81,7 @@ class LedgerGateway:
         self.metrics = metrics
         self.on_exchanged = on_exchanged
         self._slots = asyncio.Semaphore(concurrency)
+        self._assigned: GroupCommit[AssignedEvent, str | None] = GroupCommit(ledger.mark_assigned_many, what="assigned")
         self._follow_ups = asyncio.Semaphore(FOLLOW_UPS)
         self._tasks: set[asyncio.Task[None]] = set()
         self._sub: Any = None
@@ -98,23 +110,27 @@ class LedgerGateway:
     async def _serve(self, msg: Msg) -> None:
         parts = msg.subject.split(".")
         verb, node = (parts[-2], parts[-1]) if len(parts) >= 3 else ("", "")
-        applied: ExchangedEvent | None = None
+        replies: list[CommandReply] = []
         async with self._slots:
             if verb == "snapshot":
                 body = await self.snapshot(node)
             elif verb == "command":
-                reply = await self.command(node, msg.data)
-                if reply.ok and reply.event is not None and reply.event.get("kind") == "exchanged":
-                    applied = ExchangedEvent.model_validate(reply.event)
-                body = reply.model_dump_json().encode()
+                replies = [await self.command(node, msg.data)]
+                body = replies[0].model_dump_json().encode()
+            elif verb == "commands":
+                batch = await self.commands(node, msg.data)
+                replies = batch.replies if isinstance(batch, BatchReply) else []
+                body = batch.model_dump_json().encode()
             else:
                 body = ErrorReply(error=f"unknown request {verb!r}").model_dump_json().encode()
         self.metrics.gateway_requests.labels(verb=verb or "unknown").inc()
         if msg.reply:
             with contextlib.suppress(Exception):  # the agent gave up waiting; it asks again
                 await msg.respond(body)
-        if applied is not None and self.on_exchanged is not None:
-            await self._follow_up(applied, self.on_exchanged)
+        if self.on_exchanged is not None:
+            for reply in replies:
+                if reply.ok and reply.event is not None and reply.event.get("kind") == "exchanged":
+                    await self._follow_up(ExchangedEvent.model_validate(reply.event), self.on_exchanged)
 
     async def _follow_up(self, event: ExchangedEvent, rewrite: Callable[[ExchangedEvent], Awaitable[object]]) -> None:
         """Rewrite the exchanged pods' annotations now (after the agent has its answer); a failure is left to the
@@ -145,7 +161,20 @@ class LedgerGateway:
             return ErrorReply(error=UNAVAILABLE, retryable=True).model_dump_json().encode()
         return snap.model_dump_json().encode()
 
-    async def command(self, node: str, data: bytes) -> CommandReply:
+    async def commands(self, node: str, data: bytes) -> BatchReply | ErrorReply:
+        """Apply a batch of agent commands for `node` (a JSON array of events), all at once; one reply each."""
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return ErrorReply(error=f"unreadable batch of commands: {exc}")
+        if not isinstance(raw, list) or not raw:
+            return ErrorReply(error="a batch of commands must be a non-empty JSON array of events")
+        if len(raw) > MAX_BATCH:
+            return ErrorReply(error=f"a batch holds at most {MAX_BATCH} commands, not {len(raw)}")
+        replies = await asyncio.gather(*(self.command(node, json.dumps(item)) for item in raw))
+        return BatchReply(replies=list(replies))
+
+    async def command(self, node: str, data: bytes | str) -> CommandReply:
         """Apply one agent command for `node` (the subject's node token)."""
         try:
             event = decode_event(data)
@@ -158,6 +187,10 @@ class LedgerGateway:
             return CommandReply(ok=False, error=f"a node agent speaks only for its own node, not {speaks_for}")
         try:
             if isinstance(event, AssignedEvent):
+                batched = await self._assign(event)
+                if batched is not None:
+                    return batched
+                # its batch failed as a whole: this command alone, checked and recorded as before batches
                 where = await reads.allocation_node_state(self.ledger.engine, event.allocation_id)
                 if where is None:
                     return CommandReply(ok=False, error=f"the ledger has no allocation {event.allocation_id}")
@@ -180,3 +213,18 @@ class LedgerGateway:
             return CommandReply(ok=False, error=UNAVAILABLE, retryable=True)
         staged = result if isinstance(result, ExchangedEvent) else event
         return CommandReply(ok=True, event=staged.model_dump(mode="json"))
+
+    async def _assign(self, event: AssignedEvent) -> CommandReply | None:
+        """An `assigned` command through the group commit; None when its batch failed as a whole for a reason that
+        does not pass (an event id a second binder replica staged meanwhile, say): the caller then applies it
+        alone."""
+        try:
+            refused = await self._assigned.submit(event)
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            log.info("a batch of assigned commands failed (%r); applying %s alone", exc, event.event_id)
+            return None
+        if refused:
+            return CommandReply(ok=False, error=refused)
+        return CommandReply(ok=True, event=event.model_dump(mode="json"))

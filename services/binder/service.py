@@ -80,7 +80,7 @@ class Binder:
             max_deliver=20,
         )
         self.annotations = AnnotationSync(
-            ledger.engine, api, unit=config.unit, metrics=self.metrics, retry=config.retry
+            ledger.engine, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods
         )
         # assignments and exchanges rewrite pod annotations from the ledger's record (durable: a crash between
         # the ledger write and the patch only delays the patch)

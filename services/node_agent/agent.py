@@ -197,6 +197,7 @@ class NodeAgent:
         if self.dra is not None:
             await self.dra.close()
         await self.link.unfollow()
+        await self.assigner.pod_resources.close()
         if self._metrics_due is not None:
             self._metrics_due.cancel()
             self._metrics_due = None

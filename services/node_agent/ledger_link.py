@@ -3,10 +3,10 @@ events from the stream (see `shared.events.agent_rpc`).
 
 `snapshot()` asks for the node's live containers; `follow()` then delivers the node's events from the
 sequence the snapshot covers (a JetStream ordered consumer: no gap, no duplicate within one subscription);
-`send()` applies a command and returns the gateway's answer. Failures that may pass (no gateway answering,
-a timeout, a database outage behind it) are retried with capped backoff until the caller's deadline, then
-raised as `LedgerUnavailable`; a refusal is raised at once as `CommandRefused`. Both carry a short reason
-fit for kubelet and a pod's events.
+`send()` applies a command and returns the gateway's answer, `send_many()` several in one request. Failures that
+may pass (no gateway answering, a timeout, a database outage behind it) are retried with capped backoff until the
+caller's deadline, then raised as `LedgerUnavailable`; a refusal is raised at once as `CommandRefused`. Both carry
+a short reason fit for kubelet and a pod's events.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
-from shared.events.agent_rpc import CommandReply, ErrorReply, NodeSnapshot, command_subject, snapshot_subject
+from shared.events.agent_rpc import (
+    BatchReply,
+    CommandReply,
+    ErrorReply,
+    NodeSnapshot,
+    command_subject,
+    commands_subject,
+    snapshot_subject,
+)
 from shared.events.bus import EventBus
 from shared.events.catalogue import Event, EventDecodeError, decode_event, encode_event, node_token
 
@@ -59,6 +67,7 @@ class LedgerLink:
         self.max_backoff_s = max_backoff_s
         self._sub: Any = None
         self.reachable = False  # the last request got an answer
+        self.batches = True  # the gateway answers batches of commands (a gateway before them: one by one)
 
     async def snapshot(self, *, deadline_s: float) -> NodeSnapshot:
         """The node's live containers and the stream sequence they cover."""
@@ -89,6 +98,60 @@ class LedgerLink:
             if time.monotonic() - started + self._delay(attempt) >= deadline_s:
                 raise LedgerUnavailable(reply.error)
             await asyncio.sleep(self._delay(attempt))
+
+    async def send_many(self, events: list[Event], *, deadline_s: float) -> list[CommandReply | Exception]:
+        """Several commands in one request (`commands_subject`); per command its reply, or `CommandRefused`, or
+        `LedgerUnavailable` when it could not be applied before the deadline (the ones the gateway asks to retry
+        are sent again, together). A gateway of a release before batches gets them one by one."""
+        if len(events) == 1 or not self.batches:
+            return [await self._one(e, deadline_s) for e in events]
+        subject = commands_subject(self.bus.names.prefix, self.node)
+        started = time.monotonic()
+        out: list[CommandReply | Exception | None] = [None] * len(events)
+        todo = list(range(len(events)))
+        attempt = 0
+        while todo:
+            remaining = deadline_s - (time.monotonic() - started)
+            body = b"[" + b",".join(encode_event(events[i]) for i in todo) + b"]"
+            try:
+                data = await self._request(subject, body, remaining, "commands")
+                batch = BatchReply.model_validate_json(data)
+            except LedgerUnavailable as exc:
+                for i in todo:
+                    out[i] = exc
+                break
+            except ValidationError:
+                error = _error_reply(data)
+                if error.startswith("unknown request"):  # a gateway before batches
+                    self.batches = False
+                    for i in todo:
+                        out[i] = await self._one(events[i], deadline_s - (time.monotonic() - started))
+                    break
+                for i in todo:
+                    out[i] = CommandRefused(error or "the ledger gateway sent an unreadable reply")
+                break
+            again = []
+            for i, reply in zip(todo, batch.replies, strict=False):
+                if reply.ok:
+                    out[i] = reply
+                elif not reply.retryable:
+                    out[i] = CommandRefused(reply.error)
+                else:
+                    again.append(i)
+                    out[i] = LedgerUnavailable(reply.error)
+            todo = again
+            attempt += 1
+            if todo and time.monotonic() - started + self._delay(attempt) >= deadline_s:
+                break  # what is left keeps its LedgerUnavailable
+            if todo:
+                await asyncio.sleep(self._delay(attempt))
+        return [r if r is not None else LedgerUnavailable("no answer") for r in out]
+
+    async def _one(self, event: Event, deadline_s: float) -> CommandReply | Exception:
+        try:
+            return await self.send(event, deadline_s=deadline_s)
+        except (CommandRefused, LedgerUnavailable) as exc:
+            return exc
 
     async def follow(self, from_seq: int, on_event: Callable[[Event], Awaitable[None] | None]) -> None:
         """Deliver the node's events after stream sequence `from_seq` to `on_event`, until `unfollow`."""

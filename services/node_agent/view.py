@@ -84,6 +84,10 @@ class NodeView:
         """Every container of a live allocation on the node."""
         return list(self._containers.values())
 
+    def container(self, key: tuple[uuid.UUID, str]) -> PendingContainer | None:
+        """One live container by (allocation id, container name)."""
+        return self._containers.get(key)
+
     def version(self, allocation_id: uuid.UUID) -> int | None:
         """The allocation's version as the view knows it (None: not live here)."""
         return self._versions.get(allocation_id)

@@ -6,7 +6,9 @@ the snapshot covers; it sends its inventory, health, assignments and exchanges a
 applies to the ledger (each with its event staged in the outbox, as every ledger change) and answers.
 
 Subjects live outside the event stream's `<prefix>.>` so that JetStream never stores a request:
-`<prefix>-rpc.snapshot.<node>` and `<prefix>-rpc.command.<node>`.
+`<prefix>-rpc.snapshot.<node>`, `<prefix>-rpc.command.<node>` (one event) and `<prefix>-rpc.commands.<node>` (a
+JSON array of events, answered by a `BatchReply` in the same order: what an agent has to say at once goes in one
+request, and a gateway of a release before batches answers it with an `ErrorReply` naming the unknown request).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class NodeSnapshot(BaseModel):
     ended: list[uuid.UUID] = Field(default_factory=list)
 
 
+def commands_subject(prefix: str, node: str) -> str:
+    """Where an agent sends several commands at once."""
+    return f"{rpc_prefix(prefix)}.commands.{node_token(node)}"
+
+
+MAX_BATCH = 64  # commands in one request (a gateway refuses more)
+
+
 class CommandReply(BaseModel):
     """The gateway's answer to a command: done (with the event as staged), refused, or failed for now."""
 
@@ -105,3 +115,11 @@ class ErrorReply(BaseModel):
 
     error: Annotated[str, Field(max_length=2048)]
     retryable: bool = False
+
+
+class BatchReply(BaseModel):
+    """The gateway's answers to a batch of commands, one per command, in order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replies: list[CommandReply]

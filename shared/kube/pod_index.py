@@ -27,6 +27,7 @@ class PodIndex:
         self.skipped = 0  # pods not kept because the index was full
         self._cycle = 0
         self._pods: dict[tuple[str, str], tuple[int, Pod]] = {}
+        self._uids: dict[str, tuple[str, str]] = {}  # pod UID -> namespace/name (of the entry kept, or a stale one)
 
     def __len__(self) -> int:
         return len(self._pods)
@@ -41,21 +42,25 @@ class PodIndex:
             # a same-named replacement may arrive before the old pod's DELETED: that event removes nothing
             if current is not None and (event_type != DELETED or pods.pod_uid(current[1]) == pods.pod_uid(pod)):
                 del self._pods[key]
+            self._uids.pop(pods.pod_uid(pod), None)
             return
         if key not in self._pods and self.max_entries is not None and len(self._pods) >= self.max_entries:
             self.skipped += 1
             return
         self._pods[key] = (self._cycle, kept)
+        self._uids[pods.pod_uid(pod)] = key
 
     def synced(self) -> None:
         """A (re)list finished: forget what it did not list (and nothing changed since), then answer."""
         self._pods = {k: v for k, v in self._pods.items() if v[0] >= self._cycle}
+        self._uids = {u: k for u, k in self._uids.items() if k in self._pods}
         self._cycle += 1
         self.ready = True
 
     def reset(self) -> None:
         """Forget everything and answer nothing until the next list finishes (the watch stopped)."""
         self._pods = {}
+        self._uids = {}
         self.ready = False
 
     def get(self, namespace: str, name: str) -> Pod | None:
@@ -64,3 +69,9 @@ class PodIndex:
             return None
         entry = self._pods.get((namespace, name))
         return entry[1] if entry is not None else None
+
+    def by_uid(self, uid: str) -> Pod | None:
+        """The pod with this UID as last seen (what `keep` kept of it), or None when unknown."""
+        key = self._uids.get(uid)
+        pod = self.get(*key) if key is not None else None
+        return pod if pod is not None and pods.pod_uid(pod) == uid else None

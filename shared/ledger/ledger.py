@@ -228,6 +228,16 @@ class Ledger:
             )
         )
 
+    async def mark_assigned_many(self, events: list[AssignedEvent]) -> list[str | None]:
+        """The node agents' `assigned` commands of a group commit, in one transaction (`transitions.assign_many`):
+        None per applied event, else why it was refused. Every applied event is staged, once per event id (one
+        sent again while its first copy waits in the outbox is not staged twice)."""
+        async with self.engine.begin() as conn:
+            answers = await transitions.assign_many(conn, events)
+            await outbox.stage_new(conn, self.prefix, [e for e, a in zip(events, answers, strict=True) if a is None])
+        self._committed()
+        return answers
+
     async def release(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
         """End an allocation and give its capacity back (no-op if already ended)."""
         return bool(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -37,6 +38,19 @@ async def stage(conn: AsyncConnection, prefix: str, *events: object) -> None:
         _STAGE,
         [(e.event_id, subject_for(prefix, e), encode_event(e)) for e in events],  # type: ignore[attr-defined, arg-type]
     )
+
+
+_STAGED = "SELECT event_id FROM outbox WHERE event_id = ANY($1::uuid[])"
+
+
+async def stage_new(conn: AsyncConnection, prefix: str, events: list[Any]) -> None:
+    """`stage` the events whose ids the outbox does not hold yet (each id once): a command sent again while
+    its first copy still waits for the relay is not staged twice."""
+    unique = list({e.event_id: e for e in events}.values())
+    if not unique:
+        return
+    held = {r["event_id"] for r in await driver.fetch(conn, _STAGED, [e.event_id for e in unique])}
+    await stage(conn, prefix, *(e for e in unique if e.event_id not in held))
 
 
 def is_repeat_of_staged_event(exc: BaseException) -> bool:

@@ -125,6 +125,57 @@ async def bind_many(conn: AsyncConnection, events: list[BoundEvent]) -> tuple[li
     return changed, wrote
 
 
+# on asyncpg directly (`driver`): the node agents' `assigned` commands, a group commit of them per transaction
+_LOCK_FOR_ASSIGN = "SELECT id, node, state FROM allocations WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE"
+_ASSIGN = (
+    "UPDATE allocations AS a SET state = CASE WHEN a.state = ANY($3::text[]) THEN $4 ELSE a.state END,"
+    " assigned_at = COALESCE(a.assigned_at, u.at) "
+    "FROM unnest($1::uuid[], $2::timestamptz[]) AS u(id, at) WHERE a.id = u.id"
+)
+_ASSIGN_PARTS = (
+    "UPDATE allocation_parts AS p SET assigned_at = u.at "
+    "FROM unnest($1::uuid[], $2::text[], $3::timestamptz[]) AS u(id, container, at) "
+    "WHERE p.allocation_id = u.id AND p.container = u.container AND p.assigned_at IS NULL"
+)
+_BEFORE_ASSIGNED = [s.value for s in AllocationState if advances(s, AllocationState.ASSIGNED)]
+
+
+async def assign_many(conn: AsyncConnection, events: list[AssignedEvent]) -> list[str | None]:
+    """`assigned` events of node agents in three statements, inside the caller's transaction: each named allocation
+    is locked (in id order) and must exist and live on the event's node; then, as `apply_transition` does one by
+    one, its `assigned_at` is stamped if not yet (the batch's first event of it), its state moves to `assigned`
+    when that is forward, and each container's parts are stamped. None per applied event, else why it was
+    refused (nothing of it is written)."""
+    if not events:
+        return []
+    rows = {r["id"]: r for r in await driver.fetch(conn, _LOCK_FOR_ASSIGN, list({e.allocation_id for e in events}))}
+    answers: list[str | None] = []
+    firsts: dict[uuid.UUID, datetime] = {}
+    containers: dict[tuple[uuid.UUID, str], datetime] = {}
+    for e in events:
+        row = rows.get(e.allocation_id)
+        if row is None:
+            answers.append(f"the ledger has no allocation {e.allocation_id}")
+        elif row["node"] != e.node or not is_live(row["state"]):
+            answers.append(f"allocation {e.allocation_id} is {row['state']} on {row['node']}")
+        else:
+            answers.append(None)
+            firsts.setdefault(e.allocation_id, e.occurred_at)
+            containers.setdefault((e.allocation_id, e.container), e.occurred_at)
+    if firsts:
+        await driver.fetch(
+            conn, _ASSIGN, list(firsts), list(firsts.values()), _BEFORE_ASSIGNED, AllocationState.ASSIGNED.value
+        )
+        await driver.fetch(
+            conn,
+            _ASSIGN_PARTS,
+            [a for a, _ in containers],
+            [c for _, c in containers],
+            list(containers.values()),
+        )
+    return answers
+
+
 async def apply_terminating(conn: AsyncConnection, event: TerminatingEvent) -> bool:
     """Record when an allocation's pod began terminating (the first time only); True when recorded.
 

@@ -149,3 +149,109 @@ def test_a_patch_never_puts_an_older_record_over_a_newer_one() -> None:
     legacy = {ALLOCATION: json.dumps({"id": str(uuid.UUID(int=7)), "node": "n1", "parts": []})}
     assert record_version(legacy[ALLOCATION]) == 1, "records written before versions count as version 1"
     assert annotation_patch(_record_of(2, 1), legacy, MemoryUnit.GIB, now_ns=4)[GPU_MEM_IDX] == "1"
+
+
+async def _bound_and_assigned(cluster, ledger: Ledger, kube, node, gpu: int):  # type: ignore[no-untyped-def]
+    """A 2 GiB pod on `gpu`: reserved, its Binding written with its annotations (as the binder writes it), bound
+    and assigned in the ledger; (its reservation, its metadata)."""
+    pod = await cluster.pod(gib=2)
+    res = await ledger.reserve(request_for(pod, node, gib=2, gpu=gpu))
+    annotations = binding_annotations(
+        res.allocation_id, node.name, list(res.parts), dict.fromkeys(node.gpus, 16 * GIB), MemoryUnit.GIB
+    )
+    meta = pod.metadata
+    await create_binding(kube, meta.namespace, meta.name, node.name, uid=meta.uid, annotations=annotations)
+    await ledger.mark_bound(res.allocation_id, meta.uid, node.name)
+    await ledger.mark_assigned(res.allocation_id, meta.uid, node.name, "main", [node.gpus[gpu]])
+    return res, meta
+
+
+async def test_the_assigned_flag_is_one_patch_when_the_pod_watch_shows_the_pod(
+    cluster, ledger: Ledger, kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binder's pod watch already shows the pod: the assigned flag is one conditional PATCH, without a GET
+    first. When the watch trails the pod (its resourceVersion is older), the patch conflicts and the pod is read,
+    compared and patched again; a pod whose watched annotations already tell the ledger's record is left alone."""
+    from services.binder import annotate
+    from services.binder.pod_index import binder_index
+    from shared.kube.pods import get_pod
+
+    node = await cluster.node(ledger)
+    index = binder_index()
+    index.synced()
+    allocations = []
+    for gpu in (0, 1):
+        res, meta = await _bound_and_assigned(cluster, ledger, kube, node, gpu)
+        index.update("ADDED", await get_pod(kube, meta.namespace, meta.name))
+        allocations.append((res.allocation_id, meta.name))
+    # the second pod changes after the watch saw it (kubelet reports its status, say)
+    await cluster.core.patch_namespaced_pod(allocations[1][1], cluster.namespace, {"metadata": {"labels": {"x": "y"}}})
+
+    gets: list[str] = []
+
+    async def counted_get(api, namespace: str, name: str, **kwargs):  # type: ignore[no-untyped-def]
+        gets.append(name)
+        return await get_pod(api, namespace, name, **kwargs)
+
+    monkeypatch.setattr(annotate, "get_pod", counted_get)
+    sync = AnnotationSync(ledger.engine, kube, unit=MemoryUnit.GIB, metrics=BinderMetrics(), pods=index)
+    assert await sync.sync(allocations[0][0]) == "patched" and gets == []
+    assert await sync.sync(allocations[1][0]) == "patched" and gets == [allocations[1][1]]
+    for _, name in allocations:
+        assert await _assigned(cluster, name)
+    index.update("MODIFIED", await get_pod(kube, cluster.namespace, allocations[0][1]))
+    assert await sync.sync(allocations[0][0]) == "up_to_date" and len(gets) == 1
+
+
+async def test_an_assigned_event_sets_the_flag_from_the_pod_watch_without_reading_the_ledger(
+    cluster, ledger: Ledger, kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `assigned` event says the allocation was assigned: when the binder's watch shows the pod (by its UID),
+    the flag is one conditional PATCH, with no ledger read and no GET; a second container's event then finds the
+    flag set. A pod the watch does not show is read from ledger and API server as before."""
+    from services.binder import annotate, reads
+    from services.binder.pod_index import binder_index
+    from shared.events.catalogue import AssignedEvent
+    from shared.kube.pods import get_pod
+
+    node = await cluster.node(ledger)
+    index = binder_index()
+    index.synced()
+    events = []
+    for gpu, watched in ((0, True), (1, False)):
+        res, meta = await _bound_and_assigned(cluster, ledger, kube, node, gpu)
+        if watched:
+            index.update("ADDED", await get_pod(kube, meta.namespace, meta.name))
+        events.append(
+            (
+                AssignedEvent(
+                    allocation_id=res.allocation_id,
+                    pod_uid=meta.uid,
+                    node=node.name,
+                    container="main",
+                    gpu_uuids=[node.gpus[gpu]],
+                ),
+                meta.name,
+            )
+        )
+    calls: list[str] = []
+
+    def counted(what, real):  # type: ignore[no-untyped-def]
+        async def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(what)
+            return await real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(annotate, "get_pod", counted("GET", get_pod))
+    monkeypatch.setattr(reads, "pod_record", counted("ledger", reads.pod_record))
+    metrics = BinderMetrics()
+    sync = AnnotationSync(ledger.engine, kube, unit=MemoryUnit.GIB, metrics=metrics, pods=index)
+    await sync(events[0][0])
+    assert calls == [] and await _assigned(cluster, events[0][1])
+    index.update("MODIFIED", await get_pod(kube, cluster.namespace, events[0][1]))
+    await sync(events[0][0])  # the pod's next container, say
+    assert calls == []
+    await sync(events[1][0])  # not watched: ledger and pod are read
+    assert calls == ["ledger", "GET"] and await _assigned(cluster, events[1][1])
+    assert metrics.value("gpushare_binder_annotation_syncs_total", reason="up_to_date") == 1

@@ -20,6 +20,21 @@ def test_answers_only_after_the_first_list_and_keeps_what_decide_reads() -> None
     index.synced()
     seen = index.get("ml", "a")
     assert seen is not None and "annotations" not in seen["metadata"] and "containers" not in seen["spec"]
+    # what the annotations' follower compares before its conditional patch: gpushare's annotations, the version
+    index.update(
+        "MODIFIED",
+        {
+            **pod("a", "u1"),
+            "metadata": {
+                **pod("a", "u1")["metadata"],
+                "resourceVersion": "9",
+                "annotations": {"big": "x", "ALIYUN_COM_GPU_MEM_ASSIGNED": "true"},
+            },
+        },
+    )
+    seen = index.get("ml", "a")
+    assert seen["metadata"]["annotations"] == {"ALIYUN_COM_GPU_MEM_ASSIGNED": "true"}
+    assert seen["metadata"]["resourceVersion"] == "9"
     assert decide(state="reserved", pod=seen, pod_uid="u1", node="n1").action is Action.BIND
     assert decide(state="reserved", pod=seen, pod_uid="other", node="n1").action is Action.FAIL
 
@@ -53,3 +68,14 @@ def test_a_relist_forgets_pods_deleted_while_the_watch_was_down() -> None:
     index.update("ADDED", pod("b", "u-b"))  # every relist lists every live pod again
     index.synced()
     assert index.get("ml", "c") is None and index.get("ml", "b") is not None and len(index) == 1
+
+
+def test_finds_a_pod_by_its_uid_and_never_a_same_named_replacement() -> None:
+    index = binder_index()
+    index.update("ADDED", pod("a", "u1"))
+    index.synced()
+    assert index.by_uid("u1")["metadata"]["name"] == "a"
+    index.update("ADDED", pod("a", "u2"))  # a same-named replacement: u1 is gone
+    assert index.by_uid("u1") is None and index.by_uid("u2")["metadata"]["uid"] == "u2"
+    index.update("DELETED", pod("a", "u2"))
+    assert index.by_uid("u2") is None and index.by_uid("nope") is None

@@ -2,7 +2,8 @@
 
 `GroupCommit` alone (pure asyncio), then `Ledger.reserve_many` on real PostgreSQL: the regular batch in one
 transaction with one staged event per pod, and the irregular ones (a GPU without room for everyone, a pod that
-already holds a reservation, a pod twice, a namespace quota) answered pod by pod.
+already holds a reservation, a pod twice, a namespace quota) answered pod by pod; `Ledger.mark_bound_many` and
+`Ledger.mark_assigned_many` against `apply_transition` from every state.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, QuotaEvent
+from shared.events.catalogue import AllocationPart, AssignedEvent, GpuInfo, InventoryEvent, QuotaEvent
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations, gpus, outbox
 from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, Reservation, ReservationRequest
+from shared.ledger.rules import AllocationState
 
 # ---- GroupCommit -------------------------------------------------------------------------------------------
 
@@ -226,39 +228,38 @@ async def _row(engine: AsyncEngine, allocation_id: uuid.UUID) -> tuple:
     return (row.state, row.bound_at is not None)
 
 
+async def _in_state(ledger: Ledger, state: str) -> Reservation:
+    """A 1 GiB reservation on GPU 0 moved to `state` through the ledger's own events."""
+    from shared.events.catalogue import BoundEvent, ReleasedEvent
+
+    r = await ledger.reserve(_request(1))
+    if state == "failed":
+        await ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "test")
+    elif state in ("bound", "assigned", "released"):
+        await ledger.record(BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
+        if state == "assigned":
+            await ledger.record(_assigned(r))
+        if state == "released":
+            await ledger.record(ReleasedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, reason="t"))
+    return r
+
+
+def _assigned(r: Reservation, node: str = NODE) -> AssignedEvent:
+    return AssignedEvent(
+        allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=node, container="main", gpu_uuids=["GPU-g0"]
+    )
+
+
 async def test_bound_in_a_batch_does_what_one_bound_event_does_from_every_state(engine: AsyncEngine) -> None:
     """For each state an allocation can be in, the batched statement and `apply_transition` (what replay runs)
     leave the same row and report the same change."""
-    from shared.events.catalogue import AssignedEvent, BoundEvent, ReleasedEvent
+    from shared.events.catalogue import BoundEvent
     from shared.ledger.ledger import apply_event
 
     ledger = await _ledger(engine, gpus_gib=(64,))
-
-    async def in_state(state: str) -> Reservation:
-        r = await ledger.reserve(_request(1))
-        if state == "failed":
-            await ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "test")
-        elif state in ("bound", "assigned", "released"):
-            await ledger.record(BoundEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE))
-            if state == "assigned":
-                await ledger.record(
-                    AssignedEvent(
-                        allocation_id=r.allocation_id,
-                        pod_uid=r.pod_uid,
-                        node=NODE,
-                        container="main",
-                        gpu_uuids=["GPU-g0"],
-                    )
-                )
-            if state == "released":
-                await ledger.record(
-                    ReleasedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, reason="t")
-                )
-        return r
-
     states = ["reserved", "bound", "assigned", "failed", "released"]
-    batched = [await in_state(s) for s in states]
-    single = [await in_state(s) for s in states]
+    batched = [await _in_state(ledger, s) for s in states]
+    single = [await _in_state(ledger, s) for s in states]
     changed = await ledger.mark_bound_many([(r.allocation_id, r.pod_uid, NODE) for r in batched])
     expected = []
     for r in single:
@@ -311,3 +312,83 @@ async def test_the_binders_grouped_reads_answer_each_reservation_with_its_own_fa
         BindFacts("failed", {"GPU-g1": 16 * 1024}),
         BindFacts(None, {}),
     ]
+
+
+# ---- Ledger.mark_assigned_many ------------------------------------------------------------------------------
+
+
+async def _assigned_row(engine: AsyncEngine, allocation_id: uuid.UUID) -> tuple:
+    from shared.ledger.models import allocation_parts
+
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                select(allocations.c.state, allocations.c.assigned_at).where(allocations.c.id == allocation_id)
+            )
+        ).one()
+        parts = (
+            await conn.execute(
+                select(allocation_parts.c.assigned_at).where(allocation_parts.c.allocation_id == allocation_id)
+            )
+        ).all()
+    return (row.state, row.assigned_at is not None, [p.assigned_at is not None for p in parts])
+
+
+async def test_assigned_in_a_batch_does_what_one_assigned_event_does_from_every_state(engine: AsyncEngine) -> None:
+    """For each state an allocation can be in, the batched statements leave the same row as `apply_transition`
+    (what replay runs) after the gateway's check: a live allocation on the event's node is assigned, anything
+    else is refused and left as it was."""
+    from shared.ledger.ledger import apply_event
+
+    ledger = await _ledger(engine, gpus_gib=(64,))
+    states = ["reserved", "bound", "assigned", "failed", "released"]
+    batched = [await _in_state(ledger, s) for s in states]
+    single = [await _in_state(ledger, s) for s in states]
+    answers = await ledger.mark_assigned_many([_assigned(r) for r in batched])
+    assert answers[:3] == [None, None, None]
+    assert answers[3] == f"allocation {batched[3].allocation_id} is failed on {NODE}"
+    assert answers[4] == f"allocation {batched[4].allocation_id} is released on {NODE}"
+    for r in single[:3]:  # what the gateway lets through to `apply_transition`
+        async with engine.begin() as conn:
+            await apply_event(conn, _assigned(r))
+    for b, s in zip(batched, single, strict=True):
+        assert await _assigned_row(engine, b.allocation_id) == await _assigned_row(engine, s.allocation_id)
+    # another node's agent, an allocation the ledger never had: refused, nothing written
+    other = await _in_state(ledger, "bound")
+    ghost = Reservation(uuid.uuid4(), "ghost", NODE, AllocationState.RESERVED, (), created=True)
+    answers = await ledger.mark_assigned_many([_assigned(other, node="elsewhere"), _assigned(ghost)])
+    assert answers == [
+        f"allocation {other.allocation_id} is bound on {NODE}",
+        f"the ledger has no allocation {ghost.allocation_id}",
+    ]
+    assert await _assigned_row(engine, other.allocation_id) == ("bound", False, [False])
+
+
+async def test_a_batch_of_assigned_commands_is_one_transaction_staging_each_event_once(engine: AsyncEngine) -> None:
+    """Every container of a pod and a second pod in one call: one commit, one staged event per command; the same
+    command sent again (an agent's retry after a lost reply) is applied once and staged once."""
+    from shared.events.catalogue import AssignedEvent
+
+    ledger = await _ledger(engine, gpus_gib=(64,))
+    commits = 0
+
+    def committed() -> None:
+        nonlocal commits
+        commits += 1
+
+    ledger.on_commit = committed
+    r1 = await ledger.reserve(_request(1))
+    r2 = await ledger.reserve(_request(2))
+    async with engine.begin() as conn:
+        await conn.execute(outbox.delete())
+    commits = 0
+    events = [
+        AssignedEvent(allocation_id=r.allocation_id, pod_uid=r.pod_uid, node=NODE, container="main", gpu_uuids=["x"])
+        for r in (r1, r2)
+    ]
+    assert await ledger.mark_assigned_many([events[0], events[1], events[0]]) == [None, None, None]
+    assert commits == 1 and await _staged(engine) == 2
+    assert await ledger.mark_assigned_many([events[1]]) == [None]  # sent again while the outbox holds it
+    assert await _staged(engine) == 2
+    for r in (r1, r2):
+        assert await _assigned_row(engine, r.allocation_id) == ("assigned", True, [True])

@@ -133,10 +133,12 @@ async def wait_ready(agent: NodeAgent, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def gateway(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Ledger, OutboxRelay]]:
-    """The binder's ledger gateway (the agents' only way to the ledger), with an outbox relay; yields the
-    (ledger, relay) that the gateway and the test share."""
+@contextlib.asynccontextmanager
+async def running_gateway(
+    engine: AsyncEngine, bus: EventBus
+) -> AsyncIterator[tuple[Ledger, OutboxRelay, LedgerGateway]]:
+    """The binder's ledger gateway (the agents' only way to the ledger) answering over NATS, with an outbox relay;
+    yields the ledger and relay the gateway and the test share, and the gateway."""
     stop = asyncio.Event()
     relay = OutboxRelay(engine, bus, poll_s=0.2)
     ledger = Ledger(engine, prefix=bus.names.prefix, source="binder", on_commit=relay.kick)
@@ -144,7 +146,7 @@ async def gateway(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Led
     tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(gw.run(stop))]
     await asyncio.wait_for(gw.ready.wait(), 10)
     try:
-        yield ledger, relay
+        yield ledger, relay, gw
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(relay.flush(), 5)
@@ -154,6 +156,13 @@ async def gateway(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Led
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+
+@pytest.fixture
+async def gateway(engine: AsyncEngine, bus: EventBus) -> AsyncIterator[tuple[Ledger, OutboxRelay]]:
+    """`running_gateway`: yields the (ledger, relay) that the gateway and the test share."""
+    async with running_gateway(engine, bus) as (ledger, relay, _):
+        yield ledger, relay
 
 
 @pytest.fixture

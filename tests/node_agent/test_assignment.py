@@ -3,6 +3,7 @@ multi-GPU pods, refusals, restarted containers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -57,6 +58,26 @@ async def test_in_order_admission_needs_no_exchange(harness: Harness) -> None:
         await harness.bus.js.get_last_msg(harness.bus.names.stream, f"{harness.bus.names.prefix}.exchanged.>")
 
 
+async def test_pods_admitted_in_reverse_order_on_the_same_shares_need_no_exchange(harness: Harness) -> None:
+    """Two pods of the same size reserved on the same GPU are interchangeable: kubelet admitting them in reverse
+    order changes nothing the ledger says, so the decisions follow kubelet and no exchange is written (before: an
+    exchange per such pair, a ledger transaction and both pods' annotations rewritten for nothing)."""
+    first, first_id = await harness.reserve("same-first", [("main", [(2, 3)])])
+    second, second_id = await harness.reserve("same-second", [("main", [(2, 3)])])
+    k = harness.kubelet
+    env_second = (await k.admit(second))["main"]  # handed the devices the agent meant for same-first
+    env_first = (await k.admit(first))["main"]
+    for alloc in (first_id, second_id):
+        state, gpus, assigned = await harness.ledger_gpus(alloc, "main")
+        assert (state, gpus, assigned) == ("assigned", [harness.gpu(2)], True)
+    assert env_first == env_second and env_first["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(2)
+    await harness.relay.flush()
+    with pytest.raises(Exception):  # noqa: B017 - nats raises NotFoundError: no exchange happened
+        await harness.bus.js.get_last_msg(harness.bus.names.stream, f"{harness.bus.names.prefix}.exchanged.>")
+    assigned = await _last_event(harness, "assigned")
+    assert assigned["allocation_id"] == str(first_id)
+
+
 async def test_multi_container_pod(harness: Harness) -> None:
     pod, alloc = await harness.reserve("multi", [("web", [(0, 2)]), ("worker", [(2, 10)]), ("side", [(0, 2)])])
     envs = await harness.kubelet.admit(pod)
@@ -72,6 +93,25 @@ async def test_multi_container_pod(harness: Harness) -> None:
     for c in ("web", "worker", "side"):
         state, _, assigned = await harness.ledger_gpus(alloc, c)
         assert assigned and state == "assigned"
+
+
+async def test_a_pods_containers_are_confirmed_together_at_its_first_prestart(harness: Harness) -> None:
+    """kubelet allocates all of a pod's containers at admission, then starts them one after the other: the first
+    PreStart confirms every container kubelet lists with the devices Allocate decided for it, in one request to
+    the gateway (one ledger transaction); the later PreStarts find them confirmed and ask the ledger nothing."""
+    pod, alloc = await harness.reserve("together", [("web", [(0, 2)]), ("worker", [(2, 10)]), ("side", [(1, 2)])])
+    k, commands = harness.kubelet, harness.agent.assigner._commands
+    envs = await k.admit(pod, start=False)
+    before = commands.batches
+    await k.restart_container(pod, "web")  # kubelet starts the first container
+    assert commands.batches == before + 1
+    for c, gpu in (("web", 0), ("worker", 2), ("side", 1)):
+        state, gpus, assigned = await harness.ledger_gpus(alloc, c)
+        assert (state, gpus, assigned) == ("assigned", [harness.gpu(gpu)], True)
+        assert envs[c]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(gpu)
+    await k.restart_container(pod, "worker")
+    await k.restart_container(pod, "side")
+    assert commands.batches == before + 1  # nothing more to record
 
 
 async def test_init_container_sidecar_and_app_get_their_gpu_with_kubelets_device_reuse(harness: Harness) -> None:
@@ -215,6 +255,24 @@ async def test_interleaved_admissions_prestart_after_both_allocates(harness: Har
     assert gpus1 != gpus2
 
 
+async def test_concurrent_prestarts_of_pods_admitted_in_reverse_order_exchange_once(harness: Harness) -> None:
+    """kubelet starts each admitted pod in a worker of its own (`podWorkers`), so the PreStartContainer calls of
+    two pods admitted against the agent's prediction arrive together. Each finds the other pod holding its device
+    set; one exchange corrects both. Before: both exchanged, the second swapping the shares back, and each
+    container's environment named the other pod's GPU in the ledger."""
+    first, first_id = await harness.reserve("c-first", [("main", [(0, 5)])])
+    second, second_id = await harness.reserve("c-second", [("main", [(1, 5)])])
+    k = harness.kubelet
+    env_second = (await k.admit(second, start=False))["main"]  # handed GPU 0, the older pod's reservation
+    env_first = (await k.admit(first, start=False))["main"]
+    await asyncio.gather(k.start_pod(second), k.start_pod(first))
+    _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert assigned1 and assigned2
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(0)
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0] == harness.gpu(1)
+
+
 async def test_agent_restart_between_allocate_and_prestart_still_exact(harness: Harness) -> None:
     """The agent forgets its Allocate decision; PreStart recovers who got what from pod-resources + ledger."""
     first, first_id = await harness.reserve("r-first", [("main", [(0, 6)])])
@@ -298,3 +356,35 @@ async def test_admission_right_after_the_reservation_reloads_a_lagging_view(
         await holder.close()
     _, gpus, assigned = await harness.ledger_gpus(alloc_id, "main")
     assert assigned and gpus == [harness.gpu(1)] and env["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(1)
+
+
+async def test_a_pod_admitted_before_its_reservation_reached_the_agent_never_takes_an_allocated_container(
+    harness: Harness, database_url: str
+) -> None:
+    """kubelet allocated one pod and admits a second whose `reserved` event has not reached the agent (held in the
+    outbox). The first pod's container holds a device set that was not started yet; the agent must read the
+    ledger rather than hand that container a second set (the fallback for device sets kubelet dropped). Before:
+    both sets were decided for the first pod's container, the second pod's PreStart then exchanged it, and the
+    first pod's environment named a GPU the ledger gave the second."""
+    import asyncpg
+
+    from shared.ledger.outbox import RELAY_LOCK_KEY
+
+    first, first_id = await harness.reserve("held-first", [("main", [(0, 3)])])
+    k = harness.kubelet
+    env_first = (await k.admit(first, start=False))["main"]
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", RELAY_LOCK_KEY)  # no relay publishes from here on
+        second, second_id = await harness.reserve("held-second", [("main", [(1, 3)])], wait_for_view=False)
+        env_second = (await k.admit(second, start=False))["main"]
+    finally:
+        await holder.execute("SELECT pg_advisory_unlock($1)", RELAY_LOCK_KEY)
+        await holder.close()
+    await k.start_pod(second)
+    await k.start_pod(first)
+    _, gpus1, assigned1 = await harness.ledger_gpus(first_id, "main")
+    _, gpus2, assigned2 = await harness.ledger_gpus(second_id, "main")
+    assert assigned1 and assigned2
+    assert env_first["NVIDIA_VISIBLE_DEVICES"] == gpus1[0] == harness.gpu(0)
+    assert env_second["NVIDIA_VISIBLE_DEVICES"] == gpus2[0] == harness.gpu(1)

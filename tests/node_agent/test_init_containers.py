@@ -129,3 +129,57 @@ async def test_agent_restart_between_allocate_and_an_init_containers_prestart(ha
     for container in ("setup", "main"):
         assert envs[container]["NVIDIA_VISIBLE_DEVICES"] == harness.gpu(0)
         assert await harness.ledger_gpus(alloc, container) == ("assigned", [harness.gpu(0)], True)
+
+
+@pytest.mark.parametrize("release", [CURRENT, COMPAT], ids=lambda r: r.version)
+async def test_get_answers_one_pod_as_list_shows_it(harness: Harness, release: Release) -> None:
+    """pod-resources `Get` (kubelet 1.34+): the one pod, its containers as `List` shows them; an unknown pod is an
+    error naming it. 1.20 has no `Get`: an unknown method."""
+    import grpc
+
+    k = harness.kubelet
+    k.release = release
+    pod, _ = await harness.reserve("one", [("main", [(0, 3)])])
+    await k.admit(with_plain_container(pod, "log"))
+    client = podresources.PodResourcesClient(str(k.pod_resources_socket))
+    stub = client._lister()
+    request = podresources.pr_pb2.GetPodResourcesRequest(pod_name="one", pod_namespace="default")
+    try:
+        if release.minor < 34:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Get(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert await client.pod("default", "one", MEM) is None and not client.get_available
+            return
+        reply = await stub.Get(request, timeout=5)
+        assert (reply.pod_resources.namespace, reply.pod_resources.name) == ("default", "one")
+        got = {c.name: {d for dev in c.devices for d in dev.device_ids} for c in reply.pod_resources.containers}
+        assert got == (await listed(harness))[("default", "one")]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Get(podresources.pr_pb2.GetPodResourcesRequest(pod_name="nope", pod_namespace="x"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNKNOWN
+        assert err.value.details() == "pod nope in namespace x not found"
+        assert await client.pod("x", "nope", MEM) is None and client.get_available
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("release", [CURRENT, COMPAT], ids=lambda r: r.version)
+async def test_prestart_reads_kubelets_answer_for_its_own_pod(harness: Harness, release: Release) -> None:
+    """PreStart of a container that received what Allocate decided asks kubelet about its own pod (`Get`), not
+    about every pod of the node (`List`, read and parsed per PreStart: its cost grew with the node's pods); kubelet
+    1.20 has no `Get` and is listed, and the agent asks it `Get` no more."""
+    k = harness.kubelet
+    k.release = release
+    for name in ("other-1", "other-2"):
+        other, _ = await harness.reserve(name, [("main", [(1, 2)])])
+        await k.admit(other)
+    pod, alloc = await harness.reserve("own", [("main", [(0, 3)])])
+    await k.admit(pod, start=False)
+    k.pod_resources_calls.clear()
+    await k.start_pod(pod)
+    assert await harness.ledger_gpus(alloc, "main") == ("assigned", [harness.gpu(0)], True)
+    if release.minor >= 34:
+        assert k.pod_resources_calls == {"Get": 1}
+    else:
+        assert k.pod_resources_calls.get("List") == 1 and not harness.agent.assigner.pod_resources.get_available
