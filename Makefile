@@ -22,13 +22,20 @@ $(STAMP): pyproject.toml constraints.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
+# kubelet's gRPC modules follow their .proto files: a pulled change to one is compiled before the next run, test
+# or bench, not only when the dependencies change (the bench once ran a node agent calling a method its stale
+# modules did not have).
+PROTO_OUT := $(patsubst %.proto,%_pb2.py,$(wildcard shared/kubelet_api/*.proto))
+$(PROTO_OUT): %_pb2.py: %.proto | $(STAMP)
+	@$(PY) -m shared.kubelet_api
+
 # After upgrading packages in .venv and a green `make test`: pin what is installed now.
 constraints:
 	@{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --all --exclude-editable | grep -v -i '^pip==\|^#' \
 	  | LC_ALL=C sort -f; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 # The main job: the whole stack locally (control plane, Postgres, NATS, the four services, a demo).
-run: $(STAMP)
+run: $(STAMP) $(PROTO_OUT)
 	$(PY) -m services.cli up $(ARGS)
 
 # Lint (ruff's checks, then its formatting: both fail the target), then the whole test suite against real
@@ -37,15 +44,15 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Lint, formatting and types ([tool.mypy] in pyproject.toml): each fails the target.
-lint: $(STAMP)
+lint: $(STAMP) $(PROTO_OUT)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-bench: $(STAMP)
+bench: $(STAMP) $(PROTO_OUT)
 	$(PY) -m bench $(ARGS)
 
-soak: $(STAMP)
+soak: $(STAMP) $(PROTO_OUT)
 	GPUSHARE_SOAK=1 $(PY) -m pytest tests/reliability tests/security -q -rxX --durations=15 $(PYTEST_ARGS)
 
 clean:
