@@ -73,6 +73,18 @@ def available(path: str | None) -> str:
     return ""
 
 
+def extender_config(port: int) -> ExtenderConfig:
+    """kube-scheduler's entry for the peer as its repository configures it (config/scheduler-policy-config.json):
+    filter and bind only, managing aliyun.com/gpu-mem, which kube-scheduler counts too (ignoredByScheduler false)."""
+    return ExtenderConfig(
+        url_prefix=f"http://127.0.0.1:{port}/gpushare-scheduler",
+        prioritize_verb=None,
+        preempt_verb=None,
+        managed_resources=("aliyun.com/gpu-mem",),
+        ignored_by_scheduler=(),
+    )
+
+
 async def start(stack: Any, binary: str, work_dir: Path, *, scheduler_qps: int) -> PeerProcesses:
     """The peer's extender (its port in `PORT`, the stack's admin kubeconfig in `KUBECONFIG`), then its
     kube-scheduler; both ready. `scheduler_qps`: the peer's kube-scheduler's own client (as gpushare's)."""
@@ -85,13 +97,7 @@ async def start(stack: Any, binary: str, work_dir: Path, *, scheduler_qps: int) 
     extender = await asyncio.to_thread(_spawn, [binary], ext_log, work_dir, env)
     await _until(lambda: http_ok(f"http://127.0.0.1:{port}/version"), extender, ext_log, "its /version")
     control_plane = stack.control_plane
-    ext = ExtenderConfig(
-        url_prefix=f"http://127.0.0.1:{port}/gpushare-scheduler",
-        prioritize_verb=None,
-        preempt_verb=None,
-        managed_resources=("aliyun.com/gpu-mem",),
-        ignored_by_scheduler=False,
-    )
+    ext = extender_config(port)
     secure = free_port()
     config = scheduler_config(
         control_plane.kubeconfig_path,
