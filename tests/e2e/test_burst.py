@@ -1,6 +1,7 @@
 """A burst on the real control plane: 300 pods of 1 and 2 GiB over 4 nodes x 8 GPUs, a kubelet stand-in per
 node that admits pods in kubelet's order (creation time, then arrival) and calls GetPreferredAllocation,
-Allocate and PreStartContainer. For every pod, the container's environment, the ledger, both annotations
+Allocate and PreStartContainer, starting each admitted pod in a task of its own as kubelet's pod workers do.
+For every pod, the container's environment, the ledger, both annotations
 (`ALIYUN_COM_GPU_MEM_IDX` and `gpushare.io/allocation`) and `gpushare inspect` name the same GPU.
 
 Where kubelet admits another pod than the agent expected, the PreStart exchange corrects the ledger and the
@@ -28,7 +29,19 @@ PODS = 300
 IN_FLIGHT = 16
 
 
-async def test_every_record_names_the_gpu_the_container_got(stack, api, namespace) -> None:
+@pytest.fixture
+def pod_workers(stack):  # type: ignore[no-untyped-def]
+    """The kubelet stand-ins start admitted pods concurrently, as kubelet's pod workers do (admission stays serial,
+    `Kubelet.HandlePodAdditions`; each pod's containers start in its own worker, `podWorkers.UpdatePod`, in
+    pkg/kubelet of k8s.io/kubernetes v1.37.2), so PreStarts of different pods reach the node agent together."""
+    for kubelet in stack.kubelets.values():
+        kubelet.concurrent_start = True
+    yield
+    for kubelet in stack.kubelets.values():
+        kubelet.concurrent_start = False
+
+
+async def test_every_record_names_the_gpu_the_container_got(stack, api, namespace, pod_workers) -> None:
     names = [f"burst-{i:03d}" for i in range(PODS)]
     gate = asyncio.Semaphore(IN_FLIGHT)
 
