@@ -163,9 +163,15 @@ async def test_one_of_two_leads_and_a_clean_stop_hands_over_within_a_retry_perio
         stopped = time.monotonic()
         assert leader.changes == ["acquired", "released"] and not leader.duties_running
         assert (await _lease(kube, name)).spec.holder_identity in (None, "", standby.elector.identity)
-        await eventually(lambda: standby.elector.is_leader, what="the standby to lead", within=10, interval=0.05)
+        # the elector leads once its write of the lease returns; it starts the duties on its next turn of the loop
+        await eventually(
+            lambda: standby.elector.is_leader and standby.duties_running,
+            what="the standby to lead and run its duties",
+            within=10,
+            interval=0.05,
+        )
         handover = time.monotonic() - stopped
-        assert standby.duties_running and standby.changes == ["acquired"]  # a released lease: no failover
+        assert standby.changes == ["acquired"]  # a released lease: no failover
         assert handover < FAST.lease_duration_s, f"took {handover:.1f}s: the lease was waited out, not released"
         assert (await _lease(kube, name)).spec.lease_transitions == 1
     finally:
@@ -191,7 +197,8 @@ async def test_a_leader_cut_off_stands_down_before_the_standby_takes_over(
         took_over = time.monotonic()
         assert a.duties_stopped_at is not None and a.duties_stopped_at < took_over
         assert a.changes[-1] == "lost" and b.changes[-1] == "took_over", (a.changes, b.changes)
-        assert not a.elector.is_leader and b.duties_running
+        assert not a.elector.is_leader
+        await eventually(lambda: b.duties_running, what="b's duties to start", within=5)
         await a.elector.api.close()
         a.elector.api = kube
     finally:
