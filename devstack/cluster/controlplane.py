@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from devstack.embedded import free_port
 from shared.annotations import RESOURCES
 
 from .binaries import ControlPlaneUnavailable, Paths, Progress, ensure_binaries, stderr_progress
@@ -160,17 +160,9 @@ def scheduler_config(
 
 
 def free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct currently-free TCP ports on 127.0.0.1."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` TCP ports free on 127.0.0.1 now, none handed out before by this process (`devstack.embedded.free_port`:
+    two calls may otherwise get the same port from the kernel, and the second server cannot listen)."""
+    return [free_port() for _ in range(n)]
 
 
 @dataclass

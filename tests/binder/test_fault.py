@@ -149,7 +149,16 @@ async def test_api_server_outage_loses_nothing(cluster, ledger, engine, start_bi
 
     await state_becomes(engine, res, "bound", within=60)
     assert (await cluster.read(pod.metadata.name)).spec.node_name == node.name
-    # the pod watch reconnected too: a deletion after the outage is seen
+    # the pod watch reconnects too (on its own backoff, which may trail the bind): once it shows the bound pod, a
+    # deletion is seen (a relist does not report pods deleted while it was away; reconciliation would, later)
+    await eventually(
+        lambda: (
+            (seen := binder.pods.get(pod.metadata.namespace, pod.metadata.name)) is not None
+            and seen["spec"]["nodeName"] == node.name
+        ),
+        what="the pod watch back, showing the bound pod",
+        within=30,
+    )
     await cluster.delete_pod(pod.metadata.name, grace=0)
     row = await state_becomes(engine, res, "released", within=30)
     assert row.reason == "pod deleted"

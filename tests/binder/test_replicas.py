@@ -41,7 +41,9 @@ class Replica:
 
     def start(self) -> Replica:
         cmd = [sys.executable, "-m", "services.cli", "binder", "--port", str(self.port), "--concurrency", "2"]
-        cmd += ["--reserve-grace", "2", "--reconcile-interval", "1", "--lease-identity", self.name]
+        # one reconciliation each term begins with is all this test needs: a periodic pass could release a deleted
+        # pod before the leader's pod watch does, and the watch's release (its count, its nudge) would find nothing
+        cmd += ["--reserve-grace", "2", "--reconcile-interval", "30", "--lease-identity", self.name]
         cmd += ["--lease-name", self.lease, "--lease-namespace", "default", *LEASE]
         with self.log.open("ab") as fh:
             self.proc = subprocess.Popen(
@@ -100,10 +102,11 @@ async def test_only_the_lease_holder_watches_and_reconciles_and_the_other_takes_
     try:
         for r in replicas:
             await eventually(r.ready, what=f"{r.name} ready", within=60)
-        roles = {r.name: (await r.health()).get("role") for r in replicas}
-        assert sorted(roles.values()) == ["leader", "standby"], roles
+        # a replica that does not lead is ready before its first election round: the lease is written a moment later
+        roles = await eventually(lambda: _roles(replicas), what="one leader and one standby", within=30)
         leader = next(r for r in replicas if roles[r.name] == "leader")
         standby = next(r for r in replicas if r is not leader)
+        await eventually(leader.ready, what=f"{leader.name} ready as the leader", within=60)
         # the standby names the holder once it has read the lease the leader created (its next retry period: when it
         # first looked, under load, the lease may not have existed yet)
         health = await eventually(
@@ -157,6 +160,11 @@ async def test_only_the_lease_holder_watches_and_reconciles_and_the_other_takes_
     async with engine.connect() as conn:
         left = (await conn.execute(select(func.count()).where(allocations.c.state == "reserved"))).scalar()
     assert left == 0
+
+
+async def _roles(replicas: list[Replica]) -> dict[str, str] | None:
+    roles = {r.name: str((await r.health()).get("role")) for r in replicas}
+    return roles if sorted(roles.values()) == ["leader", "standby"] else None
 
 
 async def _names_holder(replica: Replica, holder: str) -> dict | None:  # type: ignore[type-arg]

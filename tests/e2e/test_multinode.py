@@ -153,7 +153,11 @@ async def test_a_node_whose_agent_is_away_is_not_chosen_until_it_registers_again
         pinned["spec"]["nodeSelector"] = {"kubernetes.io/hostname": away}
         await h.create_pod(api, namespace, pinned)
         assert await h.stays_pending(api, namespace, "while-away", 3)
-        assert "Insufficient aliyun.com/gpu-mem" in await h.scheduled_condition(api, namespace, "while-away")
+
+        async def refused_for_memory() -> bool:  # kube-scheduler writes its verdict after its attempt
+            return "Insufficient aliyun.com/gpu-mem" in await h.scheduled_condition(api, namespace, "while-away")
+
+        await eventually(refused_for_memory, what="kube-scheduler's verdict: Insufficient gpu-mem", within=30)
     finally:
         await asyncio.to_thread(agent.start)
     await eventually(lambda: _equals(allocatable(away), full), what="the node's gpu-mem back", within=60)

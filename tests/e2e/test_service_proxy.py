@@ -58,7 +58,8 @@ async def _who(url: str) -> str:
 
 async def test_connections_spread_over_ready_replicas_and_leave_one_that_died() -> None:
     a, b = await Replica("a").start(), await Replica("b").start()
-    proxy = await ServiceProxy("svc", [a.endpoint(), b.endpoint()], probe_period_s=0.2, rng=random.Random(1)).start()
+    # the probe's timeout is its period: 1 s leaves room for replicas sharing this test's event loop on a busy machine
+    proxy = await ServiceProxy("svc", [a.endpoint(), b.endpoint()], probe_period_s=1.0, rng=random.Random(1)).start()
     url = f"http://{proxy.address}"
     try:
         seen = [await _who(url) for _ in range(40)]
@@ -68,11 +69,11 @@ async def test_connections_spread_over_ready_replicas_and_leave_one_that_died() 
             first = (await kept.get(url + "/who")).json()["name"]
             assert {(await kept.get(url + "/who")).json()["name"] for _ in range(10)} == {first}
 
-        b.ready = False  # not Ready: no new connections
-        await asyncio.sleep(0.5)
+        b.ready = False  # not Ready: no new connections, once a probe has seen it
+        await eventually(lambda: not proxy.endpoints[1].ready, what="the proxy to take b out", within=10)
         assert {await _who(url) for _ in range(10)} == {"a"}
         b.ready = True
-        await asyncio.sleep(0.5)
+        await eventually(lambda: proxy.endpoints[1].ready, what="the proxy to take b back", within=10)
 
         await a.stop()  # the process is gone: at most one connection fails, then it is no endpoint
         failures = 0

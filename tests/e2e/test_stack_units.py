@@ -192,6 +192,9 @@ class _ScriptedSocket:
     def getsockname(self) -> tuple[str, int]:
         return ("127.0.0.1", self.port)
 
+    def close(self) -> None:
+        return None
+
 
 def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.MonkeyPatch) -> None:
     """CI once read `gpushare up` list the extender and accounting on one port: both picks bound port 0 and let
@@ -205,6 +208,20 @@ def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.Monk
     first, second = embedded.free_port(), port_or_free(0)
     assert first == 40423 and second == 40425
     assert port_or_free(40425) == 40427  # a preferred port this process already gave out is not given again
+
+
+def test_ports_for_servers_started_one_by_one_are_never_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test tiers start binders, extenders and control planes with a port each, one call at a time
+    (`free_ports(1)`): each call used to bind port 0 and let it go, so two replicas could get one port and the second
+    could not listen. They share the stack's record of the ports handed out."""
+    import devstack.embedded as embedded
+    from devstack.cluster.controlplane import free_ports
+
+    monkeypatch.setattr(embedded, "_HANDED_OUT", set())
+    monkeypatch.setattr(embedded.socket, "socket", _ScriptedSocket)
+    _ScriptedSocket.script = [41001, 41001, 41003, 41005, 41003, 41007]
+    assert free_ports(1) == [41001] and free_ports(1) == [41003]
+    assert free_ports(2) == [41005, 41007]
 
 
 def test_gpushare_up_keeps_json_logs_in_its_log_file_and_plain_lines_on_the_terminal(

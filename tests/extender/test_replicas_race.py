@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devstack.embedded import free_port
 from shared.events.bus import EventBus
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocation_parts, allocations, gpus
@@ -30,12 +30,6 @@ def tail(log: Path) -> str:
 
 def start_extender(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:

@@ -16,6 +16,9 @@ from shared.events.consumer import DurableConsumer
 
 log = logging.getLogger(__name__)
 
+# wide enough that a busy machine's stalls of the test's event loop (up to ACK_WAIT_S - heartbeat) do not redeliver
+ACK_WAIT_S = 3.0
+
 
 async def _until(predicate, within: float = 15.0) -> None:  # type: ignore[no-untyped-def]
     deadline = asyncio.get_running_loop().time() + within
@@ -29,9 +32,9 @@ async def _slow_consumer(bus: EventBus, durable: str, **kw) -> tuple[DurableCons
 
     async def handler(event) -> None:  # type: ignore[no-untyped-def]
         calls.append(event.namespace)
-        await asyncio.sleep(2.5)  # longer than the ack wait
+        await asyncio.sleep(ACK_WAIT_S + 1.0)  # longer than the ack wait
 
-    return DurableConsumer(bus, durable, handler, kinds=["quota"], ack_wait_s=1.0, concurrency=4, **kw), calls
+    return DurableConsumer(bus, durable, handler, kinds=["quota"], ack_wait_s=ACK_WAIT_S, concurrency=4, **kw), calls
 
 
 async def _consume_one(bus: EventBus, consumer: DurableConsumer) -> None:
@@ -39,7 +42,7 @@ async def _consume_one(bus: EventBus, consumer: DurableConsumer) -> None:
     task = asyncio.create_task(consumer.run(stop))
     await bus.publish(QuotaEvent(namespace="slow", memory_mib=1))
     await _until(lambda: consumer.applied >= 1)
-    await asyncio.sleep(1.5)  # a second delivery, if one comes, arrives within an ack wait
+    await asyncio.sleep(ACK_WAIT_S + 0.5)  # a second delivery, if one comes, arrives within an ack wait
     stop.set()
     await task
 

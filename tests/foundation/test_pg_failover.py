@@ -202,6 +202,11 @@ async def _commit_reaches_the_standby_then_the_primary_dies(pair: PostgresPair, 
         await _wait_sync_rep(pair.primary.url())
         primary = await _admin(pair.primary.url())
         commit_lsn = await primary.fetchval("SELECT pg_current_wal_flush_lsn()::text")
+        for _ in range(300):  # the walsender (its own process) sends the commit record a moment after the flush
+            sent = "SELECT coalesce(bool_or(sent_lsn >= $1::text::pg_lsn), false) FROM pg_stat_replication"
+            if await primary.fetchval(sent, commit_lsn):
+                break
+            await asyncio.sleep(0.02)
         await primary.close()
         pair.kill9_primary()
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devstack.cluster.kubelet import KubeletStandIn
+from devstack.embedded import free_port
 from services.node_agent.agent import RESOURCES
 from shared.events.bus import BusNames
 from shared.ledger.models import gpus
@@ -41,12 +41,6 @@ def test_exits_clearly_without_nvml_or_fake_gpus() -> None:
     assert done.returncode != 0 and "--fake-gpus" in done.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_agent_process_registers_and_serves_metrics(
     engine: AsyncEngine, gateway: object, nats_url: str, bus_names: BusNames
 ) -> None:
@@ -54,7 +48,7 @@ async def test_agent_process_registers_and_serves_metrics(
     root = Path(tempfile.mkdtemp(prefix="na-cli-", dir="/tmp"))
     kubelet = KubeletStandIn(root / "dp", root / "pr.sock")
     await kubelet.start()
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "node-agent",
         "--node", "cli-node", "--fake-gpus", "1x24GiB:NVIDIA-L4",

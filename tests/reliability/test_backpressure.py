@@ -24,7 +24,7 @@ from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
 from tests.reliability.harness import check_invariants, ledger_rebuild
 from tests.reliability.profile import PROFILE
-from tests.reliability.test_crash import _record, consumer_backlog
+from tests.reliability.test_crash import _record, consumer_backlog, drained_backlog
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ async def test_paused_binder_backlog_flat_memory_and_catch_up(crash_stack) -> No
             await asyncio.sleep(2)
         caught_up_s = time.monotonic() - started - paused_s
         await wait_for_quiet(engine, timeout_s=60)
-        after = await consumer_backlog(stack.nats_url, stream, "binder")
+        after = await drained_backlog(stack.nats_url, stream, "binder")
     finally:
         await engine.dispose()
     rebuild = await ledger_rebuild(stack, stream)

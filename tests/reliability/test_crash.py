@@ -165,6 +165,17 @@ async def consumer_backlog(nats_url: str, stream: str, durable: str) -> tuple[in
         await nc.close()
 
 
+async def drained_backlog(nats_url: str, stream: str, durable: str, within_s: float = 30) -> tuple[int, int]:
+    """The consumer's backlog once it is (0, 0), or as it stands after `within_s`: a handler acks after its ledger
+    commit, so the last message may still be unacknowledged a moment after the ledger shows its work done."""
+    deadline = time.monotonic() + within_s
+    while True:
+        backlog = await consumer_backlog(nats_url, stream, durable)
+        if backlog == (0, 0) or time.monotonic() > deadline:
+            return backlog
+        await asyncio.sleep(0.2)
+
+
 async def accounting_caught_up(stack, ledger_allocated_mib: int, timeout_s: float = 60) -> dict:  # type: ignore[no-untyped-def]
     """Wait until accounting's consumer has no backlog and /v1/cluster's allocated MiB equals the ledger's;
     returns the last figures seen (the caller asserts)."""

@@ -32,7 +32,7 @@ from shared.ledger.replay import wait_for_quiet
 from tests.reliability.harness import check_invariants, ledger_rebuild
 from tests.reliability.profile import PROFILE
 from tests.reliability.test_backpressure import error_lines, rss_kib
-from tests.reliability.test_crash import _record, consumer_backlog
+from tests.reliability.test_crash import _record, drained_backlog
 from tests.reliability.throttle_proxy import Pressure, ThrottleProxy
 
 pytestmark = pytest.mark.e2e
@@ -182,7 +182,7 @@ async def test_slow_throttling_apiserver_bounded_binder_and_catch_up(crash_stack
             clock = time.monotonic()
             await wait_for_quiet(engine, timeout_s=60)
             phases["quiet_s"] = time.monotonic() - clock
-            after = await consumer_backlog(stack.nats_url, stream, "binder")
+            after = await drained_backlog(stack.nats_url, stream, "binder")
         finally:
             await engine.dispose()
         async with httpx.AsyncClient(timeout=5) as http:
