@@ -22,6 +22,7 @@ from kubernetes_asyncio import client
 
 from shared.annotations import GPU_MEM_IDX
 from tests.e2e import helpers as h
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -88,8 +89,12 @@ async def test_a_pod_that_kubelets_reuse_keeps_on_one_gpu_waits_for_one_with_roo
     await h.wait_bound(api, namespace, ["filler-0", "filler-1"])
     await h.create_pod(api, namespace, with_init(h.gpu_pod("wide", [6, 6]), "setup", 8))
     assert await h.stays_pending(api, namespace, "wide", 6.0)
-    view = await h.wait_pending_reason(stack, namespace, "wide")
-    reason = view["pending"]["reasons"][node]
+
+    async def extenders_reason() -> str | None:  # the extender's refusal reaches accounting apart from the pod watch
+        view = await h.accounting_pod(stack, namespace, "wide")
+        return (((view or {}).get("pending") or {}).get("reasons") or {}).get(node)
+
+    reason = await eventually(extenders_reason, what="accounting to show the extender's reason for wide", within=30)
     assert "kubelet hands the GPU memory devices of init container setup on to container c0, container c1" in reason
     assert "must share a GPU" in reason, reason
     assert "wide" not in await h.ledger_allocations(stack.database_url, namespace)
