@@ -157,7 +157,10 @@ async def test_a_pod_found_not_to_fit_while_another_waits_at_the_gate_binds_soon
     )
     await w.wait_claim_allocated(api, namespace, "a")
     await w.create(api, namespace, w.pod("b", [("main", "main")], template_name="gpu-10"))
-    await helpers.wait_bound(api, namespace, ["a", "b"], timeout_s=40)
+    await helpers.wait_bound(api, namespace, ["a", "b"], timeout_s=40)  # fails after 40 s, long before the flush
+    held = await w.claim_allocations(stack.database_url, namespace)
+    assert {name: row["memory_mib"] for name, row in held.items()} == {"a": 4096, "b": 10240}, held
+    assert await w.ledger_exact(stack.database_url) == []
 
 
 async def test_a_namespace_quota_refuses_at_the_gate_and_the_pod_binds_once_raised(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
