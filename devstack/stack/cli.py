@@ -14,6 +14,7 @@ from pathlib import Path
 from devstack.cluster.releases import CURRENT_VERSION, VERSION_ENV
 from devstack.stack import spec
 from devstack.stack.stack import MODE_SIMULATOR, Stack, StackConfig
+from devstack.stack.terminal import guard_terminal
 from shared.logging import JsonFormatter, TextFormatter, redact
 from shared.settings import Settings
 
@@ -237,6 +238,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """Entry point of `gpushare up`."""
     from devstack.stack.demo import demo_deployments
 
+    guard_terminal()  # `make run | tee log` and Ctrl-C: tee is gone before the stack has stopped
     try:
         config = config_from(args, settings)
         if args.dev_pods < 0 or args.dev_pods > 100:

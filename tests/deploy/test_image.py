@@ -59,7 +59,9 @@ def test_slim_non_root_read_only_friendly_and_pinned() -> None:
         assert setting in env
     assert 'ENTRYPOINT ["gpushare"]' in final
     build = " ".join(steps)
-    assert "PIP_CONSTRAINT=/src/constraints.txt" in build and "pip install . " in build
+    assert "PIP_CONSTRAINT=/src/constraints.txt" in build
+    assert "pip install --build-constraint /src/constraints.txt . " in build, "the wheel's build requirements pinned"
+    assert "python -m pip install pip " in build, "pip itself at constraints.txt's version"
     assert "shared.kubelet_api --force" not in build and "upgrade pip" not in build
     copied = {src for s in steps if s.startswith("COPY ") and "--from" not in s for src in s.split()[1:-1]}
     assert {"pyproject.toml", "setup.py", "constraints.txt", "shared", "services", "migrations"} <= copied
@@ -107,7 +109,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _copy_context(context)
     wheels = tmp / "wheels"
     env = {**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)}
-    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *_isolation(), str(context), "-w", str(wheels)]
+    isolation = _isolation() or ["--build-constraint", str(CONSTRAINTS)]  # an isolated build pinned as the image's
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, str(context), "-w", str(wheels)]
     proc = subprocess.run(pip, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (built,) = wheels.glob("gpushare-*.whl")

@@ -139,3 +139,90 @@ async def test_up_runs_the_demo_on_the_local_control_plane(
         "gpushare-device-env, gpushare-device-env-workloads, gpushare-annotations" in out
     )
     assert_plain(out, tmp_path)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every living descendant of `pid` (pid -> its start time in clock ticks, so a reused pid is not mistaken)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        starts[int(entry.name)] = fields[19]
+    found: dict[int, str] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found[child] = starts[child]
+        todo.extend(children.get(child, []))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _still_running(procs: dict[int, str]) -> list[str]:
+    left = []
+    for pid, start in procs.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[19] == start and fields[0] != "Z":
+            left.append(f"{pid}: {cmdline[:160]}")
+    return left
+
+
+async def test_up_stops_everything_when_its_terminal_pipe_is_gone(
+    tmp_path: Path, up_database: str, nats_url: str
+) -> None:
+    """`make run 2>&1 | tee run.log`, then Ctrl-C: the terminal's SIGINT ends `tee` as well, so every line printed
+    while stopping goes to a closed pipe. The stack must stop all it started anyway (before, the first such print
+    raised BrokenPipeError and the services were left running)."""
+    import signal
+
+    tag = uuid.uuid4().hex[:8]
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG",) and not k.startswith("GPUSHARE_")}
+    read_end, write_end = os.pipe()
+    argv = [sys.executable, "-m", "services.cli", "up", "--simulate", "--nodes", "2", "--no-demo"]
+    argv += ["--data-dir", str(tmp_path / "data"), "--database-url", up_database, "--nats-url", nats_url]
+    argv += ["--stream-name", f"GPUSHARE_P{tag}", "--subject-prefix", f"gsp{tag}"]
+    argv += ["--extender-port", "0", "--binder-port", "0", "--accounting-port", "0"]
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=write_end, stderr=write_end, env=env)
+    os.close(write_end)
+    reader = os.fdopen(read_end, "rb", buffering=0)
+    seen = b""
+    try:
+        deadline = asyncio.get_running_loop().time() + 120
+        while b"Press Ctrl-C to stop" not in seen:
+            assert asyncio.get_running_loop().time() < deadline, seen.decode(errors="replace")[-3000:]
+            chunk = await asyncio.to_thread(reader.read, 65536)
+            assert chunk, f"gpushare up ended early:\n{seen.decode(errors='replace')[-3000:]}"
+            seen += chunk
+        started = _descendants(proc.pid)
+        names = " ".join(_cmdline(pid) for pid in started)
+        assert "\0extender\0" in names and "\0accounting\0" in names, names
+        reader.close()  # tee is gone
+        proc.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(proc.wait(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    left = _still_running(started)
+    assert left == [], "left running after Ctrl-C with the terminal pipe closed:\n" + "\n".join(left)
+    log_tail = (tmp_path / "data" / "logs" / "gpushare-up.log").read_text()[-3000:]
+    assert code == 0, f"gpushare up exited {code}; its log:\n{log_tail}"
