@@ -84,9 +84,7 @@ def candidates(names: Iterable[str], progress: Progress) -> list[DebianPackage]:
         raise ControlPlaneUnavailable("apt-cache is not available: the images are built from Debian's packages")
 
     def policy() -> dict[str, str]:
-        res = subprocess.run(
-            ["apt-cache", "policy", *wanted], capture_output=True, text=True, timeout=120, check=False
-        )
+        res = subprocess.run(["apt-cache", "policy", *wanted], capture_output=True, text=True, timeout=120, check=False)
         return parse_policy(res.stdout)
 
     found = policy()

@@ -171,13 +171,6 @@ def _compile(root: Path, paths: list[str]) -> None:
         raise ControlPlaneUnavailable(f"compileall failed in the image:\n{(res.stdout + res.stderr)[-3000:]}")
 
 
-def _check_libraries(root: Path, under: tuple[str, ...]) -> None:
-    missing = rootfs.missing_libraries(root, rootfs.elf_files(root, under))
-    if missing:
-        lines = "\n".join(f"  {path}: {', '.join(libs)}" for path, libs in sorted(missing.items()))
-        raise ControlPlaneUnavailable(f"the image lacks libraries its programs load:\n{lines}")
-
-
 def _base_rootfs(root: Path, debs: dict[debian.DebianPackage, Path]) -> None:
     debian.unpack_all(debs, root)
     rootfs.layout(root)
@@ -190,7 +183,7 @@ def _base_rootfs(root: Path, debs: dict[debian.DebianPackage, Path]) -> None:
     (root / "usr/bin/python3").unlink(missing_ok=True)
     (root / "usr/bin/python3").symlink_to(f"python{PYTHON}")
     _compile(root, [f"/usr/lib/python{PYTHON}"])
-    _check_libraries(root, ("usr",))
+    rootfs.require_libraries(root, ("usr",))
 
 
 def _venv(root: Path) -> None:
@@ -199,7 +192,8 @@ def _venv(root: Path) -> None:
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     (root / SITE).mkdir(parents=True, exist_ok=True)
     (venv / "pyvenv.cfg").write_text(
-        f"home = /usr/bin\ninclude-system-site-packages = false\nversion = {PYTHON}\nexecutable = /usr/bin/python{PYTHON}\n"
+        "home = /usr/bin\ninclude-system-site-packages = false\n"
+        f"version = {PYTHON}\nexecutable = /usr/bin/python{PYTHON}\n"
     )
     for name, target in (("python", f"/usr/bin/python{PYTHON}"), ("python3", "python"), (f"python{PYTHON}", "python")):
         link = venv / "bin" / name
@@ -242,7 +236,8 @@ def _install_dependencies(root: Path, context: Path, wheelhouse: Path, progress:
     constraints = str(context / "constraints.txt")
     requirements = _requirements(context)
     progress("gathering gpushare's dependencies as wheels (constraints.txt)")
-    _pip(["wheel", "-q", "-c", constraints, "--wheel-dir", str(wheelhouse), *requirements], "gathering the dependencies")
+    gather = ["wheel", "-q", "-c", constraints, "--wheel-dir", str(wheelhouse), *requirements]
+    _pip(gather, "gathering the dependencies")
     progress("installing them for the image's Python")
     platform = [f"--platform={tag}" for tag in manylinux_tags(GLIBC)]
     abi = "cp" + PYTHON.replace(".", "")
@@ -390,7 +385,8 @@ def build_gpushare_image(
             return found
         work = Path(tempfile.mkdtemp(prefix="gpushare-image-"))
         try:
-            layers, details = _build(source, work, cache, packages, (base_key, deps_key, context_key, app_key), seconds, progress)
+            keys = (base_key, deps_key, context_key)
+            layers, details = _build(source, work, cache, packages, keys, seconds, progress)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         done = _timed(seconds, "archive")
@@ -407,11 +403,11 @@ def _build(
     work: Path,
     cache: ImageCache,
     packages: list[debian.DebianPackage],
-    keys: tuple[str, str, str, str],
+    keys: tuple[str, str, str],
     seconds: dict[str, float],
     progress: Progress,
 ) -> tuple[list[Layer], dict[str, str]]:
-    base_key, deps_key, context_key, _ = keys
+    base_key, deps_key, context_key = keys
     root = work / "rootfs"
     root.mkdir()
     context = work / "context"
@@ -424,7 +420,8 @@ def _build(
         debs = debian.download(packages, cache.debs, progress)
         progress(f"unpacking {len(debs)} Debian packages and compiling the standard library")
         _base_rootfs(root, debs)
-        base = write_layer(root, cache.blobs, comment=f"Debian 12 Python {PYTHON}: " + " ".join(p.pin for p in packages))
+        comment = f"Debian 12 Python {PYTHON}: " + " ".join(p.pin for p in packages)
+        base = write_layer(root, cache.blobs, comment=comment)
         cache.remember_layer(base_key, base)
         done()
     else:
@@ -438,7 +435,7 @@ def _build(
         _venv(root)
         _install_dependencies(root, context, work / "wheelhouse", progress)
         _compile(root, [f"/{SITE}"])
-        _check_libraries(root, (str(VENV),))
+        rootfs.require_libraries(root, (str(VENV),))
         deps = write_layer(
             root,
             cache.blobs,
@@ -481,4 +478,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(image.name, image.archive)
     return 0
-

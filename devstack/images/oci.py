@@ -157,7 +157,9 @@ def image_config(spec: ImageSpec, layers: Sequence[Layer], *, architecture: str 
     }
 
 
-def manifest(config: Descriptor, layers: Sequence[Layer], annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+def manifest(
+    config: Descriptor, layers: Sequence[Layer], annotations: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The image manifest (manifest.md) of a config and its layers, bottom first (pure)."""
     out: dict[str, Any] = {
         "schemaVersion": 2,
@@ -257,12 +259,14 @@ def _layer_entries(root: Path, include: Callable[[PurePosixPath], bool]) -> list
     return sorted(chosen, key=lambda p: p.parts)
 
 
-def _tarinfo(root: Path, rel: PurePosixPath, links: dict[tuple[int, int], str]) -> tuple[tarfile.TarInfo, Path | None]:
+def _tarinfo(
+    root: Path, rel: PurePosixPath, links: dict[tuple[int, int], str], owners: Mapping[str, tuple[int, int]]
+) -> tuple[tarfile.TarInfo, Path | None]:
     path = root / rel
     st = path.lstat()
     info = tarfile.TarInfo(str(rel))
     info.mode = stat.S_IMODE(st.st_mode)
-    info.uid = info.gid = 0
+    info.uid, info.gid = owners.get(str(rel), (0, 0))
     info.uname = info.gname = ""
     info.mtime = LAYER_MTIME
     if stat.S_ISDIR(st.st_mode):
@@ -290,9 +294,11 @@ def write_layer(
     *,
     include: Callable[[PurePosixPath], bool] = lambda _: True,
     comment: str = "",
+    owners: Mapping[str, tuple[int, int]] | None = None,
 ) -> Layer:
     """The files under `root` that `include` takes (paths relative to `root`, e.g. `usr/bin/python3`), as a
-    gzip-compressed layer in `store`. Owners are root and times fixed whatever they are on disk; modes are kept."""
+    gzip-compressed layer in `store`. Every entry is root's (but the paths `owners` gives a uid and gid), at a
+    fixed time, whoever owns it on disk and whenever it was written; modes are kept."""
     entries = _layer_entries(root, include)
     tmp = store.root / f".layer-{os.getpid()}.tmp"
     tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +309,7 @@ def write_layer(
             uncompressed = _Hashing(gz)  # type: ignore[arg-type]
             with tarfile.open(fileobj=uncompressed, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
                 for rel in entries:
-                    info, source = _tarinfo(root, rel, links)
+                    info, source = _tarinfo(root, rel, links, owners or {})
                     if source is None:
                         tar.addfile(info)
                     else:

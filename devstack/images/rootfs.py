@@ -17,7 +17,16 @@ LOADER = "/usr/lib64/ld-linux-x86-64.so.2"
 CA_BUNDLE = "etc/ssl/certs/ca-certificates.crt"
 ELF_MAGIC = b"\x7fELF"
 
-__all__ = ["Account", "chroot_run", "elf_files", "layout", "missing_libraries", "write_accounts", "write_ca_bundle"]
+__all__ = [
+    "Account",
+    "chroot_run",
+    "elf_files",
+    "layout",
+    "missing_libraries",
+    "require_libraries",
+    "write_accounts",
+    "write_ca_bundle",
+]
 
 
 @dataclass(frozen=True)
@@ -126,3 +135,12 @@ def missing_libraries(root: Path, files: Iterable[Path], loader: str = LOADER) -
         if lost:
             missing[path] = lost
     return missing
+
+
+def require_libraries(root: Path, under: Iterable[str]) -> None:
+    """Fail, naming each program and library, when an ELF file under `root`'s folders `under` needs a library the
+    image lacks."""
+    missing = missing_libraries(root, elf_files(root, under))
+    if missing:
+        lines = "\n".join(f"  {path}: {', '.join(libs)}" for path, libs in sorted(missing.items()))
+        raise ControlPlaneUnavailable(f"the image lacks libraries its programs load:\n{lines}")
