@@ -46,7 +46,7 @@ VENV = PurePosixPath("opt/gpushare")
 SITE = VENV / "lib" / f"python{PYTHON}" / "site-packages"
 UID = 10001
 # The build steps change what a layer holds: bump to rebuild every cached layer of this recipe.
-RECIPE = "gpushare-image/1"
+RECIPE = "gpushare-image/2"
 
 # Debian's Python and the libraries its standard modules load (libpython3.11-stdlib's dependencies), and the
 # CA certificates (a database server named with sslmode=verify-full). No shell, no package manager.
@@ -161,11 +161,13 @@ def build_wheel(context: Path, out: Path, progress: Progress) -> Path:
 
 def _compile(root: Path, paths: list[str]) -> None:
     """Byte-compile `paths` (image paths) with the image's own Python: `unchecked-hash` .pyc files, which stay
-    valid whatever the files' times (a layer sets them all the same) and are never rewritten."""
+    valid whatever the files' times (a layer sets them all the same) and are never rewritten. Forced, and with no
+    bytecode written by the compiling interpreter itself: it would otherwise leave timestamp .pyc files for the
+    modules it imports, which compileall then takes as up to date."""
     res = rootfs.chroot_run(
         root,
-        [f"/usr/bin/python{PYTHON}", "-m", "compileall", "-q", "--invalidation-mode", "unchecked-hash", *paths],
-        env={"PATH": "/usr/bin"},
+        [f"/usr/bin/python{PYTHON}", "-m", "compileall", "-q", "-f", "--invalidation-mode", "unchecked-hash", *paths],
+        env={"PATH": "/usr/bin", "PYTHONDONTWRITEBYTECODE": "1"},
     )
     if res.returncode != 0:
         raise ControlPlaneUnavailable(f"compileall failed in the image:\n{(res.stdout + res.stderr)[-3000:]}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from devstack.images.gpushare_image import copy_context
 from tests.deploy.tools import ROOT
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -75,19 +75,6 @@ def test_dockerignore_keeps_the_context_small() -> None:
     assert copied & ignored == set(), "the Dockerfile copies something .dockerignore drops"
 
 
-def _copy_context(dest: Path) -> None:
-    """The parts of the repository the image's build copies, without generated or cached files."""
-    skip = shutil.ignore_patterns("__pycache__", "*_pb2.py", "*_pb2_grpc.py", "*_pb2.pyi", "*.egg-info")
-    for step in _instructions():
-        if not step.startswith("COPY ") or "--from" in step:
-            continue
-        for name in step.split()[1:-1]:
-            if (ROOT / name).is_dir():
-                shutil.copytree(ROOT / name, dest / name, ignore=skip)
-            else:
-                shutil.copy(ROOT / name, dest / name)
-
-
 def _isolation() -> list[str]:
     """Build with this environment's setuptools and grpcio-tools when they can (setuptools >= 70.1), else let pip
     make an isolated build environment."""
@@ -106,7 +93,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("image")
     context = tmp / "context"
     context.mkdir()
-    _copy_context(context)
+    copy_context(ROOT, context)  # the Dockerfile's COPY sources, without generated or cached files
     wheels = tmp / "wheels"
     env = {**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)}
     isolation = _isolation() or ["--build-constraint", str(CONSTRAINTS)]  # an isolated build pinned as the image's
