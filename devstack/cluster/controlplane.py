@@ -199,6 +199,7 @@ class ControlPlane:
         users: dict[str, str] | None = None,
         controller_manager_extra: Sequence[str] = (),
         schedulers: int = 1,
+        service_account_tokens: bool = False,
     ) -> None:
         if schedulers < 1:
             raise ValueError(f"at least one kube-scheduler, not {schedulers}")
@@ -207,6 +208,10 @@ class ControlPlane:
         self.authorization_mode = authorization_mode  # e.g. "RBAC": then `users` get only what is bound to them
         self.users = dict(users or {})  # user name -> bearer token, in no group (the admin is in system:masters)
         self.controller_manager_extra = list(controller_manager_extra)
+        # Pods get their service account's token (the ServiceAccount admission plugin, off by default: pods of the
+        # tests that never reach the API server then need no account) and the serving certificate's CA
+        # (`kube-root-ca.crt`), so in-cluster clients in real containers reach the API server.
+        self.service_account_tokens = service_account_tokens
         self.scheduler_name = scheduler_name
         self.scheduler_extra = scheduler_extra
         self.keep = keep
@@ -602,7 +607,7 @@ class ControlPlane:
             f"--service-account-signing-key-file={certs / 'sa.key'}",
             f"--service-account-issuer={SA_ISSUER}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--disable-admission-plugins=ServiceAccount",
+            *([] if self.service_account_tokens else ["--disable-admission-plugins=ServiceAccount"]),
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",
@@ -631,6 +636,9 @@ class ControlPlane:
             "--controllers=*,-nodelifecycle",
             f"--service-account-private-key-file={self.work_dir / 'certs' / 'sa.key'}",
             "--use-service-account-credentials=false",
+            # the CA pods trust the API server with (the kube-root-ca.crt ConfigMap): its self-signed serving
+            # certificate (kube-apiserver writes it into --cert-dir)
+            *([f"--root-ca-file={self.work_dir / 'certs' / 'apiserver.crt'}"] if self.service_account_tokens else []),
             "--leader-elect=false",
             "--secure-port=0",
             *(["--port=0"] if self.release.has_insecure_port_flags else []),

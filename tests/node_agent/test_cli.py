@@ -27,6 +27,17 @@ def _env() -> dict[str, str]:
     return env
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses a socket listens on at `port` (/proc/net/tcp: state 0A is LISTEN)."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        address, _, hexport = fields[1].partition(":")
+        if fields[3] == "0A" and int(hexport, 16) == port:
+            out.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return out
+
+
 def test_exits_clearly_without_nvml_or_fake_gpus() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "node-agent", "--node", "n1"],
@@ -53,7 +64,7 @@ async def test_agent_process_registers_and_serves_metrics(
         sys.executable, "-m", "services.cli", "node-agent",
         "--node", "cli-node", "--fake-gpus", "1x24GiB:NVIDIA-L4",
         "--device-plugin-dir", str(root / "dp"), "--pod-resources-socket", str(root / "pr.sock"),
-        "--metrics-port", str(port), "--nats-url", nats_url,
+        "--host", "127.0.0.1", "--metrics-port", str(port), "--nats-url", nats_url,
         "--stream-name", bus_names.stream, "--subject-prefix", bus_names.prefix, "--log-format", "text",
         env=_env(), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -73,6 +84,7 @@ async def test_agent_process_registers_and_serves_metrics(
             assert ready, "the agent is ready once the ledger holds its inventory and its view is loaded"
             metrics = (await http.get("/metrics")).text
             devices = (await http.get("/v1/devices")).json()
+        assert listening_addresses(port) == {"127.0.0.1"}, "--host: on the loopback address only"
         assert "gpushare_node_agent_gpu_memory_bytes{" in metrics and "2.5769803776e+10" in metrics  # 24576 MiB
         assert devices["gpus"][0]["model"] == "NVIDIA-L4"
         async with engine.connect() as conn:
