@@ -88,6 +88,8 @@ policy/v1beta1
 {{ .Values.database.server }}
 {{- else if and .Values.postgresql.enabled (eq .Values.postgresql.mode "cloudnativepg") -}}
 gpushare-db-rw:5432/gpushare?sslmode=require&target_session_attrs=read-write
+{{- else if and .Values.postgresql.enabled .Values.singleMachine.enabled -}}
+{{ include "gpushare.listen" (list . "postgres") }}/gpushare
 {{- else if .Values.postgresql.enabled -}}
 postgres:5432/gpushare
 {{- else -}}
@@ -194,4 +196,81 @@ checksum must agree); `helm template` and client-side dry runs cannot look up: t
 {{- $_ := set $admission "_rendered" $tls -}}
 {{- end -}}
 {{- toJson (get $admission "_rendered") -}}
+{{- end }}
+
+{{/*
+The single-machine install (singleMachine.enabled; values.yaml and docs/install.md say what it is for).
+"gpushare.singleMachine.check" refuses what cannot share one machine's ports or needs a cluster network, naming the
+value to change. "gpushare.listen" is a server's host:port there: (list . "accounting"). "gpushare.hostNetwork"
+gives a pod spec the host network and the one node, "gpushare.apiServerEnv" the API server's address for
+in-cluster clients (env list entries), "gpushare.deploymentStrategy" a Deployment's rollout.
+*/}}
+{{- define "gpushare.singleMachine.check" -}}
+{{- $v := .Values -}}
+{{- if $v.singleMachine.enabled -}}
+{{- range $name := list "extender" "binder" "accounting" -}}
+{{- if gt (int (index $v $name).replicas) 1 -}}
+{{- fail (printf "singleMachine.enabled: every %s replica would listen on %s:%v; set %s.replicas=1" $name $v.singleMachine.address (index $v.singleMachine.ports $name) $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne (int $v.config.streamReplicas) 1 -}}
+{{- fail "singleMachine.enabled runs one NATS server: set config.streamReplicas=1 (a stream cannot have more replicas than servers)" -}}
+{{- end -}}
+{{- if and $v.postgresql.enabled (ne $v.postgresql.mode "statefulset") -}}
+{{- fail "singleMachine.enabled: the CloudNativePG cluster needs a cluster network; use postgresql.mode=statefulset, or postgresql.enabled=false with database.server" -}}
+{{- end -}}
+{{- if ne $v.scheduler.mode "default" -}}
+{{- fail "singleMachine.enabled: the second scheduler reaches the extender through its Service; use scheduler.mode=default and point the cluster's kube-scheduler at the extender's address" -}}
+{{- end -}}
+{{- if $v.dra.enabled -}}
+{{- fail "singleMachine.enabled: the DRA admission webhook is called through the extender's Service; leave dra.enabled=false" -}}
+{{- end -}}
+{{- if $v.extender.gpushareCompat.enabled -}}
+{{- fail "singleMachine.enabled already runs the extender on the host network: leave extender.gpushareCompat.enabled=false" -}}
+{{- end -}}
+{{- if $v.extender.tls.enabled -}}
+{{- fail "singleMachine.enabled serves the extender over HTTP on its address: leave extender.tls.enabled=false" -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{- define "gpushare.listen" -}}
+{{- $ctx := index . 0 -}}
+{{ $ctx.Values.singleMachine.address }}:{{ index $ctx.Values.singleMachine.ports (index . 1) }}
+{{- end }}
+
+{{- define "gpushare.hostNetwork" -}}
+{{- if .Values.singleMachine.enabled -}}
+# the single-machine install: on the host network, listening on {{ .Values.singleMachine.address }} only
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- with .Values.singleMachine.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+{{- end }}
+
+{{- define "gpushare.apiServerEnv" -}}
+{{- with .Values.singleMachine -}}
+{{- if and .enabled .apiServer.host -}}
+# the API server itself: the `kubernetes` Service's ClusterIP leads nowhere without kube-proxy
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ .apiServer.host | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ .apiServer.port | quote }}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{- define "gpushare.deploymentStrategy" -}}
+{{- if .Values.singleMachine.enabled -}}
+# one port on one machine: the old pod leaves before the new one starts
+type: Recreate
+{{- else -}}
+type: RollingUpdate
+rollingUpdate:
+  maxUnavailable: 0
+  maxSurge: 1
+{{- end -}}
 {{- end }}

@@ -10,6 +10,10 @@ capabilities, no privilege escalation, a read-only root filesystem and the runti
 {{- define "gpushare.nodeAgent" -}}
 {{- $ctx := .ctx -}}
 {{- $app := .name -}}
+{{- $single := $ctx.Values.singleMachine.enabled -}}
+{{- $port := ternary $ctx.Values.singleMachine.ports.nodeAgent 9119 $single -}}
+{{- $nodeSelector := .nodeSelector | default dict -}}
+{{- if $single }}{{ $nodeSelector = merge (dict) $ctx.Values.singleMachine.nodeSelector $nodeSelector }}{{ end -}}
 apiVersion: v1
 kind: Service
 metadata:
@@ -51,11 +55,16 @@ spec:
       serviceAccountName: gpushare-node-agent
       priorityClassName: system-node-critical
       hostPID: true
+      {{- if $single }}
+      # the single-machine install: on the host network, /metrics on {{ $ctx.Values.singleMachine.address }} only
+      hostNetwork: true
+      dnsPolicy: ClusterFirstWithHostNet
+      {{- end }}
       {{- include "gpushare.imagePullSecrets" $ctx | nindent 6 }}
       securityContext:
         seccompProfile:
           type: RuntimeDefault  # NVML needs only ioctl/mmap on /dev/nvidia*, which the runtime's profile allows
-      {{- with .nodeSelector }}
+      {{- with $nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -106,9 +115,10 @@ spec:
               value: utility
             - name: HOME
               value: /tmp
+            {{- with include "gpushare.apiServerEnv" $ctx }}{{ . | nindent 12 }}{{ end }}
           ports:
             - name: metrics
-              containerPort: 9119
+              containerPort: {{ $port }}
           readinessProbe:
             httpGet:
               path: /readyz

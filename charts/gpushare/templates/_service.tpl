@@ -6,6 +6,8 @@ shared settings, /readyz and /healthz on its HTTP port. (dict "ctx" . "name" "bi
 {{- define "gpushare.serviceDeployment" -}}
 {{- $ctx := .ctx -}}
 {{- $app := printf "gpushare-%s" .name -}}
+{{- $single := $ctx.Values.singleMachine.enabled -}}
+{{- $port := ternary (index $ctx.Values.singleMachine.ports .name) .port $single -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -16,10 +18,7 @@ metadata:
 spec:
   replicas: {{ .values.replicas }}
   strategy:
-    type: RollingUpdate
-    rollingUpdate:
-      maxUnavailable: 0
-      maxSurge: 1
+    {{- include "gpushare.deploymentStrategy" $ctx | nindent 4 }}
   selector:
     matchLabels:
       {{- include "gpushare.selector" (list $ctx $app) | nindent 6 }}
@@ -29,6 +28,7 @@ spec:
         {{- include "gpushare.selector" (list $ctx $app) | nindent 8 }}
     spec:
       serviceAccountName: {{ $app }}
+      {{- with include "gpushare.hostNetwork" $ctx }}{{ . | nindent 6 }}{{ end }}
       {{- include "gpushare.imagePullSecrets" $ctx | nindent 6 }}
       securityContext:
         runAsNonRoot: true
@@ -51,7 +51,11 @@ spec:
           {{- with $ctx.Values.image.pullPolicy }}
           imagePullPolicy: {{ . }}
           {{- end }}
+          {{- if $single }}
+          args: [{{ .name | quote }}, "--host", {{ $ctx.Values.singleMachine.address | quote }}, "--port", {{ $port | quote }}]
+          {{- else }}
           args: [{{ .name | quote }}, "--port", {{ .port | quote }}]
+          {{- end }}
           envFrom:
             - configMapRef:
                 name: gpushare-config
@@ -74,9 +78,10 @@ spec:
             {{- with .extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+            {{- with include "gpushare.apiServerEnv" $ctx }}{{ . | nindent 12 }}{{ end }}
           ports:
             - name: http
-              containerPort: {{ .port }}
+              containerPort: {{ $port }}
           readinessProbe:
             httpGet:
               path: /readyz
