@@ -8,6 +8,13 @@ serves logs and exec on, healthz; the read-only port off), cgroup root (`cgroupR
 CAP_SYS_RESOURCE (`oomScoreAdj: 0`), no swap (`failSwapOn: false`), local images only (image garbage collection
 off: nothing could pull them again). The field names are `k8s.io/kubelet/config/v1beta1`'s (v0.37.2).
 
+kubelet v1.37.2 serves its device-plugin Registration socket at a fixed path, `/var/lib/kubelet/device-plugins/
+kubelet.sock` (`pluginapi.KubeletSocket`, used by `devicemanager.NewManagerImpl`; `--root-dir` moves the pod-resources
+and plugin-registration sockets, not that one), and keeps its device checkpoint beside it. So each kubelet runs in
+a mount namespace of its own (`unshare --mount`), where its node's `<root-dir>/device-plugins` is bind-mounted on
+that path; its root directory is a shared mount, so the volumes kubelet mounts for pods there still reach
+containerd, which runs outside. The node agent is given `<root-dir>/device-plugins` and sees the same sockets.
+
 kube-apiserver reaches each kubelet at the node's InternalIP and the port the node reports
 (`--kubelet-preferred-address-types=InternalIP`), with a client certificate of its own that kubelet trusts
 (`ControlPlane.kubelet_client_ca`): `kubectl logs` and `kubectl exec` work as on any cluster.
@@ -27,6 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from .node_build import NodeUnavailable
+
+DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"  # pluginapi.DevicePluginPath, kubelet's fixed folder
+IN_NAMESPACE = (
+    'set -e; src="$1"; dst="$2"; shift 2; '
+    'mount --make-slave "$(findmnt -n -o TARGET -T "$dst")"; '
+    'mount --bind "$src" "$dst"; exec "$@"'
+)
+"""Run in kubelet's new mount namespace: bind the node's device-plugin folder on the fixed one, then exec kubelet."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,17 @@ def kubelet_config(s: KubeletSettings) -> dict[str, Any]:
     }
 
 
+def shared_mount(folder: Path) -> None:
+    """Make `folder` a shared mount of its own (a bind mount on itself), once: what kubelet mounts under it in its
+    own mount namespace then appears here too."""
+    if any(line.split()[4] == str(folder) for line in Path("/proc/self/mountinfo").read_text().splitlines()):
+        return
+    for cmd in (["mount", "--bind", str(folder), str(folder)], ["mount", "--make-shared", str(folder)]):
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode:
+            raise NodeUnavailable(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+
+
 class RealKubelet:
     """One node's kubelet process (`start`, `stop`, `restart`, `kill`)."""
 
@@ -116,10 +142,17 @@ class RealKubelet:
         return self.work / "kubelet-config.json"
 
     def argv(self) -> list[str]:
-        """kubelet's command line (the rest is in its configuration file)."""
+        """kubelet's command line (the rest is in its configuration file), in its own mount namespace where the
+        node's device-plugin folder is kubelet's fixed one (`DEVICE_PLUGIN_PATH`)."""
         s = self.settings
         labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+        # --propagation unchanged: the root directory's shared mount stays a peer of the host's; the fixed folder's
+        # mount (made a slave first, should it be shared) takes the bind mount for this kubelet alone
+        namespace = ["unshare", "--mount", "--propagation", "unchanged", "--", "sh", "-c", IN_NAMESPACE, "kubelet-ns"]
         return [
+            *namespace,
+            str(s.root_dir / "device-plugins"),
+            DEVICE_PLUGIN_PATH,
             str(self.binary),
             f"--config={self.config_path}",
             f"--kubeconfig={s.kubeconfig}",
@@ -134,7 +167,9 @@ class RealKubelet:
     def start(self) -> None:
         """Write the configuration and start kubelet (`wait_healthy` waits for it)."""
         self.work.mkdir(parents=True, exist_ok=True)
-        self.settings.root_dir.mkdir(parents=True, exist_ok=True)
+        (self.settings.root_dir / "device-plugins").mkdir(parents=True, exist_ok=True)
+        Path(DEVICE_PLUGIN_PATH).mkdir(parents=True, exist_ok=True)  # the mount point (stays empty on the host)
+        shared_mount(self.settings.root_dir)
         self.settings.pod_logs_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(json.dumps(kubelet_config(self.settings), indent=2))
         self.starts += 1

@@ -36,6 +36,8 @@ from .realkubelet import KubeletSettings, RealKubelet
 if TYPE_CHECKING:
     from .controlplane import ControlPlane
 
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+
 __all__ = ["RealNode", "can_run_real_nodes", "node_images_for"]
 
 
@@ -111,7 +113,13 @@ class RealNode:
         self.containerd: Containerd | None = None
         self.kubelet: RealKubelet | None = None
         self.start_seconds = 0.0
+        self.images: list[node_images.Image] = []  # what the node's containerd has (pause, busybox)
         self._started = False
+
+    @property
+    def workload_image(self) -> str:
+        """The name of the busybox image every local node has (for test and demo pods, `imagePullPolicy: Never`)."""
+        return next(i.name for i in self.images if i.name.startswith(node_images.BUSYBOX_REPOSITORY))
 
     # -- where things are ------------------------------------------------------------------------------------
     @property
@@ -160,7 +168,7 @@ class RealNode:
             raise NodeUnavailable(why)
         binaries = self.binaries or ensure_node_binaries(self.control_plane.release, self.progress)
         self.binaries = binaries
-        images = node_images_for(binaries, self.progress)
+        images = self.images = node_images_for(binaries, self.progress)
         node_cleanup.sweep_stale(progress=self.progress)
         t0 = time.monotonic()
         parent = node_cleanup.nodes_parent()
@@ -188,6 +196,7 @@ class RealNode:
             self.kubelet.wait_healthy(timeout_s)
             self.publish_address(timeout_s)
             self.wait_ready(timeout_s)
+            self.untaint_not_ready()
         except BaseException:
             self.stop()
             raise
@@ -259,6 +268,25 @@ class RealNode:
             time.sleep(0.1)
         addresses = [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.name}]
         self.api_request("PATCH", f"/api/v1/nodes/{self.name}/status", {"status": {"addresses": addresses}})
+
+    def untaint_not_ready(self, attempts: int = 10) -> None:
+        """Remove the `node.kubernetes.io/not-ready` taint the API server put on the new Node: the node-lifecycle
+        controller would, once kubelet reports Ready, but the local control plane runs without it (its simulated
+        nodes renew no lease). The patch names the resourceVersion it read, so a taint added meanwhile is kept."""
+        for attempt in range(attempts):
+            node = self.api_get(f"/api/v1/nodes/{self.name}") or {}
+            taints = (node.get("spec") or {}).get("taints") or []
+            keep = [t for t in taints if t.get("key") != NOT_READY_TAINT]
+            if len(keep) == len(taints):
+                return
+            body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]}, "spec": {"taints": keep}}
+            try:
+                self.api_request("PATCH", f"/api/v1/nodes/{self.name}", body)
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 409 or attempt == attempts - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
 
     def api_get(self, path: str) -> dict[str, Any] | None:
         """GET `path` from the API server as the admin (None on 404)."""
