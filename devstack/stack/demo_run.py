@@ -29,7 +29,8 @@ async def run_demo(stack: Stack, timeout_s: float = 120.0, *, dev_pods: int = 0)
 
     api = await stack.api_client()
     dra = bool(stack.dra_node_names) and len(stack.dra_node_names) == len(stack.node_names)
-    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods, dra=dra)
+    image = next(iter(stack.real_nodes.values())).workload_image if stack.real_nodes else None
+    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods, dra=dra, image=image)
     want = demo_pod_count(deployments)
     stack.progress(f"submitted the demo: {', '.join(d['metadata']['name'] for d in deployments)} ({want} pods)")
     core = client.CoreV1Api(api)
@@ -47,6 +48,15 @@ async def run_demo(stack: Stack, timeout_s: float = 120.0, *, dev_pods: int = 0)
             stack.progress(f"only {bound}/{want} demo pods placed after {timeout_s:.0f}s (see the logs)")
             return pairs
         await asyncio.sleep(0.5)
+
+
+async def demo_container_lines(stack: Stack, pods: int, timeout_s: float = 60.0) -> list[str]:
+    """On real nodes: each demo pod's ledger record beside the GPU environment its containers printed."""
+    from devstack.stack.demo_containers import collect, container_lines, running_pods
+
+    api = await stack.api_client()
+    running = await running_pods(api, DEMO_NAMESPACE, "gpushare.io/demo=true", pods, timeout_s)
+    return container_lines(await collect(api, stack.accounting_url, running))
 
 
 async def _simulated_demo(stack: Stack, dev_pods: int) -> list[tuple[str, str]]:
