@@ -14,6 +14,7 @@ capabilities, no privilege escalation, a read-only root filesystem and the runti
 {{- $port := ternary $ctx.Values.singleMachine.ports.nodeAgent 9119 $single -}}
 {{- $nodeSelector := .nodeSelector | default dict -}}
 {{- if $single }}{{ $nodeSelector = merge (dict) $ctx.Values.singleMachine.nodeSelector $nodeSelector }}{{ end -}}
+{{- if not $single }}
 apiVersion: v1
 kind: Service
 metadata:
@@ -32,6 +33,7 @@ spec:
       targetPort: metrics
       protocol: TCP
 ---
+{{- end }}
 apiVersion: apps/v1
 kind: DaemonSet
 metadata:
