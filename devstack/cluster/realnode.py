@@ -153,6 +153,14 @@ class RealNode:
         return self.folder / "cdi"
 
     @property
+    def listens(self) -> str:
+        """Where kubelet serves (logs, exec, through kube-apiserver) and its containerd socket."""
+        if self.kubelet is None or self.containerd is None:
+            return "(not started)"
+        port = self.kubelet.settings.port
+        return f"https://127.0.0.1:{port} (containerd {self.containerd.dirs.socket})"
+
+    @property
     def logs(self) -> dict[str, Path]:
         """kubelet's and containerd's logs."""
         base = self.log_dir or self.folder

@@ -51,9 +51,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument(
         "--dra-nodes",
         type=int,
-        default=0,
-        help="make only the last N simulated nodes DRA nodes (a mixed cluster; gpushare admission is registered, "
-        "the demo's namespace stays on the device-plugin path)",
+        default=None,
+        help="make only the last N nodes DRA nodes (a mixed cluster; gpushare admission is registered, the demo's "
+        "namespace stays on the device-plugin path; default: 1 with real nodes, where the DRA node runs "
+        "resnet-inference of an opted-in namespace, gpushare-demo-dra, else 0)",
     )
     p.add_argument(
         "--nodes-kind",
@@ -182,6 +183,8 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
     if not 1 <= args.replicas <= 5 or not 1 <= args.schedulers <= 5:
         raise SystemExit("--replicas and --schedulers must be between 1 and 5")
     dra_nodes = args.nodes if args.dra else args.dra_nodes
+    if dra_nodes is None:
+        dra_nodes = default_dra_nodes(args)
     if not 0 <= dra_nodes <= args.nodes:
         raise SystemExit(f"--dra-nodes must be between 0 and --nodes ({args.nodes})")
     if dra_nodes and args.simulate:
@@ -215,6 +218,18 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         dra_nodes=dra_nodes,
         nodes_kind=args.nodes_kind,
     )
+
+
+def default_dra_nodes(args: argparse.Namespace) -> int:
+    """Without --dra/--dra-nodes: one DRA node beside the device-plugin ones when the nodes will be real (the
+    machine can run them: the cheap checks, nothing built), else none."""
+    from devstack.cluster.realnode import can_run_real_nodes
+
+    if args.nodes < 2 or args.simulate or args.nodes_kind == "stand-in":
+        return 0
+    if os.environ.get("KUBECONFIG") and not args.ignore_kubeconfig:
+        return 0
+    return 0 if can_run_real_nodes() else 1
 
 
 def nodes_line(stack: Stack) -> str:

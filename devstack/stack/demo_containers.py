@@ -15,7 +15,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-GPU_ENV_PREFIXES = ("NVIDIA_", "ALIYUN_COM_GPU_", "GPUSHARE_", "CUDA_")
+GPU_ENV_PREFIXES = ("NVIDIA_", "ALIYUN_COM_GPU_", "GPUSHARE_", "CUDA_", "XLA_")
+DEMO_SELECTOR = "gpushare.io/demo=true"
+DRA_DEMO_NAMESPACE = "gpushare-demo-dra"  # opted in to DRA: its unchanged pods go to the DRA node
+DRA_DEMO_REPLICAS = 2
 BANNER = "gpushare demo: the GPU environment this container received"
 PRINT_ENV = (
     f"echo '{BANNER}:'; env | grep -E '^({'|'.join(GPU_ENV_PREFIXES)})' | sort; "
@@ -34,6 +37,38 @@ def printing_environment(deployments: list[dict[str, Any]], image: str) -> list[
             container.update(image=image, imagePullPolicy="Never", command=["sh", "-c", PRINT_ENV])
             container.pop("args", None)
     return out
+
+
+def dra_demo_deployment(deployments: list[dict[str, Any]], image: str) -> dict[str, Any]:
+    """The DRA node's share of the demo on a mixed cluster: the inference Deployment, unchanged but for its replicas
+    and the printing container (gpushare admission turns its `aliyun.com/gpu-mem` into a ResourceClaim) (pure)."""
+    dep = next(d for d in printing_environment(deployments, image) if d["metadata"]["name"] == "resnet-inference")
+    dep["spec"]["replicas"] = DRA_DEMO_REPLICAS
+    return dep
+
+
+async def submit_dra_demo(api: Any, deployments: list[dict[str, Any]], image: str) -> int:
+    """Create (or replace) the DRA part of the demo in its opted-in namespace; returns its pod count."""
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from devstack.stack.webhook import opt_in
+
+    await opt_in(api, DRA_DEMO_NAMESPACE)
+    dep = dra_demo_deployment(deployments, image)
+    apps = client.AppsV1Api(api)
+    try:
+        await apps.create_namespaced_deployment(DRA_DEMO_NAMESPACE, dep)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        await apps.replace_namespaced_deployment(dep["metadata"]["name"], DRA_DEMO_NAMESPACE, dep)
+    return DRA_DEMO_REPLICAS
+
+
+def pod_label(namespace: str, name: str, main_namespace: str) -> str:
+    """A demo pod's name as shown: with its namespace when it is not the demo's own (pure)."""
+    return name if namespace == main_namespace else f"{namespace}/{name}"
 
 
 def gpu_environment(log: str) -> dict[str, str]:
@@ -73,21 +108,21 @@ def container_lines(pods: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-async def running_pods(api: Any, namespace: str, selector: str, want: int, timeout_s: float) -> list[Any]:
-    """The live pods of `selector`, once `want` of them run (or what there is at `timeout_s`)."""
+async def running_pods(api: Any, want: int, timeout_s: float) -> list[Any]:
+    """The live demo pods (any namespace), once `want` of them run (or what there is at `timeout_s`)."""
     from kubernetes_asyncio import client
 
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + timeout_s
     while True:
-        pods = [p for p in (await core.list_namespaced_pod(namespace, label_selector=selector)).items
+        pods = [p for p in (await core.list_pod_for_all_namespaces(label_selector=DEMO_SELECTOR)).items
                 if p.metadata.deletion_timestamp is None]  # fmt: skip
         if sum(1 for p in pods if p.status.phase == "Running") >= want or time.monotonic() > deadline:
-            return sorted(pods, key=lambda p: p.metadata.name)
+            return sorted(pods, key=lambda p: (p.metadata.namespace, p.metadata.name))
         await asyncio.sleep(0.5)
 
 
-async def collect(api: Any, accounting_url: str, pods: list[Any]) -> list[dict[str, Any]]:
+async def collect(api: Any, accounting_url: str, pods: list[Any], main_namespace: str) -> list[dict[str, Any]]:
     """Each pod's ledger record (accounting) and its containers' printed GPU environment (their logs, through
     kube-apiserver and the node's kubelet, as `kubectl logs` reads them)."""
     import httpx
@@ -109,7 +144,8 @@ async def collect(api: Any, accounting_url: str, pods: list[Any]) -> list[dict[s
                 except ApiException as exc:
                     containers[c.name] = f"(no output: {exc.status} {exc.reason})"
             record = ledger_record(view)
-            out.append({"pod": name, "node": pod.spec.node_name, "ledger": record, "containers": containers})
+            shown = pod_label(ns, name, main_namespace)
+            out.append({"pod": shown, "node": pod.spec.node_name, "ledger": record, "containers": containers})
     return out
 
 

@@ -647,6 +647,7 @@ class Stack:
             out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
         out += [(name, proc.command.listens) for name, proc in self.processes.items()]
         out += [(f"{name} (service)", f"http://{proxy.address}") for name, proxy in self.service_proxies.items()]
+        out += [(f"kubelet-{name}", node.listens) for name, node in self.real_nodes.items()]
         if self.webhook_url:
             out.append(("admission", f"{self.webhook_url} (namespaces labelled gpushare.io/allocator=dra)"))
         if self.prometheus is not None:
