@@ -1,7 +1,8 @@
 """The container images of the local real nodes, made here (no registry is reachable): busybox and pause.
 
-Each image is written by this module as an OCI image layout tarball (`oci-layout`, `index.json`, `blobs/sha256/`:
-one uncompressed layer, its config and manifest), which `ctr -n k8s.io images import` reads; the index names the
+Each image is an OCI image layout tarball (`oci-layout`, `index.json`, `blobs/sha256/`: one gzip layer, its config
+and manifest), written by the project's OCI writer (devstack/images/oci.py), which `ctr -n k8s.io images import`
+reads; the index names the
 image with containerd's `io.containerd.image.name` annotation, so it is imported under that name. Pods use them
 with `imagePullPolicy: Never`.
 
@@ -28,6 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from devstack.images.oci import BlobStore, ImageSpec, store_layer, write_archive
+
 from . import build_modules
 from .binaries import k8s_cache_dir
 from .buildtools import ControlPlaneUnavailable, Progress, apt_install, apt_update, cache_dir, can_apt, file_lock
@@ -37,7 +40,7 @@ PAUSE_TAG = "3.10.2"  # build/pause/Makefile's TAG in k8s.io/kubernetes v1.37.2
 PAUSE_IMAGE = f"gpushare.local/pause:{PAUSE_TAG}"
 BUSYBOX_REPOSITORY = "gpushare.local/busybox"
 BUSYBOX_PACKAGE = "busybox-static"
-IMAGE_FORMAT = 1  # bumped when this module writes images differently: the cache then makes them anew
+IMAGE_FORMAT = 2  # bumped when this module writes images differently: the cache then makes them anew
 EPOCH = 0  # every file's mtime: the same inputs give the same digests
 
 __all__ = ["BUSYBOX_REPOSITORY", "PAUSE_IMAGE", "Image", "busybox_image", "oci_archive", "pause_image"]
@@ -91,50 +94,27 @@ class Layer:
         return self._buffer.getvalue()
 
 
-def _blob(blobs: dict[str, bytes], data: bytes, media_type: str) -> dict[str, object]:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    blobs[digest] = data
-    return {"mediaType": media_type, "digest": digest, "size": len(data)}
+def image_spec(config: dict[str, object]) -> ImageSpec:
+    """An image config's runtime part (`Entrypoint`, `Cmd`, `Env` as K=V, `User`) as the OCI writer takes it."""
+    env = [str(e) for e in config.get("Env", [])]  # type: ignore[attr-defined]
+    return ImageSpec(
+        entrypoint=tuple(str(a) for a in config.get("Entrypoint", [])),  # type: ignore[attr-defined]
+        cmd=tuple(str(a) for a in config.get("Cmd", [])),  # type: ignore[attr-defined]
+        env=dict(e.split("=", 1) for e in env),
+        user=str(config.get("User", "")),
+    )
 
 
 def oci_archive(name: str, layer: bytes, config: dict[str, object], arch: str | None = None) -> bytes:
-    """An OCI image layout tarball of one image `name` (`repo:tag`) with one uncompressed `layer` and the
-    runtime `config` (Entrypoint, Cmd, Env, ...) (pure)."""
-    arch = arch or go_arch()
-    blobs: dict[str, bytes] = {}
-    diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
-    image_config = {
-        "architecture": arch,
-        "os": "linux",
-        "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        "history": [{"created_by": "gpushare devstack/cluster/images.py"}],
-    }
-    config_desc = _blob(blobs, _json(image_config), "application/vnd.oci.image.config.v1+json")
-    layer_desc = _blob(blobs, layer, "application/vnd.oci.image.layer.v1.tar")
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": config_desc,
-        "layers": [layer_desc],
-    }
-    manifest_desc = _blob(blobs, _json(manifest), "application/vnd.oci.image.manifest.v1+json")
-    tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
-    manifest_desc["annotations"] = {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag}
-    manifest_desc["platform"] = {"architecture": arch, "os": "linux"}
-    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [manifest_desc]}
-    out = Layer()
-    out.file("oci-layout", _json({"imageLayoutVersion": "1.0.0"}))
-    out.file("index.json", _json(index))
-    out.directory("blobs")
-    out.directory("blobs/sha256")
-    for digest, data in sorted(blobs.items()):
-        out.file(f"blobs/sha256/{digest.split(':', 1)[1]}", data)
-    return out.close()
-
-
-def _json(value: object) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    """An OCI image layout tarball of one image `name` (`repo:tag`) with one `layer` (an uncompressed tar, stored
+    gzip-compressed) and the runtime `config` (Entrypoint, Cmd, Env, User), written by the project's one OCI
+    writer (devstack/images/oci.py)."""
+    with tempfile.TemporaryDirectory(prefix="gpushare-oci-") as tmp:
+        store = BlobStore(Path(tmp) / "blobs")
+        written = store_layer(layer, store, comment="gpushare devstack/cluster/images.py")
+        path = Path(tmp) / "image.tar"
+        write_archive(path, name, image_spec(config), [written], store, architecture=arch or go_arch())
+        return path.read_bytes()
 
 
 def busybox_layer(busybox: bytes, applets: list[str]) -> bytes:

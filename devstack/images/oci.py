@@ -55,6 +55,7 @@ __all__ = [
     "index",
     "manifest",
     "read_archive",
+    "store_layer",
     "write_archive",
     "write_layer",
 ]
@@ -322,6 +323,13 @@ def write_layer(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp.replace(target)
     return layer
+
+
+def store_layer(tar: bytes, store: BlobStore, *, comment: str = "") -> Layer:
+    """A layer from an uncompressed tar made elsewhere (in memory), gzip-compressed (no name, no time) into
+    `store`."""
+    compressed = gzip.compress(tar, compresslevel=6, mtime=0)
+    return Layer(store.put(compressed), len(compressed), sha256_digest(tar), comment)
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
