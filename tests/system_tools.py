@@ -6,10 +6,12 @@ When a tool cannot be had the test skips with the reason, or fails under `CI=tru
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,3 +87,21 @@ def running_control_plane(paths: Paths | None = None, **options: Any) -> Iterato
         yield cp
     finally:
         cp.stop()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The addresses a TCP socket of this machine listens on at `port`, IPv4 and IPv6 (/proc/net/tcp and tcp6:
+    state 0A is LISTEN; an address is written as 32-bit words in the host's little-endian order)."""
+    out = set()
+    for table in ("tcp", "tcp6"):
+        path = Path("/proc/net") / table
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            address, _, hexport = fields[1].partition(":")
+            if fields[3] != "0A" or int(hexport, 16) != port:
+                continue
+            raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8))
+            out.add(str(ipaddress.ip_address(raw)))
+    return out

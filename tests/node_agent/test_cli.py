@@ -19,23 +19,13 @@ from devstack.embedded import free_port
 from services.node_agent.agent import RESOURCES
 from shared.events.bus import BusNames
 from shared.ledger.models import gpus
+from tests.system_tools import listening_addresses
 
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_") and k != "KUBECONFIG"}
     env["HOME"] = tempfile.gettempdir() + "/na-nohome"  # no ~/.kube/config: runs without Kubernetes
     return env
-
-
-def listening_addresses(port: int) -> set[str]:
-    """The IPv4 addresses a socket listens on at `port` (/proc/net/tcp: state 0A is LISTEN)."""
-    out = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        address, _, hexport = fields[1].partition(":")
-        if fields[3] == "0A" and int(hexport, 16) == port:
-            out.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
-    return out
 
 
 def test_exits_clearly_without_nvml_or_fake_gpus() -> None:
