@@ -468,15 +468,3 @@ def _build(
     done()
     details["wheel"] = wheel.name
     return [base, deps, app], details
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Build (once) and print the image's name and archive."""
-    del argv
-    try:
-        image = build_gpushare_image()
-    except ControlPlaneUnavailable as exc:
-        stderr_progress(f"unavailable: {exc.reason}")
-        return 1
-    print(image.name, image.archive)
-    return 0
