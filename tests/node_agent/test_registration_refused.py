@@ -93,3 +93,33 @@ def test_kubelet_out_of_reach_is_a_warning_with_the_code() -> None:
         message
         == f"cannot register {RESOURCE_MEM} with kubelet yet: /x/kubelet.sock does not exist (is kubelet running?)"
     )
+
+
+async def test_the_kubelet_stand_in_refuses_as_kubelet_does(tmp_path: Path) -> None:
+    """The stand-in answers Register as kubelet v1.37.2 does: an endpoint it cannot dial, an unsupported version and
+    a name that is no extended resource are refused with kubelet's words, as gRPC UNKNOWN (before, it accepted an
+    unreachable endpoint and refused the others as INVALID_ARGUMENT)."""
+    from devstack.cluster.kubelet import KubeletStandIn
+
+    kubelet = KubeletStandIn(tmp_path / "dp", tmp_path / "pod-resources.sock")
+    kubelet.dial_timeout_s = 0.5
+    await kubelet.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'dp' / KUBELET_SOCKET}") as channel:
+            stub = dp_grpc.RegistrationStub(channel)
+            cases = [
+                (dp_pb2.RegisterRequest(version="v1beta1", endpoint="nowhere.sock", resource_name=RESOURCE_MEM),
+                 KUBELET_REASON),
+                (dp_pb2.RegisterRequest(version="v1alpha", endpoint="x.sock", resource_name=RESOURCE_MEM),
+                 'requested API version "v1alpha" is not supported by kubelet. Supported version is ["v1beta1"]'),
+                (dp_pb2.RegisterRequest(version="v1beta1", endpoint="x.sock", resource_name="gpu-mem"),
+                 'the ResourceName "gpu-mem" is invalid'),
+            ]  # fmt: skip
+            for request, reason in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Register(request, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNKNOWN, request
+                assert refused.value.details() == reason
+        assert RESOURCE_MEM not in kubelet.plugins and len(kubelet.refusals) == 3
+    finally:
+        await kubelet.stop()
