@@ -122,6 +122,17 @@ def pids_naming(folder: Path) -> set[int]:
     return out
 
 
+def rss_kib(pid: int) -> int:
+    """A process's resident memory now (KiB; 0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def kill(pids: Iterable[int]) -> None:
     """SIGKILL each process (one that is already gone is skipped)."""
     for pid in pids:
