@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import grpc
 import pytest
 from kubernetes_asyncio import client
 
+from devstack.cluster import node_cleanup
 from devstack.embedded import free_port
 from devstack.stack import spec
 from devstack.stack.processes import ServiceProcess
@@ -253,3 +255,51 @@ async def test_a_kubelet_refusing_the_registration_is_named_and_nothing_is_charg
     env = await r.printed_env(api, namespace, "unserved", "main")
     (part,) = await assigned_parts(stack, namespace, "unserved")
     assert env["NVIDIA_VISIBLE_DEVICES"] == part["gpu_uuid"]
+
+
+async def test_a_node_whose_owner_was_killed_leaves_nothing_behind(stack, api, namespace) -> None:
+    """A test run killed with its real node up (no teardown ran) leaves kubelet, containerd, a shim and a container
+    running, mounts and cgroups: the next node's start sweeps them all (`node_cleanup.sweep_stale`)."""
+    cp = stack.control_plane
+    script = "\n".join(
+        [
+            "import sys, time, types",
+            "from pathlib import Path",
+            "from devstack.cluster.realnode import RealNode",
+            "from devstack.cluster.releases import CURRENT",
+            f"cp = types.SimpleNamespace(release=CURRENT, kubeconfig_path=Path({str(cp.kubeconfig_path)!r}),",
+            f"    kubelet_client_ca=Path({str(cp.kubelet_client_ca)!r}),",
+            f"    server_url={cp.server_url!r}, token={cp.token!r})",
+            "node = RealNode('orphaned', cp, progress=lambda m: None).start()",
+            "print(node.folder, node.cgroup_root, flush=True)",
+            "time.sleep(600)",
+        ]
+    )
+    owner = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert owner.stdout is not None
+        line = (await asyncio.wait_for(owner.stdout.readline(), 120)).decode().split()
+        folder, cgroup_root = Path(line[0]), line[1]
+        body = r.pod("stranded", [r.container("main", node_of(stack).workload_image)])
+        body["spec"]["nodeName"] = "orphaned"
+        await h.create_pod(api, namespace, body)
+        await r.wait_running(api, namespace, "stranded")
+    finally:
+        owner.kill()  # as a killed test run: no teardown
+        await owner.wait()
+    assert node_cleanup.pids_naming(folder), "kubelet, containerd and the shim outlive their owner"
+    assert node_cleanup.cgroup_pids(cgroup_root), "the container runs on"
+    assert folder in node_cleanup.sweep_stale()
+    left = await asyncio.to_thread(_left_of, folder, cgroup_root)
+    assert left == [], left
+    await client.CoreV1Api(api).delete_node("orphaned")
+
+
+def _left_of(folder: Path, cgroup_root: str) -> list[str]:
+    """What is left of a node: processes naming its folder or in its cgroups, mounts, cgroups, the folder."""
+    left = [f"process {p}" for p in node_cleanup.pids_naming(folder) | node_cleanup.cgroup_pids(cgroup_root)]
+    left += [f"mount {m}" for m in node_cleanup.mounts_under(folder)]
+    left += [
+        str(m / cgroup_root.strip("/")) for m in node_cleanup.cgroup_mounts() if (m / cgroup_root.strip("/")).exists()
+    ]
+    return left + ([str(folder)] if folder.exists() else [])
