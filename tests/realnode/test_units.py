@@ -137,3 +137,34 @@ def test_a_node_whose_owner_is_gone_is_swept_and_a_living_one_is_not(tmp_path: P
     assert node_cleanup.sweep_stale(parent) == [orphan]
     assert not orphan.exists() and owned.is_dir()
     assert node_cleanup.process_start_time(os.getpid()) != ""
+
+
+def test_a_sweep_never_takes_a_node_folder_being_made(tmp_path: Path) -> None:
+    """Two nodes start side by side (`gpushare up` starts its nodes in threads), each sweeping stale folders first:
+    a sweep that ran between another node's `mkdir` and its owner file took that node's folder (seen once: the
+    second node of `make run` vanished while starting). Folders are now made, owner and all, under the lock the
+    sweep holds."""
+    import threading
+
+    parent = tmp_path / "nodes"
+    made: list[Path] = []
+    stop = threading.Event()
+
+    def make(n: int) -> None:
+        for i in range(n):
+            made.append(node_cleanup.make_node_folder(f"n{i}", parent))
+
+    def sweep() -> None:
+        while not stop.is_set():
+            node_cleanup.sweep_stale(parent)
+
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    makers = [threading.Thread(target=make, args=(40,)) for _ in range(2)]
+    for t in makers:
+        t.start()
+    for t in makers:
+        t.join()
+    stop.set()
+    sweeper.join()
+    assert len(made) == 80 and all(f.is_dir() and node_cleanup.owner_alive(f) for f in made)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from devstack.cluster import Paths
+from devstack.cluster import Paths, node_cleanup
 from tests.e2e.test_up import _up
 
 pytestmark = pytest.mark.e2e
@@ -52,5 +52,9 @@ async def test_make_run_runs_the_demo_as_real_containers_on_a_device_plugin_and_
         assert b["ALIYUN_COM_GPU_MEM_IDX"] == b["index"], (pod, b)
         assert b["GPUSHARE_GPU_MEMORY_MIB"] == b["mib"], (pod, b)
         assert int(b["ALIYUN_COM_GPU_MEM_CONTAINER"]) * 1024 == int(b["mib"]), (pod, b)
-    assert re.search(r"^  kubelet-gpu-node-1\s+https://127\.0\.0\.1:\d+ \(containerd ", out, re.M), out[-3000:]
+    sockets = re.findall(r"^  kubelet-gpu-node-\d\s+https://127\.0\.0\.1:\d+ \(containerd (\S+)\)$", out, re.M)
+    assert len(sockets) == 2, out[-3000:]
     assert "==> stopped" in out
+    for socket in sockets:  # stopped: nothing of either node is left
+        folder = Path(socket).parents[1]
+        assert not folder.exists() and not node_cleanup.mounts_under(folder) and not node_cleanup.pids_naming(folder)
