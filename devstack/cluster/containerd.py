@@ -24,6 +24,7 @@ from pathlib import Path
 from .buildtools import Progress
 from .images import Image
 from .node_build import CNI_PLUGIN, NodeBinaries, NodeUnavailable
+from .node_cleanup import rss_kib
 
 CNI_NETWORK = "gpushare-loopback"
 K8S_NAMESPACE = "k8s.io"  # the containerd namespace CRI keeps kubelet's images and containers in
@@ -213,7 +214,7 @@ class Containerd:
 
     def rss_kib(self) -> int:
         """containerd's resident memory now (KiB; 0 when it is not running)."""
-        return _rss_kib(self.popen.pid) if self.popen is not None and self.popen.poll() is None else 0
+        return rss_kib(self.popen.pid) if self.popen is not None and self.popen.poll() is None else 0
 
     def log_tail(self, chars: int = 2000) -> str:
         """The end of containerd's log."""
@@ -221,13 +222,3 @@ class Containerd:
             return self.log.read_bytes()[-chars:].decode(errors="replace")
         except OSError:
             return ""
-
-
-def _rss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0

@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
+import secrets
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 OWNER_FILE = "owner"  # in a node folder: "<pid> <process start time>" of the process that owns the node
@@ -61,6 +63,30 @@ def owner_alive(folder: Path) -> bool:
 def write_owner(folder: Path) -> None:
     """Name this process as the owner of the node in `folder`."""
     (folder / OWNER_FILE).write_text(f"{os.getpid()} {process_start_time(os.getpid())}\n")
+
+
+@contextlib.contextmanager
+def nodes_lock(parent: Path) -> Iterator[None]:
+    """Hold `parent/.lock`: a node folder is made (with its owner) and stale ones are swept one at a time, across
+    processes and threads, so a sweep never takes a folder whose owner is about to be written."""
+    parent.mkdir(parents=True, exist_ok=True)
+    with (parent / ".lock").open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def make_node_folder(name: str, parent: Path | None = None) -> Path:
+    """A new folder for node `name` (`parent/<8 hex>`, its owner this process, its name in `node`)."""
+    parent = parent or nodes_parent()
+    with nodes_lock(parent):
+        folder = parent / secrets.token_hex(4)
+        folder.mkdir()
+        write_owner(folder)
+        (folder / NODE_FILE).write_text(name + "\n")
+    return folder
 
 
 def cgroup_mounts() -> list[Path]:
@@ -120,6 +146,17 @@ def pids_naming(folder: Path) -> set[int]:
             if marker in (entry / "cmdline").read_bytes():
                 out.add(int(entry.name))
     return out
+
+
+def rss_kib(pid: int) -> int:
+    """A process's resident memory now (KiB; 0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def kill(pids: Iterable[int]) -> None:
@@ -203,20 +240,18 @@ def sweep_stale(parent: Path | None = None, progress: Callable[[str], None] | No
     """Clean up every node folder under `parent` whose owner process is gone (a test or `gpushare up` that was
     killed); returns the folders cleaned."""
     parent = parent or nodes_parent()
-    swept = []
+    swept: list[Path] = []
     if not parent.is_dir():
         return swept
-    for folder in sorted(parent.iterdir()):
-        if not folder.is_dir() or owner_alive(folder):
-            continue
-        with contextlib.suppress(OSError):  # a node being made this moment has not named its owner yet
-            if not (folder / OWNER_FILE).exists() and time.time() - folder.stat().st_mtime < 60:
+    with nodes_lock(parent):
+        for folder in sorted(p for p in parent.iterdir() if p.is_dir()):
+            if owner_alive(folder):
                 continue
-        problems = cleanup(folder)
-        swept.append(folder)
-        if progress is not None:
-            state = f"; left: {'; '.join(problems)}" if problems else ""
-            progress(f"cleaned up the stale node {folder.name} (its owner is gone){state}")
+            problems = cleanup(folder)
+            swept.append(folder)
+            if progress is not None:
+                state = f"; left: {'; '.join(problems)}" if problems else ""
+                progress(f"cleaned up the stale node {folder.name} (its owner is gone){state}")
     return swept
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .node_build import NodeUnavailable
+from .node_cleanup import rss_kib
 
 DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"  # pluginapi.DevicePluginPath, kubelet's fixed folder
 IN_NAMESPACE = (
@@ -232,13 +233,7 @@ class RealKubelet:
         if not self.running():
             return 0
         assert self.popen is not None
-        try:
-            for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
+        return rss_kib(self.popen.pid)
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of kubelet's log."""

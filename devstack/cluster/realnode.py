@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import ssl
 import time
 import urllib.error
@@ -179,13 +178,8 @@ class RealNode:
         images = self.images = node_images_for(binaries, self.progress)
         node_cleanup.sweep_stale(progress=self.progress)
         t0 = time.monotonic()
-        parent = node_cleanup.nodes_parent()
-        parent.mkdir(parents=True, exist_ok=True)
-        tag = secrets.token_hex(4)
-        self.folder = parent / tag
-        self.folder.mkdir()
-        node_cleanup.write_owner(self.folder)
-        (self.folder / node_cleanup.NODE_FILE).write_text(self.name + "\n")
+        self.folder = node_cleanup.make_node_folder(self.name)
+        tag = self.folder.name
         self._started = True
         try:
             self.cgroup_root = f"/gpushare-{self.name}-{tag}"

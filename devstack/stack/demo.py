@@ -149,10 +149,15 @@ async def submit_demo(
 
         deployments = printing_environment(deployments, image)
     for dep in deployments:
-        try:
-            await apps.create_namespaced_deployment(namespace, dep)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            await apps.replace_namespaced_deployment(dep["metadata"]["name"], namespace, dep)
+        await apply_deployment(apps, namespace, dep)
     return deployments
+
+
+async def apply_deployment(apps: client.AppsV1Api, namespace: str, dep: dict[str, Any]) -> None:
+    """Create a Deployment, or replace the one of that name."""
+    try:
+        await apps.create_namespaced_deployment(namespace, dep)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        await apps.replace_namespaced_deployment(dep["metadata"]["name"], namespace, dep)

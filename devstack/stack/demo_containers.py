@@ -50,19 +50,12 @@ def dra_demo_deployment(deployments: list[dict[str, Any]], image: str) -> dict[s
 async def submit_dra_demo(api: Any, deployments: list[dict[str, Any]], image: str) -> int:
     """Create (or replace) the DRA part of the demo in its opted-in namespace; returns its pod count."""
     from kubernetes_asyncio import client
-    from kubernetes_asyncio.client.exceptions import ApiException
 
+    from devstack.stack.demo import apply_deployment
     from devstack.stack.webhook import opt_in
 
     await opt_in(api, DRA_DEMO_NAMESPACE)
-    dep = dra_demo_deployment(deployments, image)
-    apps = client.AppsV1Api(api)
-    try:
-        await apps.create_namespaced_deployment(DRA_DEMO_NAMESPACE, dep)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-        await apps.replace_namespaced_deployment(dep["metadata"]["name"], DRA_DEMO_NAMESPACE, dep)
+    await apply_deployment(client.AppsV1Api(api), DRA_DEMO_NAMESPACE, dra_demo_deployment(deployments, image))
     return DRA_DEMO_REPLICAS
 
 

@@ -16,6 +16,7 @@ from devstack.cluster import Paths
 from devstack.cluster.buildtools import ControlPlaneUnavailable
 from tests import system_tools
 from tests.e2e.conftest import api, namespace, stack  # noqa: F401  (the e2e tier's module-scoped stack)
+from tests.e2e.test_up import up_database  # noqa: F401  (a database for `gpushare up`)
 
 REQUIRE_ENV = "GPUSHARE_REQUIRE_REAL_NODES"
 
