@@ -1,13 +1,15 @@
-"""The chart for real: `helm install` of charts/gpushare, single-machine values, into the local control plane with a
-real node (kubelet v1.37.2, containerd, runc), every part a pod of an image built here without a container engine
+"""The chart for real: `helm install` of charts/gpushare, single-machine values, into the local control plane with
+two real nodes on this machine (kubelet v1.37.2, containerd, runc each), the install on one of them (the other,
+labelled for the node agent too, shows it stays off), every part a pod of an image built here without a container engine
 (devstack/images: gpushare's, PostgreSQL's, NATS'), imported with `ctr images import`; `helm test`; a GPU pod placed
 by the real kube-scheduler calling the extender in its pod; `helm upgrade` to a build with the next schema revision.
 
 One scenario runs once for the module (`scenario`), recording what it saw at each step; each test checks one
 promise against that record, so the tests hold in any order:
 
-1. install: PostgreSQL, NATS, extender, binder, accounting and the node agent's DaemonSet all Running and ready,
-   the migration Job complete, every server listening on 127.0.0.1 only (nothing beyond loopback);
+1. install: PostgreSQL, NATS, extender, binder, accounting and the node agent's DaemonSet all Running and ready
+   on the one node, the migration Job complete, every server listening on 127.0.0.1 only (nothing beyond
+   loopback);
 2. `helm test` passes (each service's /readyz, NATS' JetStream health, `gpushare inspect` through accounting);
 3. a pod asking 4 GiB of `aliyun.com/gpu-mem` runs, and the environment its container printed is its ledger share
    (read through accounting's pod);
@@ -56,6 +58,9 @@ from tests.waiting import eventually
 pytestmark = pytest.mark.e2e
 
 NODE = "gpu-node-1"
+# A second real node on the same machine, labelled for the node agent too: the install stays off it
+# (singleMachine.nodeSelector), or its host-network pods would want the same ports twice.
+OTHER_NODE = "gpu-node-2"
 FAKE_GPUS = "2x16GiB:Tesla-T4"
 WORK = "gpu-work"
 EXTENDER_PATH = "/gpushare-scheduler"
@@ -95,6 +100,7 @@ class Scenario:
     after: Placed | None = None
     upgraded_images: dict[str, str] = field(default_factory=dict)
     charged_after: dict[str, int] = field(default_factory=dict)
+    other_node_gpu_mem: str = "-"
     diagnosis: str = ""  # the pods' states, logs and warnings when helm install or upgrade failed
 
 
@@ -150,7 +156,7 @@ async def _schema_revision(api: client.ApiClient, port: int) -> str:
 
 
 def _report(s: Scenario) -> str:
-    lines = ["real chart tier (one real node, kubelet v1.37.2):"]
+    lines = ["real chart tier (two real nodes on one machine, the install on one; kubelet v1.37.2):"]
     for name, image in s.images.items():
         lines.append(
             f"  image {name:9} {image.name}: {image.layer_bytes / 2**20:6.1f} MiB compressed in "
@@ -178,11 +184,16 @@ async def scenario(real_node_reason: str) -> AsyncIterator[Scenario]:
         s.images[name], s.seconds[f"build {name}"] = await asyncio.to_thread(_built, build)
     extender = ExtenderConfig(url_prefix=f"http://127.0.0.1:{s.ports['extender']}{EXTENDER_PATH}")
     cp = ControlPlane(extender, service_account_tokens=True, work_dir=work / "cluster")
-    node: RealNode | None = None
+    nodes: list[RealNode] = []
     try:
         await asyncio.to_thread(cp.start)
         node = RealNode(NODE, cp, labels={"gpushare": "true"}, log_dir=work / "logs")
-        await asyncio.to_thread(node.start)
+        other = RealNode(OTHER_NODE, cp, labels={"gpushare": "true"}, log_dir=work / "logs")
+        nodes = [node, other]
+        started = await asyncio.gather(*(asyncio.to_thread(n.start) for n in nodes), return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]
         assert node.containerd is not None
         started = time.monotonic()
         for image in s.images.values():
@@ -195,8 +206,7 @@ async def scenario(real_node_reason: str) -> AsyncIterator[Scenario]:
             await api.close()
         yield s
     finally:
-        if node is not None:
-            await asyncio.to_thread(node.stop)
+        await asyncio.gather(*(asyncio.to_thread(n.stop) for n in nodes))
         await asyncio.to_thread(cp.stop)
         shutil.rmtree(work, ignore_errors=True)
         print("\n" + _report(s), file=sys.stderr)
@@ -234,6 +244,8 @@ async def _run(s: Scenario, cp: ControlPlane, node: RealNode, api: client.ApiCli
     s.installed_pods = await _pods(api, i.NAMESPACE)
     s.installed_jobs = {j.metadata.uid for j in (await client.BatchV1Api(api).list_namespaced_job(i.NAMESPACE)).items}
     s.listening = {name: listening_addresses(port) for name, port in s.ports.items()}
+    other = await core.read_node(OTHER_NODE)
+    s.other_node_gpu_mem = (other.status.allocatable or {}).get("aliyun.com/gpu-mem", "")
     s.helm_test = await helm("helm test", "test", i.RELEASE, "-n", i.NAMESPACE, "--logs", "--timeout", "3m")
     s.seconds.update(helm.seconds)
 
@@ -325,6 +337,14 @@ def test_every_part_runs_as_a_pod_of_the_local_images(scenario: Scenario) -> Non
     assert images == {scenario.images[n].name for n in ("gpushare", "postgres", "nats")}
     (migration,) = by_app["gpushare-migrate"]
     assert migration["status"]["phase"] == "Succeeded"
+
+
+def test_the_install_stays_on_its_one_node_of_the_machine(scenario: Scenario) -> None:
+    """Both real nodes are labelled gpushare=true; only the one singleMachine.nodeSelector names runs gpushare (the
+    node agent's DaemonSet included), so no port of the machine is wanted twice."""
+    _installed(scenario)
+    assert {p["spec"].get("nodeName") for p in scenario.installed_pods} == {NODE}
+    assert scenario.other_node_gpu_mem in ("", "0"), "the other node has no node agent, so no GPU capacity"
 
 
 def test_every_server_listens_on_loopback_only(scenario: Scenario) -> None:
