@@ -8,13 +8,17 @@
         wheels/<key>/           the gpushare wheel built from a source tree of that content hash
 
 A build holds `.lock` (another build of the same cache waits); a finished archive is written atomically, so a
-rerun with the same inputs reads its description and builds nothing.
+rerun with the same inputs reads its description and builds nothing. Each new archive prunes the cache: the
+`KEEP` archives of each repository used last stay (a hit counts as a use), with their layers and wheels; older
+ones go, so a checkout edited all day does not fill the disk with one archive per edit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +28,9 @@ from devstack.cluster.buildtools import cache_dir
 
 from .oci import BlobStore, Layer
 
-__all__ = ["BuiltImage", "ImageCache", "input_key"]
+__all__ = ["KEEP", "BuiltImage", "ImageCache", "input_key"]
+
+KEEP = 3  # archives of each repository kept, the ones used last
 
 
 def input_key(*parts: str | bytes) -> str:
@@ -115,6 +121,7 @@ class ImageCache:
         if not (tar.is_file() and meta.is_file()):
             return None
         data = json.loads(meta.read_text())
+        os.utime(meta)  # used now: pruning keeps the archives used last
         return BuiltImage(
             data["name"],
             tar,
@@ -127,6 +134,38 @@ class ImageCache:
     def remember_archive(self, key: str, image: BuiltImage) -> None:
         meta = self.archive_path(key).with_suffix(".json")
         meta.write_text(json.dumps(image.to_json(), indent=1))
+        self.prune()
+
+    def prune(self, keep: int = KEEP) -> list[Path]:
+        """Remove all but the `keep` archives of each repository used last, and the layers, blobs and wheels no
+        kept archive holds (call it holding the lock); returns what it removed."""
+        described = sorted((self.root / "archives").glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        kept: dict[str, list[dict[str, Any]]] = {}
+        removed: list[Path] = []
+        for meta in described:
+            data = json.loads(meta.read_text())
+            repository = str(data["name"]).rsplit(":", 1)[0]
+            if len(kept.setdefault(repository, [])) < keep:
+                kept[repository].append(data)
+                continue
+            for path in (meta, meta.with_suffix(".tar")):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        held = {layer["digest"] for images in kept.values() for image in images for layer in image["layers"]}
+        wheels = {str(image.get("details", {}).get("wheel_dir", "")) for images in kept.values() for image in images}
+        for entry in (self.root / "layers").glob("*.json"):
+            if json.loads(entry.read_text())["digest"] not in held:
+                entry.unlink()
+                removed.append(entry)
+        for blob in (self.root / "blobs" / "sha256").glob("*"):
+            if blob.is_file() and f"sha256:{blob.name}" not in held:
+                blob.unlink()
+                removed.append(blob)
+        for folder in (self.root / "wheels").glob("*"):
+            if folder.is_dir() and str(folder) not in wheels:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+        return removed
 
     def wheel_dir(self, key: str) -> Path:
         return self.root / "wheels" / key

@@ -467,4 +467,5 @@ def _build(
     )
     done()
     details["wheel"] = wheel.name
+    details["wheel_dir"] = str(wheel.parent)
     return [base, deps, app], details
