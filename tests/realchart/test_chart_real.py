@@ -102,6 +102,7 @@ class Scenario:
     charged_after: dict[str, int] = field(default_factory=dict)
     other_node_gpu_mem: str = "-"
     diagnosis: str = ""  # the pods' states, logs and warnings when helm install or upgrade failed
+    kept: str = ""  # the scenario's folder, kept with every log when it stopped short
 
 
 def _built(build: Any, *args: Any) -> tuple[BuiltImage, float]:
@@ -166,6 +167,8 @@ def _report(s: Scenario) -> str:
     for step in ("import", "import next", "install to all-ready", "helm test", "upgrade to all-ready"):
         if step in s.seconds:
             lines.append(f"  {step:22} {s.seconds[step]:6.1f} s")
+    if s.kept:
+        lines.append(f"  stopped short: logs kept in {s.kept}")
     return "\n".join(lines)
 
 
@@ -208,7 +211,10 @@ async def scenario(real_node_reason: str) -> AsyncIterator[Scenario]:
     finally:
         await asyncio.gather(*(asyncio.to_thread(n.stop) for n in nodes))
         await asyncio.to_thread(cp.stop)
-        shutil.rmtree(work, ignore_errors=True)
+        if s.after is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # the scenario stopped short: keep kubelet's, containerd's and the control plane's logs
+            s.kept = str(work)
         print("\n" + _report(s), file=sys.stderr)
 
 
