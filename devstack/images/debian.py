@@ -39,7 +39,6 @@ LEFT_OUT = (
     "usr/share/bash-completion/",
     "etc/init.d/",
     "etc/logrotate.d/",
-    "lib/systemd/",
     "usr/lib/systemd/",
 )
 KEPT = re.compile(r"usr/share/doc/[^/]+/copyright")
@@ -114,11 +113,15 @@ def download(packages: Iterable[DebianPackage], folder: Path, progress: Progress
         progress(f"downloading {len(todo)} Debian packages into {folder}")
         try:
             run(["apt-get", "download", "-q", *(p.pin for p in todo)], progress, cwd=folder)
-        except ControlPlaneUnavailable:
+        except ControlPlaneUnavailable as exc:
             if not can_apt():
                 raise
-            apt_update(progress, force=True)  # a point release replaced a version: fetch the lists again
-            raise
+            # a point release replaced a version the lists still name: fetch them again, so that a rerun resolves
+            # (and downloads) the versions the mirror serves now
+            apt_update(progress, force=True)
+            raise ControlPlaneUnavailable(
+                f"{exc.reason}\napt's package lists were out of date and are refreshed now: build again"
+            ) from exc
         for pkg in todo:
             found = sorted(folder.glob(pkg.filename() + "*.deb"))
             if not found:

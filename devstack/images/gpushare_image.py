@@ -304,8 +304,10 @@ def _install_wheel(root: Path, wheel_path: Path) -> list[PurePosixPath]:
             )
             path.chmod(0o755)
             added.add(VENV / "bin" / script)
-    for path in site.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    for top in added:  # the wheel's own files: readable by everyone, written by no one but root
+        for path in [root / top, *(root / top).rglob("*")]:
+            if not path.is_symlink():
+                path.chmod(0o755 if path.is_dir() or path.parent.name == "bin" else 0o644)
     return sorted(added)
 
 

@@ -86,7 +86,6 @@ def chroot_run(
     env: Mapping[str, str] | None = None,
     user: str | None = None,
     timeout: float = 600,
-    cwd: str = "/",
 ) -> subprocess.CompletedProcess[str]:
     """`cmd` run inside `root` with the image's own programs (`chroot`, root only), with only `env` set (the
     image has no `env` program: the environment is the chroot's own)."""
@@ -96,8 +95,6 @@ def chroot_run(
     args = [chroot]
     if user:
         args.append(f"--userspec={user}")
-    if cwd != "/":
-        raise ValueError("chroot_run runs from /")
     return subprocess.run(
         [*args, str(root), *cmd], env=dict(env or {}), capture_output=True, text=True, timeout=timeout, check=False
     )

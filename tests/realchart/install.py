@@ -62,9 +62,9 @@ def build_next_image(work: Path) -> BuiltImage:
 
 def storage(folder: Path) -> list[dict[str, Any]]:
     """A StorageClass without a provisioner and a hostPath PersistentVolume for each of the chart's claims
-    (PostgreSQL runs as uid 999, NATS as 1000), its folder made under `folder`. Every folder above must be open to
-    others (0755): under pytest's private temporary folder (0700) both servers were refused writing into their own
-    volume ("Permission denied" from initdb and nats-server, as uid 999 and 1000, seen with runc v1.5.3)."""
+    (PostgreSQL runs as uid 999, NATS as 1000), its folder made under `folder` and owned by that uid. Each volume is
+    bound to its claim beforehand (`claimRef`): the two are alike, and left to the binder a claim took the other
+    server's folder about one run in two ("Permission denied" from initdb and nats-server)."""
     objects: list[dict[str, Any]] = [
         {
             "apiVersion": "storage.k8s.io/v1",
@@ -89,6 +89,7 @@ def storage(folder: Path) -> list[dict[str, Any]]:
                     "storageClassName": STORAGE_CLASS,
                     "persistentVolumeReclaimPolicy": "Retain",
                     "hostPath": {"path": str(path), "type": "Directory"},
+                    "claimRef": {"namespace": NAMESPACE, "name": f"data-{name}-0"},  # the StatefulSet's claim
                 },
             }
         )

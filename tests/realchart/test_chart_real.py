@@ -220,7 +220,7 @@ async def scenario(real_node_reason: str) -> AsyncIterator[Scenario]:
 
 async def _run(s: Scenario, cp: ControlPlane, node: RealNode, api: client.ApiClient, work: Path) -> None:
     core = client.CoreV1Api(api)
-    storage = i.storage(node.folder / "volumes")  # not under pytest's private folder: see install.storage
+    storage = i.storage(node.folder / "volumes")  # removed with the node
     await client.StorageV1Api(api).create_storage_class(storage[0])
     for pv in storage[1:]:
         await core.create_persistent_volume(pv)
