@@ -206,6 +206,16 @@ class PostgresPair:
         try:
             await conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{standby.name}'")
             await conn.execute("SELECT pg_reload_conf()")
+        finally:
+            await conn.close()
+        await self._wait_synchronous(primary, standby, timeout_s)
+
+    async def _wait_synchronous(self, primary: PostgresNode, standby: PostgresNode, timeout_s: float) -> None:
+        """Until `standby` streams from `primary` as a synchronous standby."""
+        import asyncpg
+
+        conn = await asyncpg.connect(primary.url())
+        try:
             deadline = time.monotonic() + timeout_s
             while True:
                 state = await conn.fetchval(
@@ -220,6 +230,26 @@ class PostgresPair:
             await conn.close()
 
     # -- faults
+    def stop_standby(self) -> PostgresNode:
+        """Stop the standby (fast shutdown): with `synchronous_standby_names` still naming it, every COMMIT on the
+        primary that writes waits until it is back, as a two-instance cluster with required synchronous
+        replication does when it loses one instance. Returns the node."""
+        node = self.standby
+        if node is None:
+            raise RuntimeError("no standby to stop (a failover left the pair without one)")
+        self._stop_node(node)
+        return node
+
+    async def start_standby(self, timeout_s: float = 120.0) -> None:
+        """Start the stopped standby again and wait until it is the primary's synchronous standby (the COMMITs held
+        meanwhile complete then)."""
+        node = self.standby
+        if node is None:
+            raise RuntimeError("no standby to start (a failover left the pair without one)")
+        if node.pid() is None:
+            await asyncio.to_thread(self._start_node, node, timeout_s)
+        await self._wait_synchronous(self.primary, node, timeout_s)
+
     def kill9_primary(self) -> PostgresNode:
         """SIGKILL the primary's postmaster and every process of it at once (a crashed pod or machine); returns
         the node."""

@@ -46,10 +46,10 @@ COMMIT = "COMMIT;"  # what asyncpg's Transaction sends (SQLAlchemy's adapter com
 NO_CLIENT_TIMEOUT = 365 * 86_400.0  # a COMMIT's own wait: the watch keeps the deadline, never asyncpg (it cancels)
 PROBE_SQL = "SELECT pg_logical_emit_message(true, 'gpushare', 'commit probe')"
 ACTIVITY_SQL = (
-    "SELECT (SELECT coalesce(wait_event_type || ':' || wait_event, state) FROM pg_stat_activity WHERE pid = $1),"
-    " current_setting('synchronous_standby_names')"
+    "SELECT (SELECT state || coalesce(', waiting on ' || wait_event_type || ':' || wait_event, '')"
+    " FROM pg_stat_activity WHERE pid = $1), current_setting('synchronous_standby_names')"
 )
-SYNC_REP = "IPC:SyncRep"
+SYNC_REP = "active, waiting on IPC:SyncRep"
 REMIND_S = 30.0
 
 # why the ledger cannot commit (the metric's `reason` label)
@@ -219,7 +219,7 @@ class CommitWatch:
                 f"{waited} (is a standby down?)",
                 SYNCHRONOUS_STANDBY,
             )
-        where = f"the server lists it as {activity}" if activity else "the server no longer lists its session"
+        where = f"the server lists its session as {activity}" if activity else "the server no longer lists its session"
         return f"the ledger's commit did not finish within {waited} ({where})", SLOW_COMMIT
 
     async def _activity(self, pid: int) -> tuple[str | None, str]:

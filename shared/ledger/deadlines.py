@@ -6,8 +6,8 @@
 - a connection from the process's pool: `checkout_s`, SQLAlchemy's pool timeout;
 - a lock inside a statement (a row, an advisory lock, another transaction's insert of the same key): `lock_s`,
   PostgreSQL's `lock_timeout`;
-- a statement: `statement_s`, PostgreSQL's `statement_timeout`; the client gives up `CLIENT_MARGIN_S` later (a
-  server that answers nothing);
+- a statement: `statement_s`, PostgreSQL's `statement_timeout`; the client gives up `CLIENT_MARGIN_S` (at most
+  `statement_s`) later, on a server that answers nothing;
 - COMMIT: `commit_s`, kept by the client (`commit_watch.CommitWatch.commit`).
 
 COMMIT needs its own rule: PostgreSQL stops the statement timer before it commits, so a COMMIT that waits for a
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CLIENT_MARGIN_S = 5.0  # the client gives up on a statement this long after the server's statement_timeout
+CLIENT_MARGIN_S = 5.0  # the client gives up on a statement up to this long after the server's statement_timeout
 STATEMENT_FACTOR = 6  # statements get this many times the one knob (`Deadlines.from_seconds`): a big read is slow
 
 
@@ -62,7 +62,7 @@ class Deadlines:
     @property
     def client_statement_s(self) -> float:
         """When the client stops waiting for a statement's answer (the server's own timeout fires first)."""
-        return self.statement_s + CLIENT_MARGIN_S
+        return self.statement_s + min(CLIENT_MARGIN_S, self.statement_s)
 
 
 def _ms(seconds: float) -> str:
