@@ -213,7 +213,7 @@ async def test_readiness_metrics_and_log_say_the_ledger_cannot_commit_and_recove
 
             await eventually(lambda: _status(readyz, 200), what="/readyz 200 once started", within=FOR_EVER_S)
             pair.stop_standby()
-            status, body = await eventually(
+            _, body = await eventually(
                 lambda: _status(readyz, 503), what="/readyz 503 while COMMITs are held", within=FOR_EVER_S
             )
             assert HELD in body["reason"], body

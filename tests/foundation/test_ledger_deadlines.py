@@ -194,7 +194,9 @@ async def test_a_commit_that_does_not_come_back_is_settled_by_the_retry(short: A
             select(func.count()).where(allocations.c.pod_uid == "pod-unknown", allocations.c.ended_at.is_(None))
         )
         assert live.scalar_one() == 1
-        staged = await conn.execute(select(func.count()).select_from(outbox).where(outbox.c.subject.like("%.reserved.%")))
+        staged = await conn.execute(
+            select(func.count()).select_from(outbox).where(outbox.c.subject.like("%.reserved.%"))
+        )
         assert staged.scalar_one() == 2, "one reserved event per reservation (pod-unknown, pod-next)"
 
 
