@@ -368,12 +368,12 @@ class _Metrics(Collector):
             seconds.add_metric([blocked.kind], time.monotonic() - blocked.since)
         yield seconds
         yield CounterMetricFamily(
-            "gpushare_ledger_commits_unconfirmed",
+            "gpushare_ledger_commits_unconfirmed_total",
             "COMMITs that missed their deadline; each is settled by the caller's idempotent retry",
             value=w.unconfirmed,
         )
         yield CounterMetricFamily(
-            "gpushare_ledger_commits_refused",
+            "gpushare_ledger_commits_refused_total",
             "Write transactions refused at once while the ledger's commits were held",
             value=w.refused,
         )
