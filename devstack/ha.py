@@ -250,6 +250,54 @@ class PostgresPair:
             await asyncio.to_thread(self._start_node, node, timeout_s)
         await self._wait_synchronous(self.primary, node, timeout_s)
 
+    async def add_standby(self, timeout_s: float = 120.0) -> PostgresNode:
+        """One more standby, built from the primary and streaming from it (not synchronous until
+        `set_synchronous` names it). Clients' URLs stay as they were: it is a standby only."""
+        node = PostgresNode(f"pg{len(self.nodes)}", self.root / f"pg{len(self.nodes)}" / "data", free_port())
+        node.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        if self._prefix:
+            _prepare_as_root(node.data_dir)
+        await asyncio.to_thread(self._build_standby, node, self.primary, timeout_s)
+        self.nodes.append(node)
+        return node
+
+    async def set_synchronous(self, names: str, timeout_s: float = 120.0) -> None:
+        """`synchronous_standby_names = names` on the primary (e.g. `ANY 1 (pg1, pg2)`), once every standby it
+        names streams (quorum standbys show as `quorum`, a single one as `sync`)."""
+        import asyncpg
+
+        conn = await asyncpg.connect(self.primary.url())
+        try:
+            await conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{names}'")
+            await conn.execute("SELECT pg_reload_conf()")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                states = await conn.fetch("SELECT application_name, sync_state FROM pg_stat_replication")
+                if sum(r["sync_state"] in ("sync", "quorum") for r in states) >= 1:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no synchronous standby for {names!r} after {timeout_s}s: {states}")
+                await asyncio.sleep(0.1)
+        finally:
+            await conn.close()
+
+    def stop_node(self, node: PostgresNode) -> None:
+        """Stop one server (fast shutdown), standby or not."""
+        self._stop_node(node)
+
+    async def start_node(self, node: PostgresNode, timeout_s: float = 120.0) -> None:
+        """Start a stopped server again on its data."""
+        if node.pid() is None:
+            await asyncio.to_thread(self._start_node, node, timeout_s)
+
+    def remove_standby(self, node: PostgresNode) -> None:
+        """Stop a standby added by `add_standby` and forget it (its data deleted)."""
+        if node in self.nodes[:2]:
+            raise ValueError(f"{node.name} is one of the pair, not an added standby")
+        self._stop_node(node)
+        self.nodes.remove(node)
+        shutil.rmtree(node.data_dir.parent, ignore_errors=True)
+
     def kill9_primary(self) -> PostgresNode:
         """SIGKILL the primary's postmaster and every process of it at once (a crashed pod or machine); returns
         the node."""
