@@ -41,10 +41,21 @@ from shared.ledger.group_commit import GroupCommit
 from shared.ledger.reservations import Reservation, ReservationRequest
 from shared.runtime import Listen, ServiceRuntime
 from shared.settings import Settings
-from tests.foundation.test_pg_failover import DB, NODE, _ledger, _live, _request, _staged, _wait_sync_rep, pair
+from tests.foundation.test_pg_failover import (
+    DB,
+    NODE,
+    _ledger,
+    _live,
+    _request,
+    _staged,
+    _wait_sync_rep,
+    ha_engine,
+    healthy,
+    pair,
+)
 from tests.waiting import eventually
 
-__all__ = ["pair"]  # the module's replicated servers (test_pg_failover's fixture)
+__all__ = ["ha_engine", "healthy", "pair"]  # test_pg_failover's fixtures: the replicated servers, an engine on them
 
 HELD = "waiting for a synchronous standby"
 COMMIT_S = Deadlines().commit_s  # the default deadline: what a service runs with
@@ -52,23 +63,16 @@ FOR_EVER_S = 60.0
 
 
 @pytest.fixture
-async def engine_on_pair(pair: PostgresPair) -> AsyncIterator[AsyncEngine]:
-    """An engine (default deadlines) on the pair, the ledger emptied; the standby running again afterwards."""
-    from sqlalchemy import text
-
-    engine = make_engine(pair.url(DB), pool_size=4)
-    async with engine.begin() as conn:
-        await conn.execute(
-            text("TRUNCATE allocation_parts, allocations, gpus, nodes, outbox, applied_events, quotas CASCADE")
-        )
+async def engine_on_pair(pair: PostgresPair, ha_engine: AsyncEngine) -> AsyncIterator[AsyncEngine]:
+    """test_pg_failover's engine on the pair (default deadlines, the ledger emptied); the standby running again
+    afterwards, the engine's commit probe stopped."""
     try:
-        yield engine
+        yield ha_engine
     finally:
         await pair.start_standby()
-        watch = watch_of(engine)
+        watch = watch_of(ha_engine)
         assert watch is not None
         await watch.close()
-        await engine.dispose()
 
 
 async def _sync_rep_waiters(pair: PostgresPair) -> int:
