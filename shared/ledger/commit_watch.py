@@ -135,9 +135,15 @@ class CommitWatch:
         """Why the ledger cannot commit (None while it can)."""
         return self.blocked.reason if self.blocked is not None else None
 
+    @property
+    def holding(self) -> bool:
+        """Whether COMMITs are refused now: they are held, and the probe will tell when they pass (without a probe
+        the server refused, real COMMITs are the only way to find out, so none is refused)."""
+        return self.blocked is not None and self.blocked.held and self._probe_enabled
+
     def refuse_if_held(self) -> None:
         """Raise `CommitsRefused` while COMMITs are held: a write begun now could only wait too."""
-        if self.blocked is not None and self.blocked.held:
+        if self.blocked is not None and self.holding:
             self.refused += 1
             raise CommitsRefused(self.blocked.reason)
 
@@ -184,7 +190,7 @@ class CommitWatch:
     # ---- the COMMIT rule ---------------------------------------------------------------------------------
     async def commit(self, conn: LedgerConnection) -> str:
         """COMMIT `conn`'s transaction within the deadline, or refuse it while COMMITs are held (see the module)."""
-        if self.blocked is not None and self.blocked.held:
+        if self.blocked is not None and self.holding:
             await conn.send_rollback()
             self.refused += 1
             raise CommitsRefused(self.blocked.reason)
@@ -262,7 +268,7 @@ class CommitWatch:
                 self._prober = asyncio.get_running_loop().create_task(self._until_committing(), name="ledger-probe")
 
     async def _until_committing(self) -> None:
-        while self.blocked is not None and not self._closed and not self._periodic:
+        while self.blocked is not None and self._probe_enabled and not self._closed and not self._periodic:
             if not await self.probe():
                 await asyncio.sleep(self.recheck_s)
 
@@ -272,19 +278,9 @@ class CommitWatch:
         if not self._probe_enabled:
             return self.blocked is None
         self.probes += 1
-        try:
-            conn = await self._connection()
-            await conn.execute("BEGIN;")
-            await conn.execute(PROBE_SQL)
-        except (asyncpg.InsufficientPrivilegeError, asyncpg.UndefinedFunctionError) as exc:
-            self._probe_enabled = False
-            await self._drop_connection()
-            log.warning("the ledger's commit probe cannot run (%s): real commits alone tell whether it commits", exc)
+        conn = await self._begin_probe()
+        if conn is None:
             return self.blocked is None
-        except Exception as exc:
-            await self._drop_connection()
-            self._block(f"the ledger cannot be reached: {_short(exc)}", UNREACHABLE, held=False)
-            return False
         sending = asyncio.ensure_future(conn.send_commit())
         if not await _within(sending, self.deadlines.commit_s, conn):
             if not await self._held(conn, sending):
@@ -297,6 +293,30 @@ class CommitWatch:
             return False
         self._committed()
         return True
+
+    async def _begin_probe(self) -> LedgerConnection | None:
+        """The probe's connection inside its transaction, the message written; None when that failed (blocked as
+        unreachable, or the probe disabled where the server refuses the function). A kept connection the server
+        dropped meanwhile (a restart) is replaced once before that counts."""
+        for attempt in (1, 2):
+            kept = self._probe_conn is not None and not self._probe_conn.is_closed()
+            try:
+                conn = await self._connection()
+                await conn.execute("BEGIN;")
+                await conn.execute(PROBE_SQL)
+                return conn
+            except (asyncpg.InsufficientPrivilegeError, asyncpg.UndefinedFunctionError) as exc:
+                self._probe_enabled = False
+                await self._drop_connection()
+                log.warning("the ledger's commit probe cannot run (%s): only real commits tell whether it commits", exc)
+                return None
+            except Exception as exc:
+                await self._drop_connection()
+                if kept and attempt == 1:
+                    continue
+                self._block(f"the ledger cannot be reached: {_short(exc)}", UNREACHABLE, held=False)
+                return None
+        return None
 
     async def _held(self, conn: LedgerConnection, sending: asyncio.Future[str]) -> bool:
         """The probe's COMMIT missed its deadline: block, then wait for that same COMMIT (it completes when the

@@ -240,7 +240,7 @@ def held_instead(exc: BaseException, engine: AsyncEngine | Engine) -> CommitsRef
     """`CommitsRefused` in place of a statement that gave up waiting while `engine`'s COMMITs are held (None
     otherwise)."""
     watch = watch_of(engine)
-    if watch is None or watch.blocked is None or not watch.blocked.held:
+    if watch is None or watch.blocked is None or not watch.holding:
         return None
     refused = CommitsRefused(watch.blocked.reason)
     refused.__cause__ = exc
