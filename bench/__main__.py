@@ -33,6 +33,7 @@ MODULES = {
     "catchup": "bench.accounting_catchup",
     "annotations": "bench.annotations",
     "dra": "bench.dra_paths",
+    "realnode": "bench.realnode",
 }
 
 

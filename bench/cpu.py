@@ -26,6 +26,8 @@ GROUPS = (
     "kube-controller-manager",
     "nats-server",
     "postgres",
+    "kubelet",  # real nodes (bench.realnode): kubelet, and containerd with the shims it starts
+    "containerd",
 )
 # where they run in a deployment: the Kubernetes control plane, and what gpushare adds to it (its services and
 # the servers they use); the product's CPU per pod is the sum of the second

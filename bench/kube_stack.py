@@ -33,12 +33,14 @@ async def whole_stack(
     gpus: str = GPUS,
     dra_nodes: int = 0,
     controller_manager_extra: Sequence[str] = (),
+    nodes_kind: str = "stand-in",
 ) -> AsyncIterator[Any]:
     """A started Stack (control plane, services, simulated nodes) on a private database and private streams;
     `fleet`: every node's agent and kubelet stand-in in one process (hundreds of nodes), admitting no pods unless
     `fleet_admit`; `max_pods`: each node's pod capacity; `scheduler_qps`: kube-scheduler's API client rate and
     burst; `gpus`: each node's GPUs; `dra_nodes`: how many of the nodes (the last ones) are DRA nodes;
-    `controller_manager_extra`: kube-controller-manager's extra flags.
+    `controller_manager_extra`: kube-controller-manager's extra flags; `nodes_kind`: `real` for real nodes
+    (devstack/stack/realnodes.py).
 
     Raises RuntimeError naming the reason when the local control plane is unavailable.
     """
@@ -75,6 +77,7 @@ async def whole_stack(
             ready_timeout=90.0 + (nodes if fleet else 0),
             dra_nodes=dra_nodes,
             controller_manager_extra=list(controller_manager_extra),
+            nodes_kind=nodes_kind,
         )
         stack = Stack(config)
         try:  # stopped also when starting fails or is cancelled half-way

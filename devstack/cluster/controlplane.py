@@ -445,6 +445,7 @@ class ControlPlane:
         self.kubeconfig_path.chmod(0o600)
         self._client_certificate_kubeconfig(kubeconfig)
         self._front_proxy_certificates()
+        self._kubelet_client_certificate()
         shm = Path("/dev/shm")
         if shm.is_dir() and os.access(shm, os.W_OK):
             self._etcd_data = Path(tempfile.mkdtemp(prefix="gpushare-etcd-", dir=shm))
@@ -470,6 +471,17 @@ class ControlPlane:
         client certificate kube-apiserver proxies with (CN `front-proxy-client`)."""
         self._ca_and_client_cert("front-proxy-ca", "gpushare-dev-front-proxy-ca", "front-proxy-client",
                                  "/CN=front-proxy-client")  # fmt: skip
+
+    def _kubelet_client_certificate(self) -> None:
+        """The client certificate kube-apiserver shows a kubelet (`kubectl logs`, `exec`), signed by a CA of its own
+        that real local kubelets trust (`kubelet_client_ca`, devstack/cluster/realkubelet.py)."""
+        self._ca_and_client_cert("kubelet-client-ca", "gpushare-dev-kubelet-client-ca", "apiserver-kubelet-client",
+                                 "/O=system:masters/CN=kube-apiserver-kubelet-client")  # fmt: skip
+
+    @property
+    def kubelet_client_ca(self) -> Path:
+        """The CA of kube-apiserver's kubelet client certificate: a kubelet trusting it serves the API server."""
+        return self.work_dir / "certs" / "kubelet-client-ca.crt"
 
     def _ca_and_client_cert(self, ca: str, ca_cn: str, client: str, subject: str) -> tuple[Path, Path]:
         """A CA `certs/<ca>.{key,crt}` (CN `ca_cn`) and a client key and certificate `certs/<client>.{key,crt}` it
@@ -606,6 +618,11 @@ class ControlPlane:
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",
+            # kubelets (real local nodes) are reached at their node's InternalIP, 127.0.0.1, and the port the node
+            # reports, with this client certificate; their Hostname address (the node name) resolves nowhere
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={certs / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={certs / 'apiserver-kubelet-client.key'}",
             *self._aggregation_flags(),
             f"--v={self.verbosity}",
         ]

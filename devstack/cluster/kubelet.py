@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,22 @@ def _protos() -> tuple[Any, Any, Any, Any]:
     dp_pb2, dp_grpc = load("deviceplugin")
     pr_pb2, pr_grpc = load("podresources")
     return dp_pb2, dp_grpc, pr_pb2, pr_grpc
+
+
+class RegistrationRefused(Exception):
+    """kubelet refuses a device plugin's registration (its message is kubelet's)."""
+
+
+_QUALIFIED_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def is_extended_resource_name(name: str) -> bool:
+    """`v1helper.IsExtendedResourceName`: a domain-prefixed name outside kubernetes.io whose quota name
+    (`requests.<name>`) is a qualified name (pure)."""
+    if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
+        return False
+    prefix, _, short = f"requests.{name}".partition("/")
+    return len(short) <= 63 and len(prefix) <= 253 and bool(_QUALIFIED_NAME.match(f"requests.{name}"))
 
 
 class AdmissionError(Exception):
@@ -152,6 +169,8 @@ class KubeletStandIn:
         # (pod UID, container) -> the mounts Allocate asked for: (container path, host path)
         self.mounts: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self.registrations: dict[str, int] = {}
+        self.refusals: list[str] = []  # `resource: kubelet's reason` of each refused registration
+        self.dial_timeout_s = 10.0  # kubelet's dial of a registering plugin's endpoint (client.go `dial`)
         self.pod_resources_calls: dict[str, int] = {}  # pod-resources calls answered, by method (List, Get)
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
@@ -221,12 +240,27 @@ class KubeletStandIn:
 
     # -- registration and ListAndWatch ----------------------------------------------------------
     async def _register(self, request: Any) -> None:
+        """kubelet's `server.Register` (pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go): refuse an unsupported
+        version or a resource name that is no extended resource, then dial the plugin's endpoint in the plugin
+        folder for up to `dial_timeout_s` (`dial` in client.go: 10 s) and refuse when it cannot be reached; the
+        answer comes only then. A refusal is a Go error, which reaches the plugin as gRPC UNKNOWN
+        (`RegistrationRefused`)."""
         if request.version != "v1beta1":
-            raise ValueError(f"unsupported device plugin API version {request.version!r}")
+            raise RegistrationRefused(
+                f'requested API version "{request.version}" is not supported by kubelet. Supported version is '
+                '["v1beta1"]'
+            )
+        if not is_extended_resource_name(request.resource_name):
+            raise RegistrationRefused(f'the ResourceName "{request.resource_name}" is invalid')
         old = self.plugins.pop(request.resource_name, None)
         if old is not None:
             await self._drop(old)
         channel = grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}")
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.dial_timeout_s)
+        except TimeoutError:
+            await channel.close()
+            raise RegistrationRefused("failed to dial device plugin: context deadline exceeded") from None
         plugin = RegisteredPlugin(
             resource=request.resource_name,
             endpoint=request.endpoint,
@@ -359,11 +393,21 @@ class KubeletStandIn:
         if len(taken) == size:
             return taken
         in_use = self._in_use(plugin.resource)
-        available = [d for d, h in plugin.devices.items() if h == "Healthy" and d not in in_use]
+        healthy = [d for d, h in plugin.devices.items() if h == "Healthy"]
+        if not healthy:  # the plugin is away (its stream ended): kubelet marked every device unhealthy
+            raise AdmissionError(
+                container,
+                "admission",
+                f"no healthy devices present; cannot allocate unhealthy devices {plugin.resource}",
+            )
+        available = [d for d in healthy if d not in in_use]
         need = size - len(taken)
         if len(available) < need:
             raise AdmissionError(
-                container, "admission", f"{plugin.resource}: {need} requested, {len(available)} available"
+                container,
+                "admission",
+                f"requested number of devices unavailable for {plugin.resource}. Requested: {need}, "
+                f"Available: {len(available)}",
             )
         if self.random_devices is not None and not taken:
             return _random_gpu_devices(self.random_devices, available, size)
@@ -452,8 +496,9 @@ class _Registration:
     async def Register(self, request: Any, context: Any) -> Any:
         try:
             await self.kubelet._register(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RegistrationRefused as exc:
+            self.kubelet.refusals.append(f"{request.resource_name}: {exc}")
+            await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
         return self.kubelet.dp_pb2.Empty()
 
 

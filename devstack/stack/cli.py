@@ -13,6 +13,7 @@ from pathlib import Path
 
 from devstack.cluster.releases import CURRENT_VERSION, VERSION_ENV
 from devstack.stack import spec
+from devstack.stack.realnodes import NODES_KINDS
 from devstack.stack.stack import MODE_SIMULATOR, Stack, StackConfig
 from devstack.stack.terminal import guard_terminal
 from shared.logging import JsonFormatter, TextFormatter, redact
@@ -50,9 +51,18 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument(
         "--dra-nodes",
         type=int,
-        default=0,
-        help="make only the last N simulated nodes DRA nodes (a mixed cluster; gpushare admission is registered, "
-        "the demo's namespace stays on the device-plugin path)",
+        default=None,
+        help="make only the last N nodes DRA nodes (a mixed cluster; gpushare admission is registered, the demo's "
+        "namespace stays on the device-plugin path; default: 1 with real nodes, where the DRA node runs "
+        "resnet-inference of an opted-in namespace, gpushare-demo-dra, else 0)",
+    )
+    p.add_argument(
+        "--nodes-kind",
+        choices=NODES_KINDS,
+        default="auto",
+        help="real: each node its own kubelet, containerd and runc running the demo as real containers (root, cgroups; "
+        "built once on first use, ~5 min); stand-in: kubelet stand-ins, nothing runs; auto (default): real where "
+        "the machine can, else stand-ins, saying why",
     )
     p.add_argument("--no-demo", dest="demo", action="store_false", help="do not submit the demo workload")
     p.add_argument(
@@ -173,6 +183,8 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
     if not 1 <= args.replicas <= 5 or not 1 <= args.schedulers <= 5:
         raise SystemExit("--replicas and --schedulers must be between 1 and 5")
     dra_nodes = args.nodes if args.dra else args.dra_nodes
+    if dra_nodes is None:
+        dra_nodes = default_dra_nodes(args)
     if not 0 <= dra_nodes <= args.nodes:
         raise SystemExit(f"--dra-nodes must be between 0 and --nodes ({args.nodes})")
     if dra_nodes and args.simulate:
@@ -204,7 +216,29 @@ def config_from(args: argparse.Namespace, settings: Settings) -> StackConfig:
         monitoring=args.monitoring,
         admission_policies=True,  # the cluster refuses what a cluster with k8s/base refuses
         dra_nodes=dra_nodes,
+        nodes_kind=args.nodes_kind,
     )
+
+
+def default_dra_nodes(args: argparse.Namespace) -> int:
+    """Without --dra/--dra-nodes: one DRA node beside the device-plugin ones when the nodes will be real (the
+    machine can run them: the cheap checks, nothing built), else none."""
+    from devstack.cluster.realnode import can_run_real_nodes
+
+    if args.nodes < 2 or args.simulate or args.nodes_kind == "stand-in":
+        return 0
+    if os.environ.get("KUBECONFIG") and not args.ignore_kubeconfig:
+        return 0
+    return 0 if can_run_real_nodes() else 1
+
+
+def nodes_line(stack: Stack) -> str:
+    """What the nodes are, for the summary."""
+    if stack.real_nodes:
+        return f"{len(stack.real_nodes)} real node(s): kubelet, containerd, runc each ({', '.join(stack.real_nodes)})"
+    if stack.nodes_kind_reason:
+        return f"kubelet stand-ins (real nodes unavailable: {stack.nodes_kind_reason})"
+    return "kubelet stand-ins"
 
 
 LOG_FILE = "gpushare-up.log"
@@ -262,7 +296,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 async def _up(
     config: StackConfig, *, demo: bool, demo_timeout: float, once: bool, note: str = "", dev_pods: int = 0
 ) -> int:
-    from devstack.stack.demo_run import inspect_output, placement_lines, rightsizing_lines, run_demo, wait_for_usage
+    from devstack.stack.demo_run import (
+        demo_container_lines,
+        inspect_output,
+        placement_lines,
+        rightsizing_lines,
+        run_demo,
+        wait_for_usage,
+    )
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise here
     stop = asyncio.Event()
@@ -288,6 +329,9 @@ async def _up(
             print("\n".join(placement_lines(pairs)))
             if any(not n for _, n in pairs):
                 code = 1 if once else 0
+            if stack.real_nodes:
+                print("\nDemo containers (real ones; `kubectl -n gpushare-demo logs POD` shows the same):")
+                print("\n".join(await demo_container_lines(stack, sum(1 for _, n in pairs if n))))
             if config.usage.simulate and stack.mode != MODE_SIMULATOR:
                 items = await wait_for_usage(stack, sum(1 for _, n in pairs if n))
                 print(f"\nRight-sizing from observed usage ({note}):")
@@ -303,6 +347,7 @@ async def _up(
             print("            kubectl get pods -A -o wide; kubectl inspect gpushare -d")
         if stack.mode == MODE_SIMULATOR:
             print(f"Mode:       {stack.mode} ({stack.mode_reason})")
+        print(f"Nodes:      {nodes_line(stack)}")
         if config.monitoring:
             print("\n".join(monitoring_lines(stack)))
         print("\nListening:")

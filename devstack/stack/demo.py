@@ -124,10 +124,18 @@ async def ensure_namespace(api: ApiClient, name: str) -> None:
 
 
 async def submit_demo(
-    api: ApiClient, namespace: str = DEMO_NAMESPACE, *, unit_mib: int = 1024, dev_pods: int = 0, dra: bool = False
+    api: ApiClient,
+    namespace: str = DEMO_NAMESPACE,
+    *,
+    unit_mib: int = 1024,
+    dev_pods: int = 0,
+    dra: bool = False,
+    image: str | None = None,
 ) -> list[dict[str, Any]]:
     """Create (or replace) the demo Deployments (`demo_deployments`' options); returns them. `dra`: the namespace
-    opts in to DRA (`gpushare.io/allocator=dra`), and gpushare admission rewrites the unchanged pods into claims."""
+    opts in to DRA (`gpushare.io/allocator=dra`), and gpushare admission rewrites the unchanged pods into claims.
+    `image`: real nodes run the pods, each container that local image printing the environment it received
+    (`demo_containers.printing_environment`)."""
     if dra:
         from devstack.stack.webhook import opt_in
 
@@ -136,11 +144,20 @@ async def submit_demo(
         await ensure_namespace(api, namespace)
     apps = client.AppsV1Api(api)
     deployments = demo_deployments(unit_mib=unit_mib, dev_pods=dev_pods)
+    if image is not None:
+        from devstack.stack.demo_containers import printing_environment
+
+        deployments = printing_environment(deployments, image)
     for dep in deployments:
-        try:
-            await apps.create_namespaced_deployment(namespace, dep)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            await apps.replace_namespaced_deployment(dep["metadata"]["name"], namespace, dep)
+        await apply_deployment(apps, namespace, dep)
     return deployments
+
+
+async def apply_deployment(apps: client.AppsV1Api, namespace: str, dep: dict[str, Any]) -> None:
+    """Create a Deployment, or replace the one of that name."""
+    try:
+        await apps.create_namespaced_deployment(namespace, dep)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        await apps.replace_namespaced_deployment(dep["metadata"]["name"], namespace, dep)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from devstack.stack.demo import DEMO_NAMESPACE, demo_deployments, demo_pod_count, submit_demo
+from devstack.stack.demo_containers import DEMO_SELECTOR, DRA_DEMO_NAMESPACE, pod_label, submit_dra_demo
 from devstack.stack.simulator import SchedulerSimulator, pods_of_deployments
 from devstack.stack.stack import MODE_SIMULATOR, Stack
 
@@ -29,16 +30,21 @@ async def run_demo(stack: Stack, timeout_s: float = 120.0, *, dev_pods: int = 0)
 
     api = await stack.api_client()
     dra = bool(stack.dra_node_names) and len(stack.dra_node_names) == len(stack.node_names)
-    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods, dra=dra)
+    image = next(iter(stack.real_nodes.values())).workload_image if stack.real_nodes else None
+    deployments = await submit_demo(api, unit_mib=unit_mib(stack), dev_pods=dev_pods, dra=dra, image=image)
     want = demo_pod_count(deployments)
     stack.progress(f"submitted the demo: {', '.join(d['metadata']['name'] for d in deployments)} ({want} pods)")
+    if image is not None and stack.dra_node_names and not dra:  # real nodes, a mixed cluster: the DRA node's part
+        want += await submit_dra_demo(api, deployments, image)
+        stack.progress(f"submitted resnet-inference in {DRA_DEMO_NAMESPACE}, opted in to DRA (the DRA node's share)")
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + timeout_s
     pairs: list[tuple[str, str]] = []
     while True:
-        pods = (await core.list_namespaced_pod(DEMO_NAMESPACE, label_selector="gpushare.io/demo=true")).items
+        pods = (await core.list_pod_for_all_namespaces(label_selector=DEMO_SELECTOR)).items
         live = [p for p in pods if p.metadata.deletion_timestamp is None]
-        pairs = sorted((p.metadata.name, p.spec.node_name or "") for p in live)
+        shown = [(pod_label(p.metadata.namespace, p.metadata.name, DEMO_NAMESPACE), p.spec.node_name) for p in live]
+        pairs = sorted((name, node or "") for name, node in shown)
         bound = sum(1 for _, n in pairs if n)
         if bound >= want:
             stack.progress(f"all {want} demo pods placed")
@@ -47,6 +53,15 @@ async def run_demo(stack: Stack, timeout_s: float = 120.0, *, dev_pods: int = 0)
             stack.progress(f"only {bound}/{want} demo pods placed after {timeout_s:.0f}s (see the logs)")
             return pairs
         await asyncio.sleep(0.5)
+
+
+async def demo_container_lines(stack: Stack, pods: int, timeout_s: float = 60.0) -> list[str]:
+    """On real nodes: each demo pod's ledger record beside the GPU environment its containers printed."""
+    from devstack.stack.demo_containers import collect, container_lines, running_pods
+
+    api = await stack.api_client()
+    running = await running_pods(api, pods, timeout_s)
+    return container_lines(await collect(api, stack.accounting_url, running, DEMO_NAMESPACE))
 
 
 async def _simulated_demo(stack: Stack, dev_pods: int) -> list[tuple[str, str]]:

@@ -39,6 +39,7 @@ from shared.kube.pods import list_pods
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 20
+UNEXPECTED_ADMISSION = "UnexpectedAdmissionError"  # the reason of a pod kubelet refused at admission
 NODE_STATUS_UPDATE_S = 10.0  # kubelet's nodeStatusUpdateFrequency default (pkg/kubelet/apis/config/v1beta1)
 
 
@@ -119,6 +120,9 @@ class NodeKubelet:
         # unset: one pod after the other, which tests that order admissions rely on
         self.concurrent_start = False
         self._starting: dict[str, asyncio.Task[None]] = {}
+        # as kubelet: a pod refused at admission (Allocate, or too few healthy devices) fails for good; unset, it is
+        # retried (up to MAX_ATTEMPTS), which no kubelet does (docs/reliability.md, "Stand-ins and real kubelets")
+        self.admission_failures_final = True
 
     async def start(self, *, poll: bool = True) -> NodeKubelet:
         """Serve the kubelet sockets and begin admitting pods (`poll`: list this node's pods itself; without
@@ -238,6 +242,8 @@ class NodeKubelet:
             await self.standin.start_pod(pod)
         except (AdmissionError, DraPrepareError) as exc:
             self._failed(uid, key, exc)
+            if isinstance(exc, AdmissionError) and exc.call != "PreStartContainer" and self.admission_failures_final:
+                await self._reject(uid, pod, exc)
             return
         await self._started(uid, pod, envs)
 
@@ -254,6 +260,29 @@ class NodeKubelet:
         finally:
             self._starting.pop(uid, None)
         await self._started(uid, pod, envs)
+
+    async def _reject(self, uid: str, pod: dict[str, Any], exc: Exception) -> None:
+        """kubelet's admission refusal is final: the pod fails with UnexpectedAdmissionError and is never admitted
+        again (pkg/kubelet/cm/admission/errors.go, `Allocate failed due to %v, which is unexpected`; the
+        allocation manager's "Pod admission denied"), where a failed PreStartContainer or DRA preparation is retried
+        as the container is started again."""
+        from devstack.cluster.kubelet import AdmissionError
+
+        self._attempts[uid] = MAX_ATTEMPTS
+        self._not_started.pop(uid, None)
+        message = exc.message if isinstance(exc, AdmissionError) else str(exc)
+        status = {
+            "phase": "Failed",
+            "reason": UNEXPECTED_ADMISSION,
+            "message": f"Allocate failed due to {message}, which is unexpected",
+        }
+        meta = pod["metadata"]
+        try:
+            await client.CoreV1Api(self.api).patch_namespaced_pod_status(
+                meta["name"], meta["namespace"], {"status": status}
+            )
+        except (ApiException, OSError, TimeoutError) as err:
+            log.warning("could not report pod %s failed: %s", meta["name"], err, extra={"node": self.node})
 
     def _failed(self, uid: str, key: tuple[str, str], exc: Exception) -> None:
         self._attempts[uid] = self._attempts.get(uid, 0) + 1

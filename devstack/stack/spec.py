@@ -232,6 +232,8 @@ def node_agent_command(
         pod_resources_socket,
         "--metrics-port",
         str(metrics_port),
+        "--host",
+        "127.0.0.1",  # a local stack listens on loopback only
     ]
     if kubeconfig:
         args += ["--kubeconfig", kubeconfig]

@@ -89,6 +89,10 @@ class StackConfig:
     # how many of the nodes (the last ones) are DRA nodes: their agents run --dra, kube-scheduler places their
     # shares from ResourceClaims and the kubelet stand-in plays kubelet's DRA side (docs/dra.md)
     dra_nodes: int = 0
+    # `real`: each node a real kubelet and containerd running real containers (devstack/stack/realnodes.py);
+    # `auto`: real when the machine can, else stand-ins, saying why; `stand-in`: kubelet stand-ins (the default here,
+    # for the many-node stacks of the tests; `gpushare up` asks for `auto`)
+    nodes_kind: str = "stand-in"
 
 
 class Stack:
@@ -114,6 +118,9 @@ class Stack:
             raise ValueError("DRA nodes run their own node agents: they cannot run in the fleet process")
         self.processes: dict[str, ServiceProcess] = {}
         self.kubelets: dict[str, Any] = {}
+        self.real_nodes: dict[str, Any] = {}  # node -> devstack.cluster.realnode.RealNode, with real nodes
+        self.nodes_kind = "stand-in"  # what the nodes are: `real` or `stand-in`
+        self.nodes_kind_reason = ""  # why stand-ins when real nodes were asked for with `auto`
         self.missing: list[str] = []
         self.extender_url = ""
         self.webhook_url = ""  # gpushare admission (DRA nodes on the local control plane)
@@ -461,11 +468,11 @@ class Stack:
         base_labels = {"gpushare.io/simulated": "true", **self.config.node_labels}
         if self.dra_node_names:
             await self._ensure_device_class(api)
+        if await self._start_real_nodes():
+            return
         for node in self.node_names:
             dra = node in self.dra_node_names
-            # DRA nodes carry the DRA pool's label; the others `gpushare=true`, the label the gpushare guide puts on
-            # GPU nodes (and k8s/base's node agent selects)
-            labels = {**base_labels, "gpushare.io/allocator": "dra"} if dra else {**base_labels, "gpushare": "true"}
+            labels = {**base_labels, **self._pool_label(node)}
             kind = "DRA node" if dra else "node"
             self.progress(f"creating simulated {kind} {node} with GPUs {self.config.gpus}")
             make = functools.partial(
@@ -487,6 +494,32 @@ class Stack:
             ]
             await core.patch_node_status(node, {"status": {"addresses": addresses}})
         self._heartbeat = NodeHeartbeat(api, self.node_names, interval=10.0).start()
+
+    def _pool_label(self, node: str) -> dict[str, str]:
+        """DRA nodes carry the DRA pool's label; the others `gpushare=true`, the label the gpushare guide puts on GPU
+        nodes (and k8s/base's node agent selects)."""
+        return {"gpushare.io/allocator": "dra"} if node in self.dra_node_names else {"gpushare": "true"}
+
+    async def _start_real_nodes(self) -> bool:
+        """With `nodes_kind` real (or auto, where the machine can): start every node as a real one; False when
+        the nodes are to be stand-ins (auto says why)."""
+        from devstack.stack import realnodes
+
+        say = lambda m: self.progress(f"real nodes: {m}")  # noqa: E731
+        kind, why = await asyncio.to_thread(
+            realnodes.choose_nodes_kind, self.config.nodes_kind, self.control_plane, len(self.node_names), say
+        )
+        self.nodes_kind, self.nodes_kind_reason = kind, why
+        if why:
+            self.progress(f"nodes: kubelet stand-ins, not real nodes: {why}")
+        if kind != realnodes.REAL:
+            return False
+        self.progress(f"starting {len(self.node_names)} real node(s): kubelet, containerd and runc each")
+        labels = {node: {**self.config.node_labels, **self._pool_label(node)} for node in self.node_names}
+        self.real_nodes = await realnodes.start_real_nodes(
+            self.control_plane, labels, self.log_dir, say, max_pods=self.config.max_pods
+        )
+        return True
 
     async def _apply_admission_policies(self) -> None:
         from devstack.stack.admission import apply_policies, wait_enforced
@@ -513,7 +546,10 @@ class Stack:
                 raise
 
     def node_address(self, node: str) -> str:
-        """The loopback address a simulated node reports (InternalIP and the ledger's node address)."""
+        """The loopback address a node reports (InternalIP and the ledger's node address): 127.0.0.1 for a real
+        node (kube-apiserver reaches its kubelet there), one of 127.0.x.y for a simulated one."""
+        if node in self.real_nodes:
+            return "127.0.0.1"
         i = self.node_names.index(node)
         return f"127.0.{1 + i // 250}.{1 + i % 250}"
 
@@ -529,7 +565,12 @@ class Stack:
             self.progress("WARNING: `gpushare node-agent` is not installed here; pods bind but get no devices")
             return None
         extra: list[str] = []
-        if node in self.dra_node_names:
+        if node in self.real_nodes:
+            from devstack.stack.realnodes import agent_paths
+
+            dp, pr, extra = agent_paths(self.real_nodes[node], node in self.dra_node_names)
+            dp_dir, pr_socket = Path(dp), Path(pr)
+        elif node in self.dra_node_names:
             dirs = {"registration": base / "plugins_registry", "plugin": base / "plugins", "cdi": base / "cdi"}
             extra = ["--dra", "--dra-registration-dir", str(dirs["registration"])]
             extra += ["--dra-plugin-dir", str(dirs["plugin"]), "--cdi-dir", str(dirs["cdi"])]
@@ -606,6 +647,7 @@ class Stack:
             out.append(("cluster", f"KUBECONFIG={self.kubeconfig}"))
         out += [(name, proc.command.listens) for name, proc in self.processes.items()]
         out += [(f"{name} (service)", f"http://{proxy.address}") for name, proxy in self.service_proxies.items()]
+        out += [(f"kubelet-{name}", node.listens) for name, node in self.real_nodes.items()]
         if self.webhook_url:
             out.append(("admission", f"{self.webhook_url} (namespaces labelled gpushare.io/allocator=dra)"))
         if self.prometheus is not None:
@@ -647,6 +689,11 @@ class Stack:
             with contextlib.suppress(Exception):
                 await kubelet.stop()
             self.kubelets.pop(node, None)
+        if self.real_nodes:
+            from devstack.stack.realnodes import stop_real_nodes
+
+            await stop_real_nodes(self.real_nodes)
+            self.real_nodes = {}
         binders = self.replicas("binder")
         await asyncio.gather(*(asyncio.to_thread(p.stop) for p in binders))
         await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))

@@ -407,12 +407,14 @@ class NodeAgent:
 
     async def allocate(self, resource: str, device_ids: list[str]) -> dict[str, str]:
         """gpu-mem carries the assignment and the env; gpu-core / gpu-count are counted only."""
+        self.metrics.plugin_calls.labels(self.config.node, resource, "Allocate").inc()
         if resource != RESOURCE_MEM:
             return {}
         return await self.assigner.allocate(device_ids)
 
     async def prestart(self, resource: str, device_ids: list[str]) -> None:
         """gpu-mem: confirm the container against kubelet's pod-resources API."""
+        self.metrics.plugin_calls.labels(self.config.node, resource, "PreStartContainer").inc()
         if resource == RESOURCE_MEM:
             await self.assigner.prestart(device_ids)
 

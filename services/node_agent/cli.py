@@ -40,6 +40,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--device-plugin-dir", default=str(DEVICE_PLUGIN_DIR), help="kubelet's plugin directory")
     p.add_argument("--pod-resources-socket", default=POD_RESOURCES_SOCKET, help="kubelet's pod-resources API socket")
     p.add_argument("--metrics-port", type=int, default=9119, help="port of /metrics, /healthz, /readyz (default 9119)")
+    p.add_argument("--host", default="0.0.0.0", help="listen address of that port (default 0.0.0.0)")
     p.add_argument("--mps", action="store_true", help="the node runs the MPS control daemon: hand out MPS limits")
     p.add_argument(
         "--mps-root",
@@ -220,7 +221,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         dra_plugin_dir=Path(args.dra_plugin_dir),
         cdi_dir=Path(args.cdi_dir),
     )
-    listen = Listen(port=args.metrics_port)
+    listen = Listen(host=args.host, port=args.metrics_port)
     async with ServiceRuntime("node-agent", settings, database=False, listen=listen) as rt:
         kube = await _kube(args.kubeconfig)
         api = kube.pop("api", None)

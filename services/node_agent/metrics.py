@@ -75,6 +75,12 @@ class AgentMetrics:
             unallocated,
             registry=r,
         )
+        self.plugin_calls = Counter(
+            "gpushare_node_agent_device_plugin_calls_total",
+            "kubelet's calls of the device plugins (Allocate, PreStartContainer), per resource",
+            ["node", "resource", "call"],
+            registry=r,
+        )
         self.plugin_outcomes = Counter(
             "gpushare_node_agent_device_plugin_outcomes_total",
             "Allocate / PreStartContainer outcomes",

@@ -3,6 +3,12 @@
 Each server registers with `kubelet.sock` once it serves, and re-registers when kubelet restarts
 (kubelet deletes every socket in the directory and recreates its own): `PluginServer.watch` notices
 its socket vanished or `kubelet.sock` changed, serves again and registers again.
+
+kubelet answers Register only after it dialled the plugin's socket (`server.Register` -> `connectClient` in
+pkg/kubelet/cm/devicemanager/plugin/v1beta1, k8s.io/kubernetes v1.37.2), which it tries for up to 10 s (`dial` in
+client.go): a Register may take that long, and an error it returns is kubelet refusing the registration (an
+unsupported version, a bad resource name, or an endpoint it cannot reach), which the agent logs as such, naming the
+resource and kubelet's reason, and retries.
 """
 
 from __future__ import annotations
@@ -25,6 +31,27 @@ dp_pb2, dp_grpc = load("deviceplugin")
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
+REGISTER_TIMEOUT_S = 30.0  # kubelet dials the plugin for up to 10 s before it answers Register
+
+
+def registration_problem(resource: str, exc: BaseException, plugin_dir: Path) -> tuple[int, str]:
+    """(log level, message) for a failed registration: kubelet's refusal (an error it returned: gRPC UNKNOWN)
+    names kubelet's reason, with what to check when kubelet could not reach the plugin's socket; anything else is
+    kubelet not reachable (yet) (pure)."""
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNKNOWN:
+        reason = exc.details() or "no reason given"
+        hint = ""
+        if "dial" in reason:
+            hint = (
+                f" (kubelet could not reach the plugin's socket in its own device-plugin folder: is {plugin_dir} "
+                "that folder as kubelet sees it, /var/lib/kubelet/device-plugins?)"
+            )
+        return logging.ERROR, f"kubelet refused to register {resource}: {reason}{hint}"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        detail = f"{exc.code().name} {exc.details() or ''}".strip()
+    else:
+        detail = str(exc)
+    return logging.WARNING, f"cannot register {resource} with kubelet yet: {detail}"
 
 
 class DeviceHandler(Protocol):
@@ -157,7 +184,7 @@ class PluginServer:
                 dp_pb2.RegisterRequest(
                     version=API_VERSION, endpoint=self.socket.name, resource_name=self.resource, options=self.options
                 ),
-                timeout=10,
+                timeout=REGISTER_TIMEOUT_S,
             )
         self._kubelet_inode = inode
         self.registrations += 1
@@ -170,19 +197,20 @@ class PluginServer:
         return _inode(self.plugin_dir / KUBELET_SOCKET) != self._kubelet_inode
 
     async def watch(self, stop: asyncio.Event, poll_s: float = 0.5) -> None:
-        """Keep serving and registered until `stop` is set."""
-        warned = False
+        """Keep serving and registered until `stop` is set (each distinct problem logged once)."""
+        said = ""
         while not stop.is_set():
             if self.needs_restart():
                 try:
                     if self._server is None or not self.socket.exists():
                         await self.start()
                     await self.register()
-                    warned = False
+                    said = ""
                 except (OSError, grpc.aio.AioRpcError) as exc:
-                    if not warned:
-                        log.warning("cannot register %s with kubelet yet: %s", self.resource, exc)
-                        warned = True
+                    level, message = registration_problem(self.resource, exc, self.plugin_dir)
+                    if message != said:
+                        log.log(level, message, extra={"resource": self.resource})
+                        said = message
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)
         await self.stop()

@@ -166,3 +166,44 @@ async def test_a_node_whose_agent_is_away_is_not_chosen_until_it_registers_again
 
 async def _equals(value, expected) -> bool:  # type: ignore[no-untyped-def]
     return await value == expected
+
+
+async def test_a_pod_reaching_a_node_whose_agent_is_away_fails_admission_as_on_kubelet(stack, api, namespace) -> None:
+    """A pod that reaches kubelet while the node agent is away (here: bound by `spec.nodeName`, before the node
+    status says so) is refused at admission for good, as the real kubelet v1.37.2 refuses it (tests/realnode/
+    test_restarts.py): phase Failed, reason UnexpectedAdmissionError, "Allocate failed due to no healthy devices
+    present; cannot allocate unhealthy devices aliyun.com/gpu-mem, which is unexpected". The stand-in used to try
+    again until the agent was back; no kubelet does."""
+    from kubernetes_asyncio import client
+
+    away = stack.node_names[1]
+    agent = stack.processes[f"node-agent-{away}"]
+    standin = stack.kubelets[away].standin
+    await asyncio.to_thread(agent.stop)
+    try:
+        await h.poll(
+            lambda: "Healthy" not in standin.devices("aliyun.com/gpu-mem").values(),
+            30,
+            what="the stand-in to count the agent's devices unhealthy",
+        )
+        body = h.gpu_pod("arrives-early", [2])
+        body["spec"]["nodeName"] = away  # straight to the node, as a pod bound a moment before the agent left
+        await h.create_pod(api, namespace, body)
+
+        async def failed() -> client.V1Pod | None:
+            pod = await client.CoreV1Api(api).read_namespaced_pod("arrives-early", namespace)
+            return pod if pod.status.phase == "Failed" else None
+
+        pod = await h.poll(failed, 30, what="the pod refused at admission")
+        assert pod.status.reason == "UnexpectedAdmissionError"
+        assert pod.status.message == (
+            "Allocate failed due to no healthy devices present; cannot allocate unhealthy devices "
+            "aliyun.com/gpu-mem, which is unexpected"
+        )
+    finally:
+        agent.start()
+        await agent.wait_ready(60)
+    await standin.wait_registered(["aliyun.com/gpu-mem"], timeout_s=60, min_count=2)
+    await asyncio.sleep(2)  # it stays failed: kubelet never admits a refused pod again
+    pod = await client.CoreV1Api(api).read_namespaced_pod("arrives-early", namespace)
+    assert pod.status.phase == "Failed" and (namespace, "arrives-early") not in stack.kubelets[away].envs

@@ -46,6 +46,9 @@ def test_service_commands_use_the_cli_contract() -> None:
         kubeconfig="/k",
     )
     assert agent.name == "node-agent-n1" and agent.ready_url == "http://127.0.0.1:9/healthz"
+    # every service of a local stack listens on loopback only, the node agents too (they listened on 0.0.0.0)
+    for command in (ext, agent):
+        assert command.argv[command.argv.index("--host") + 1] == "127.0.0.1", command.argv
     assert agent.argv[agent.argv.index("--fake-gpus") + 1] == "1x16GiB:T4"
 
 

@@ -112,12 +112,17 @@ async def test_up_runs_the_demo_on_the_local_control_plane(
     tmp_path: Path, up_database: str, nats_url: str, control_plane_binaries: Paths
 ) -> None:
     code, out = await _up(
-        tmp_path, up_database, nats_url, "--nodes", "2", "--bind-timeout", "20", "--monitoring", limit_s=240
+        tmp_path,
+        up_database,
+        nats_url,
+        *("--nodes", "2", "--nodes-kind", "stand-in", "--bind-timeout", "20", "--monitoring"),
+        limit_s=240,
     )
     assert code == 0, out[-5000:]
     placed = _placements(out)
     assert len(placed) == 6 and "Pending" not in placed.values(), out[-5000:]
     assert "export KUBECONFIG=" in out
+    assert "Nodes:      kubelet stand-ins\n" in out, out[-3000:]
     assert "16/32" in out, out[-3000:]
     assert "==> stopped" in out
     # the demo's simulated usage went through the node agents, the stream and accounting into right-sizing

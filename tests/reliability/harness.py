@@ -274,8 +274,9 @@ async def settled_invariants(engine, stack, timeout_s: float = 60.0) -> Invarian
 
 
 async def check_invariants(engine, api, nodes: list[str], kubelets: dict | None = None) -> InvariantReport:  # type: ignore[no-untyped-def]
-    """No GPU overcommitted; every pod bound to `nodes` has exactly one live allocation there; every live
-    allocation on `nodes` belongs to an existing, non-terminated pod with the same UID. With `kubelets`
+    """No GPU overcommitted; every pod bound to `nodes` and not ended (a pod kubelet refused at admission has
+    failed) has exactly one live allocation there; every live allocation on `nodes` belongs to an existing,
+    non-terminated pod with the same UID. With `kubelets`
     ({node: NodeKubelet} of the stack), every bound pod's recorded container environment matches its
     allocation (`env_problems`)."""
     from kubernetes_asyncio import client
@@ -311,6 +312,10 @@ async def check_invariants(engine, api, nodes: list[str], kubelets: dict | None 
         if pod.spec.node_name in nodes:
             report.bound_pods += 1
             live = live_by_pod.get(pod.metadata.uid, [])
+            if pod.status.phase in ("Succeeded", "Failed"):
+                # e.g. refused by kubelet at admission (UnexpectedAdmissionError): it ran nothing, it holds nothing;
+                # the loop over live allocations below names any it still has
+                continue
             if len(live) != 1 or live[0][1].node != pod.spec.node_name:
                 report.problems.append(
                     f"bound pod {pod.metadata.namespace}/{pod.metadata.name} on {pod.spec.node_name} has "

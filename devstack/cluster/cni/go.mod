@@ -1,0 +1,3 @@
+module gpushare.local/cni/loopback
+
+go 1.22
