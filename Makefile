@@ -43,8 +43,11 @@ run: $(STAMP) $(PROTO_OUT)
 
 # Lint (ruff's checks, then its formatting: both fail the target), then the whole test suite against real
 # PostgreSQL and NATS (embedded ones unless GPUSHARE_TEST_DATABASE_URL / GPUSHARE_TEST_NATS_URL name servers).
+# The test files run in TEST_WORKERS parallel workers (pytest-xdist), each file whole in one worker, so a module's
+# control plane and servers are started once; most of the suite waits on servers, so 3 workers fit 2 cores.
+TEST_WORKERS ?= 3
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Lint, formatting and types ([tool.mypy] in pyproject.toml): each fails the target.
 lint: $(STAMP) $(PROTO_OUT)

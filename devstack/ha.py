@@ -206,6 +206,16 @@ class PostgresPair:
         try:
             await conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{standby.name}'")
             await conn.execute("SELECT pg_reload_conf()")
+        finally:
+            await conn.close()
+        await self._wait_synchronous(primary, standby, timeout_s)
+
+    async def _wait_synchronous(self, primary: PostgresNode, standby: PostgresNode, timeout_s: float) -> None:
+        """Until `standby` streams from `primary` as a synchronous standby."""
+        import asyncpg
+
+        conn = await asyncpg.connect(primary.url())
+        try:
             deadline = time.monotonic() + timeout_s
             while True:
                 state = await conn.fetchval(
@@ -220,6 +230,74 @@ class PostgresPair:
             await conn.close()
 
     # -- faults
+    def stop_standby(self) -> PostgresNode:
+        """Stop the standby (fast shutdown): with `synchronous_standby_names` still naming it, every COMMIT on the
+        primary that writes waits until it is back, as a two-instance cluster with required synchronous
+        replication does when it loses one instance. Returns the node."""
+        node = self.standby
+        if node is None:
+            raise RuntimeError("no standby to stop (a failover left the pair without one)")
+        self._stop_node(node)
+        return node
+
+    async def start_standby(self, timeout_s: float = 120.0) -> None:
+        """Start the stopped standby again and wait until it is the primary's synchronous standby (the COMMITs held
+        meanwhile complete then)."""
+        node = self.standby
+        if node is None:
+            raise RuntimeError("no standby to start (a failover left the pair without one)")
+        if node.pid() is None:
+            await asyncio.to_thread(self._start_node, node, timeout_s)
+        await self._wait_synchronous(self.primary, node, timeout_s)
+
+    async def add_standby(self, timeout_s: float = 120.0) -> PostgresNode:
+        """One more standby, built from the primary and streaming from it (not synchronous until
+        `set_synchronous` names it). Clients' URLs stay as they were: it is a standby only."""
+        node = PostgresNode(f"pg{len(self.nodes)}", self.root / f"pg{len(self.nodes)}" / "data", free_port())
+        node.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        if self._prefix:
+            _prepare_as_root(node.data_dir)
+        await asyncio.to_thread(self._build_standby, node, self.primary, timeout_s)
+        self.nodes.append(node)
+        return node
+
+    async def set_synchronous(self, names: str, timeout_s: float = 120.0) -> None:
+        """`synchronous_standby_names = names` on the primary (e.g. `ANY 1 (pg1, pg2)`), once every standby it
+        names streams (quorum standbys show as `quorum`, a single one as `sync`)."""
+        import asyncpg
+
+        conn = await asyncpg.connect(self.primary.url())
+        try:
+            await conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{names}'")
+            await conn.execute("SELECT pg_reload_conf()")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                states = await conn.fetch("SELECT application_name, sync_state FROM pg_stat_replication")
+                if sum(r["sync_state"] in ("sync", "quorum") for r in states) >= 1:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no synchronous standby for {names!r} after {timeout_s}s: {states}")
+                await asyncio.sleep(0.1)
+        finally:
+            await conn.close()
+
+    def stop_node(self, node: PostgresNode) -> None:
+        """Stop one server (fast shutdown), standby or not."""
+        self._stop_node(node)
+
+    async def start_node(self, node: PostgresNode, timeout_s: float = 120.0) -> None:
+        """Start a stopped server again on its data."""
+        if node.pid() is None:
+            await asyncio.to_thread(self._start_node, node, timeout_s)
+
+    def remove_standby(self, node: PostgresNode) -> None:
+        """Stop a standby added by `add_standby` and forget it (its data deleted)."""
+        if node in self.nodes[:2]:
+            raise ValueError(f"{node.name} is one of the pair, not an added standby")
+        self._stop_node(node)
+        self.nodes.remove(node)
+        shutil.rmtree(node.data_dir.parent, ignore_errors=True)
+
     def kill9_primary(self) -> PostgresNode:
         """SIGKILL the primary's postmaster and every process of it at once (a crashed pod or machine); returns
         the node."""

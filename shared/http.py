@@ -17,6 +17,8 @@ from pydantic_core import PydanticSerializationError, to_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.ledger.deadlines import LedgerCannotCommit
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -124,7 +126,8 @@ def install_common(
     role: Callable[[], Mapping[str, object]] = active_role,
 ) -> None:
     """Add `/healthz`, `/readyz`, `/metrics` and JSON error handlers (4xx with a reason, never a
-    traceback; an unexpected error is logged and answered 500 with a generic JSON body). `/healthz` also says
+    traceback; a write while the ledger cannot commit is answered 503 saying why; an unexpected error is logged
+    and answered 500 with a generic JSON body). `/healthz` also says
     which role the process holds (`role()`: `{"role": "active"}`, or a leader election's `leader` / `standby`
     with its lease and holder)."""
 
@@ -163,6 +166,11 @@ def install_common(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(LedgerCannotCommit)
+    async def _cannot_commit(request: Request, exc: LedgerCannotCommit) -> JSONResponse:
+        log.warning("could not write to the ledger serving %s: %s", request.url.path, exc)
+        return JSONResponse({"error": str(exc)}, status_code=503)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -11,6 +11,11 @@ way for a ledger schema this build runs on (`shared/ledger/schema_version.py`): 
 `gpushare migrate`, and goes on once the schema has been migrated. `/readyz` says what it waits for.
 `serve(app)` then hands the same port to the service's app. Everything started here is stopped in reverse order
 on exit.
+
+Every wait on PostgreSQL has a deadline (`GPUSHARE_DB_TIMEOUT`, `shared.ledger.deadlines`), and the runtime
+watches whether the ledger can commit (`shared.ledger.commit_watch`: real commits and a probe every few seconds):
+while it cannot, `/readyz` answers 503 on every port with the reason (a synchronous standby that does not
+confirm, say), whatever the service's own readiness, and `ledger_metrics()` says so; both recover by themselves.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from prometheus_client.registry import Collector
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -37,7 +43,9 @@ from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.events.streams import StreamLimits
 from shared.http import install_common
+from shared.ledger.commit_watch import CommitWatch, watch_of
 from shared.ledger.db import make_engine
+from shared.ledger.deadlines import Deadlines
 from shared.ledger.ledger import Ledger
 from shared.ledger.migrate import history
 from shared.ledger.outbox import OutboxRelay
@@ -101,12 +109,17 @@ class _Server(uvicorn.Server):
 
 
 class _Switchable:
-    """An ASGI app that forwards to whichever app it holds: the waiting page first, the service's app later."""
+    """An ASGI app that forwards to whichever app it holds: the waiting page first, the service's app later.
+    While `not_ready()` names a reason, `/readyz` answers 503 with it instead."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, not_ready: Callable[[], str | None] = lambda: None) -> None:
         self.app = app
+        self.not_ready = not_ready
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/readyz" and (reason := self.not_ready()) is not None:
+            await JSONResponse({"status": "not ready", "reason": reason}, status_code=503)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -181,6 +194,7 @@ class ServiceRuntime:
         self.bus: EventBus | None = None
         self.relay: OutboxRelay | None = None
         self.ledger: Ledger | None = None
+        self.commits: CommitWatch | None = None  # whether the ledger can commit (`commit_watch`)
         self.waiting_for: str | None = None  # what start-up waits for now (the waiting app's /readyz says it)
         self._tasks: list[asyncio.Task[Any]] = []
         self._http: list[tuple[_Server, _Switchable, asyncio.Task[None]]] = []
@@ -223,17 +237,31 @@ class ServiceRuntime:
                     pool_size=size,
                     max_overflow=0,
                     idle_transaction_timeout_s=self.settings.db_idle_transaction_timeout,
+                    deadlines=Deadlines.from_seconds(self.settings.db_timeout),
                 )
                 await self._until_connected("PostgreSQL", self._probe_database)
                 await self._until_connected("the ledger schema", self._check_schema)
                 self.relay = OutboxRelay(self.engine, self.bus)
                 self.ledger = Ledger(self.engine, prefix=self.names.prefix, source=self.name, on_commit=self.relay.kick)
                 self.spawn(self.relay.run(self.stop))
+                self.commits = watch_of(self.engine)
+                assert self.commits is not None
+                self.spawn(self.commits.run(self.stop))
         except BaseException:
             await self.__aexit__()
             raise
         log.info("%s started", self.name, extra={"service": self.name})
         return self
+
+    def ledger_not_ready(self) -> str | None:
+        """Why the ledger cannot commit now (None while it can, or without a database)."""
+        return self.commits.reason if self.commits is not None else None
+
+    def ledger_metrics(self) -> Collector:
+        """The commit watch's metrics (`gpushare_ledger_can_commit`, ...), for the service's registry."""
+        if self.commits is None:
+            raise RuntimeError(f"{self.name} has no database")
+        return self.commits.collector()
 
     async def _probe_database(self) -> None:
         assert self.engine is not None
@@ -300,7 +328,7 @@ class ServiceRuntime:
         return task
 
     async def _start_http(self, app: ASGIApp, listen: Listen) -> None:
-        switch = _Switchable(app)
+        switch = _Switchable(app, self.ledger_not_ready)
         config = uvicorn.Config(
             switch,
             host=listen.host,
@@ -375,6 +403,8 @@ class ServiceRuntime:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.bus is not None:
             await self.bus.close()
+        if self.commits is not None:
+            await self.commits.close()
         if self.engine is not None:
             await self.engine.dispose()
         log.info("%s stopped", self.name, extra={"service": self.name})

@@ -83,6 +83,13 @@ class Settings(BaseSettings):
         description="Seconds PostgreSQL lets a service's session sit inside a transaction before ending it, so a "
         "stalled process cannot hold ledger locks for ever (0: no limit)",
     )
+    db_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds a service waits for PostgreSQL to connect, lend a pooled connection, grant a lock or "
+        "confirm a COMMIT before it answers that the ledger cannot (and why); a statement gets 6 times that",
+    )
     samples_max_age: float = Field(
         default=86_400.0, description="How long the samples stream keeps usage and refused events (24h; 0: no limit)"
     )

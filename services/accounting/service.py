@@ -74,6 +74,7 @@ async def serve(
     async with ServiceRuntime("accounting", settings, listen=Listen(host, port)) as rt:
         assert rt.engine is not None
         metrics = AccountingMetrics()
+        metrics.registry.register(rt.ledger_metrics())
         assert rt.bus is not None
         consumers = build_consumers(rt.engine, rt.bus, metrics)
         for consumer in consumers:

@@ -145,6 +145,7 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
         async with ServiceRuntime("binder", settings, pool_size=5, listen=Listen(args.host, args.port)) as rt:
             assert rt.ledger is not None and rt.bus is not None
             binder = Binder(rt.ledger, rt.bus, api, config)
+            binder.metrics.registry.register(rt.ledger_metrics())
             rt.spawn(binder.run(rt.stop))
             await rt.serve(make_app(binder))
     finally:

@@ -10,7 +10,8 @@ database credentials on every node). The binder answers for them, in a queue gro
   with its event staged in the outbox like every ledger change. An agent speaks only for its own node. An
   exchange is applied at most once per event id (a repeat after a lost reply is answered "done"); the others
   are idempotent by nature. A refused command says why; a failing database gives a short, retryable answer
-  (the driver's text stays in this log, never in a pod's condition).
+  (the driver's text stays in this log, never in a pod's condition): why the ledger cannot commit when that is
+  known (a synchronous standby that does not confirm, say), else that it is unavailable.
 * `<prefix>-rpc.commands.<node>`: several such commands at once (what an agent has to say together: every
   container of a pod it confirms), answered in order.
 
@@ -52,7 +53,7 @@ from shared.events.agent_rpc import (
 )
 from shared.events.bus import EventBus
 from shared.events.catalogue import AssignedEvent, EventDecodeError, ExchangedEvent, decode_event, node_token
-from shared.ledger.db import UNAVAILABLE, is_transient
+from shared.ledger.db import is_transient, unavailable_reason
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.outbox import is_repeat_of_staged_event
@@ -158,7 +159,7 @@ class LedgerGateway:
                 log.exception("snapshot for node %s failed", node, extra={"node": node})
                 return ErrorReply(error="the ledger could not read the node's snapshot").model_dump_json().encode()
             log.warning("snapshot for node %s failed: %r", node, exc, extra={"node": node})
-            return ErrorReply(error=UNAVAILABLE, retryable=True).model_dump_json().encode()
+            return ErrorReply(error=unavailable_reason(exc), retryable=True).model_dump_json().encode()
         return snap.model_dump_json().encode()
 
     async def commands(self, node: str, data: bytes) -> BatchReply | ErrorReply:
@@ -210,7 +211,7 @@ class LedgerGateway:
                 log.exception("command %s from node %s failed", event.kind, node, extra={"node": node})
                 return CommandReply(ok=False, error=f"the ledger could not apply the {event.kind} command")
             log.warning("command %s from node %s failed: %r", event.kind, node, exc, extra={"node": node})
-            return CommandReply(ok=False, error=UNAVAILABLE, retryable=True)
+            return CommandReply(ok=False, error=unavailable_reason(exc), retryable=True)
         staged = result if isinstance(result, ExchangedEvent) else event
         return CommandReply(ok=True, event=staged.model_dump(mode="json"))
 

@@ -78,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    from prometheus_client import REGISTRY
+
     from services.extender.admission import Admission, create_webhook_app
     from services.extender.app import create_app, create_health_app
     from services.extender.service import ExtenderService
@@ -94,6 +96,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
     # beyond the pool are closed after use, and opening one costs more than the reservation itself
     async with ServiceRuntime("extender", settings, pool_size=6, listen=listen, probes=probes, extra=webhook) as rt:
         assert rt.engine is not None and rt.ledger is not None
+        REGISTRY.register(rt.ledger_metrics())  # the extender's metrics are the process's
         service = ExtenderService(
             engine=rt.engine,
             ledger=rt.ledger,

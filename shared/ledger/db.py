@@ -11,10 +11,13 @@ from typing import TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from sqlalchemy import event
-from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.engine import Engine, ExceptionContext
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from shared.ledger.commit_watch import CommitWatch, watch_of
+from shared.ledger.deadlines import CommitsRefused, CommitUnconfirmed, Deadlines, LedgerCannotCommit
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class LedgerUnavailable(Exception):
 
 
 READ_ONLY_SQLSTATE = "25006"  # read_only_sql_transaction: a write sent to a standby
+GAVE_UP_WAITING_SQLSTATES = {"55P03", "57014"}  # lock_timeout, statement_timeout (`deadlines`)
 NO_WRITABLE_HOST = "none of the hosts match the target attribute requirement"  # asyncpg, target_session_attrs
 
 
@@ -36,20 +40,45 @@ def on_read_only_server(exc: BaseException) -> bool:
     (SQLSTATE 25006, a standby, or a primary being demoted), or none of the URL's hosts was writable when
     connecting (`target_session_attrs=read-write`). Both pass once a primary is elected and reachable; a
     connection made to such a server is of no use for the ledger and is dropped (`make_engine`)."""
-    seen, current = 0, exc
-    while current is not None and seen < 5:
-        if getattr(current, "sqlstate", None) == READ_ONLY_SQLSTATE or NO_WRITABLE_HOST in str(current).lower():
-            return True
-        current = getattr(current, "orig", None) or current.__cause__  # type: ignore[assignment]
-        seen += 1
-    return False
+    return any(
+        getattr(e, "sqlstate", None) == READ_ONLY_SQLSTATE or NO_WRITABLE_HOST in str(e).lower() for e in _chain(exc)
+    )
+
+
+def gave_up_waiting(exc: BaseException) -> bool:
+    """Whether `exc` is PostgreSQL ending a statement at its deadline (`lock_timeout`, `statement_timeout`)."""
+    return any(getattr(e, "sqlstate", None) in GAVE_UP_WAITING_SQLSTATES for e in _chain(exc))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it wraps (SQLAlchemy's `orig`, the adapter's `__cause__`), a few levels deep."""
+    out: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(out) < 5:
+        out.append(current)
+        current = getattr(current, "orig", None) or current.__cause__
+    return out
+
+
+def unavailable_reason(exc: BaseException) -> str:
+    """What to tell a caller about a transient failure: why the ledger cannot commit when that is known, else
+    the short general sentence (the driver's text belongs in the log)."""
+    for e in _chain(exc):
+        if isinstance(e, LedgerCannotCommit):
+            return str(e)
+    if gave_up_waiting(exc):
+        return "the GPU ledger is busy: a statement waited longer than its deadline for a lock another holds"
+    return UNAVAILABLE
 
 
 def is_transient(exc: BaseException) -> bool:
     """A database failure that may pass on its own: lost or refused connections, "too many clients", a full
     pool, a restart in progress, a failover in progress (no writable server yet, or a connection that reached
     a standby), a deadlock PostgreSQL broke by aborting this transaction. Constraint violations and other
-    statement errors are not."""
+    statement errors are not. A COMMIT that missed its deadline (its outcome is settled by the retry), one refused
+    while the ledger cannot commit, and a statement PostgreSQL ended at its deadline may pass too."""
+    if isinstance(exc, LedgerCannotCommit) or gave_up_waiting(exc):
+        return True
     if isinstance(exc, PoolTimeout | InterfaceError | OperationalError | ConnectionError | OSError | TimeoutError):
         return True
     if isinstance(exc, DBAPIError):
@@ -72,7 +101,9 @@ def is_transient(exc: BaseException) -> bool:
 
 async def retry_transient(fn: Callable[[], Awaitable[T]], *, budget_s: float, what: str) -> T:
     """Await `fn()`, retrying transient database failures with capped exponential backoff for `budget_s`
-    seconds; then raise `LedgerUnavailable`. Other errors are raised at once."""
+    seconds; then raise `LedgerUnavailable` saying why (`unavailable_reason`), at once while the ledger's COMMITs
+    are known to be held (`CommitsRefused`: the commit watch's probe, not this caller, sees when they pass). Other
+    errors are raised at once."""
     started = time.monotonic()
     attempt = 0
     while True:
@@ -81,11 +112,14 @@ async def retry_transient(fn: Callable[[], Awaitable[T]], *, budget_s: float, wh
         except Exception as exc:
             if not is_transient(exc):
                 raise
+            if isinstance(exc, CommitsRefused):  # known to be held: waiting out the budget would only delay the answer
+                log.info("%s: %s", what, exc)
+                raise LedgerUnavailable(str(exc)) from exc
             attempt += 1
             delay = min(2.0, 0.05 * 2**attempt) * (0.8 + 0.4 * random.random())
             if time.monotonic() - started + delay > budget_s:
                 log.warning("%s: the database stayed unavailable for %.1fs: %r", what, budget_s, exc)
-                raise LedgerUnavailable(UNAVAILABLE) from exc
+                raise LedgerUnavailable(unavailable_reason(exc)) from exc
             log.info("%s: transient database error, retrying in %.2fs: %r", what, delay, exc)
             await asyncio.sleep(delay)
 
@@ -132,7 +166,6 @@ def _with_port(host: str) -> str:
 
 
 IDLE_TRANSACTION_TIMEOUT_S = 10.0
-CONNECT_TIMEOUT_S = 10.0
 
 
 def make_engine(
@@ -141,9 +174,9 @@ def make_engine(
     pool_size: int = 10,
     max_overflow: int = 10,
     idle_transaction_timeout_s: float = IDLE_TRANSACTION_TIMEOUT_S,
-    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    deadlines: Deadlines | None = None,
 ) -> AsyncEngine:
-    """An async engine with a pool sized for one service process.
+    """An async engine with a pool sized for one service process, every wait on it bounded by `deadlines`.
 
     No pre-ping on checkout (it costs three round trips per transaction on the hot path): after a database
     restart the first statement on each stale connection fails, SQLAlchemy then invalidates the pool, and
@@ -157,22 +190,58 @@ def make_engine(
     process that stalls mid-transaction (stopped, swapped out, cut off) would otherwise hold its row and
     advisory locks for as long as its TCP connection lives, and every other service would queue behind it
     (the outbox relays share one lock). Its transaction rolls back; what it published meanwhile carries
-    event ids that JetStream and the consumers deduplicate. A new connection gives up after
-    `connect_timeout_s` (all the URL's hosts together), so a retry follows instead of a minute's wait.
+    event ids that JetStream and the consumers deduplicate.
+
+    Connecting, taking a connection from the pool, waiting for a lock, a statement and a COMMIT each have a
+    deadline (`deadlines`, default `Deadlines()`: the table there). COMMITs go through the engine's
+    `CommitWatch` (`watch_of(engine)`), which also knows whether the ledger can commit now.
     """
-    settings = {"idle_in_transaction_session_timeout": str(int(idle_transaction_timeout_s * 1000))}
+    deadlines = deadlines or Deadlines()
+    watch = CommitWatch(deadlines)
+    settings = {
+        "idle_in_transaction_session_timeout": str(int(idle_transaction_timeout_s * 1000)),
+        **deadlines.server_settings(),
+    }
     engine = create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_recycle=1800,
-        connect_args={"server_settings": settings, "timeout": connect_timeout_s},
+        pool_timeout=deadlines.checkout_s,
+        connect_args={
+            "server_settings": settings,
+            "timeout": deadlines.connect_s,
+            "command_timeout": deadlines.client_statement_s,
+            "connection_class": watch.connection_class,
+        },
     )
-    event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
+    watch.attach(engine)
+    event.listen(engine.sync_engine, "handle_error", _explain)
     return engine
 
 
-def _read_only_is_a_disconnect(context: ExceptionContext) -> None:
-    """SQLAlchemy's error hook: a connection on a read-only server is dropped with the rest of the pool."""
-    if on_read_only_server(context.original_exception):
+def _explain(context: ExceptionContext) -> BaseException | None:
+    """SQLAlchemy's error hook. A connection of no further use is dropped: one on a read-only server (with the
+    rest of the pool), one whose COMMIT missed its deadline or whose statement the client gave up on (alone). A
+    statement PostgreSQL ended at its deadline while the ledger's COMMITs are held says so (`CommitsRefused`):
+    the lock it waited for belongs to a held transaction."""
+    original = context.original_exception
+    if on_read_only_server(original):
         context.is_disconnect = True
+    elif isinstance(original, CommitUnconfirmed | TimeoutError):
+        context.is_disconnect = True
+        context.invalidate_pool_on_disconnect = False
+    elif gave_up_waiting(original):
+        return held_instead(original, context.engine)
+    return None
+
+
+def held_instead(exc: BaseException, engine: AsyncEngine | Engine) -> CommitsRefused | None:
+    """`CommitsRefused` in place of a statement that gave up waiting while `engine`'s COMMITs are held (None
+    otherwise)."""
+    watch = watch_of(engine)
+    if watch is None or watch.blocked is None or not watch.holding:
+        return None
+    refused = CommitsRefused(watch.blocked.reason)
+    refused.__cause__ = exc
+    return refused

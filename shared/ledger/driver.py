@@ -10,8 +10,8 @@ its own), and asyncpg prepares each statement once per connection and reuses it.
 Errors look as they did through SQLAlchemy: a constraint violation is an `IntegrityError`, a lost connection
 (or one on a server that has become read-only: a standby after a failover) an `OperationalError` with
 `connection_invalidated` (the connection is invalidated, and the pool's older ones with it), any other database
-error a `DBAPIError` whose text is the server's. `is_transient` and the callers' handlers read
-them unchanged.
+error a `DBAPIError` whose text is the server's (a lock wait that ended at its deadline while the ledger's
+COMMITs are held: `CommitsRefused`, naming why). `is_transient` and the callers' handlers read them unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import asyncpg
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from shared.ledger.db import on_read_only_server
+from shared.ledger.db import held_instead, on_read_only_server
 
 _LOST = (
     asyncpg.PostgresConnectionError,  # SQLSTATE class 08, and "connection does not exist"
@@ -86,7 +86,8 @@ async def _translated(
         await _drop(conn, exc)
         return OperationalError(sql, args, exc, connection_invalidated=True)
     if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):  # a statement error, a bad argument, ...
-        return DBAPIError(sql, args, exc)
+        # a lock wait ended at its deadline while COMMITs are held: the lock belongs to a held transaction
+        return held_instead(exc, conn.sync_engine) or DBAPIError(sql, args, exc)
     return exc  # not the database's: raised as it came
 
 

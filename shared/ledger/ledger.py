@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -38,6 +39,7 @@ from shared.ledger import (
     reservations,
     transitions,
 )
+from shared.ledger.commit_watch import watch_of
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
 
 log = logging.getLogger(__name__)
@@ -106,9 +108,17 @@ class Ledger:
         if self.on_commit is not None:
             self.on_commit()
 
+    def _begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A write transaction; refused at once (`CommitsRefused`, naming why) while the ledger's COMMITs are held
+        (`commit_watch`): it could only wait for them."""
+        watch = watch_of(self.engine)
+        if watch is not None:
+            watch.refuse_if_held()
+        return self.engine.begin()
+
     async def record(self, event: LedgerEvent) -> object:
         """Apply one event and stage it, in one transaction (an exchange is staged with its result)."""
-        async with self.engine.begin() as conn:
+        async with self._begin() as conn:
             result = await apply_event(conn, event)
             await outbox.stage(conn, self.prefix, result if isinstance(result, ExchangedEvent) else event)
         self._committed()
@@ -120,7 +130,7 @@ class Ledger:
         For commands that are not idempotent by themselves (an exchange applied twice swaps back) and that a
         sender may repeat after a lost reply.
         """
-        async with self.engine.begin() as conn:
+        async with self._begin() as conn:
             if not await idempotency.claim(conn, consumer, event.event_id):
                 return None
             result = await apply_event(conn, event)
@@ -149,12 +159,12 @@ class Ledger:
         events = [reservations.reserved_event(r, source=self.source) for r in requests]
         answers: list[Reservation | ReservationError] = []
         try:
-            async with self.engine.begin() as conn:
+            async with self._begin() as conn:
                 answers.extend(await batch_reserve.reserve_fast(conn, events))
                 await outbox.stage(conn, self.prefix, *events)
         except batch_reserve.Irregular:
             answers = []
-            async with self.engine.begin() as conn:
+            async with self._begin() as conn:
                 await locks.lock_for_reservations(conn, events)  # quotas, then GPUs, then each pod's allocation
                 for event in events:  # in arrival order: the pod kube-scheduler placed first gets the room first
                     try:
@@ -176,7 +186,7 @@ class Ledger:
         Raises `InsufficientCapacity` / `QuotaExceeded` / `claims.PathConflict` / `ReservationError` (nothing is
         written then). The event is staged only when the allocation is new.
         """
-        async with self.engine.begin() as conn:
+        async with self._begin() as conn:
             result = await claims.reserve_claim(conn, event)
             if result.created:
                 await outbox.stage(conn, self.prefix, event)
@@ -195,7 +205,7 @@ class Ledger:
         changed nothing (two replicas, or reconciliation and a redelivery, binding the same reservation) would reach
         the stream twice."""
         events = [BoundEvent(allocation_id=a, pod_uid=p, node=n, source=self.source) for a, p, n in bindings]
-        async with self.engine.begin() as conn:
+        async with self._begin() as conn:
             changed, wrote = await transitions.bind_many(conn, events)
             written = [e for e, w in zip(events, wrote, strict=True) if w]
             if written:
@@ -232,7 +242,7 @@ class Ledger:
         """The node agents' `assigned` commands of a group commit, in one transaction (`transitions.assign_many`):
         None per applied event, else why it was refused. Every applied event is staged, once per event id (one
         sent again while its first copy waits in the outbox is not staged twice)."""
-        async with self.engine.begin() as conn:
+        async with self._begin() as conn:
             answers = await transitions.assign_many(conn, events)
             await outbox.stage_new(conn, self.prefix, [e for e, a in zip(events, answers, strict=True) if a is None])
         self._committed()

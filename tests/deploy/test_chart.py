@@ -451,3 +451,23 @@ def test_cloudnativepg_values_stay_within_the_operators_documented_fields(helm: 
     args = ["template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(values_file(too_many, tmp_path))]
     proc = run_helm(helm, *args, check=False)
     assert proc.returncode != 0 and "synchronous.number (2) must be below instances (2)" in proc.stderr
+
+
+def test_a_required_standby_must_survive_the_loss_of_one_instance(helm: str, tmp_path: Path) -> None:
+    """Two instances with a required synchronous standby hold every ledger write (all GPU scheduling) while either
+    is lost: the chart refuses that and says what keeps scheduling; preferred durability, or a third instance,
+    renders."""
+
+    def values(instances: int, number: int, durability: str) -> dict[str, Any]:
+        sync = {"method": "any", "number": number, "dataDurability": durability}
+        return {"postgresql": {"mode": "cloudnativepg", "cloudnativepg": {"instances": instances, "synchronous": sync}}}
+
+    strict = values(2, 1, "required")
+    args = ["template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(values_file(strict, tmp_path))]
+    proc = run_helm(helm, *args, check=False)
+    assert proc.returncode != 0
+    assert "losing one instance leaves fewer standbys than a commit waits for" in proc.stderr, proc.stderr
+    assert "Use instances >= 3 (synchronous.number + 2), or dataDurability preferred" in proc.stderr
+    for instances, number, durability in ((2, 1, "preferred"), (3, 1, "required"), (4, 2, "required")):
+        cluster = find(template(helm, values(instances, number, durability), (), tmp_path), "Cluster", "gpushare-db")
+        assert cluster["spec"]["postgresql"]["synchronous"]["number"] == number

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 STACK_NODES = PROFILE.scale_nodes
 STACK_GPUS = "4x16GiB:Tesla-T4"
 IN_FLIGHT = 16
-CONNECTION_CAP = 6 + 5 + 3  # extender + binder + accounting pools (docs/architecture.md); agents hold none
+CONNECTION_CAP = (6 + 5 + 3) + 3  # the three pools and a commit probe each (docs/architecture.md); agents hold none
 DB_ERROR_MARKERS = ("dbapierror", "asyncpg", "too many clients", "sqlalchemy", "operationalerror")
 
 

@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.catalogue import AllocationPart, GpuInfo, InventoryEvent, QuotaEvent
 from shared.ledger.db import make_engine
+from shared.ledger.deadlines import Deadlines
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocation_parts, allocations, gpus
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest, reserved_event
@@ -208,7 +209,11 @@ async def check_counters(engine: AsyncEngine) -> None:
 async def test_mixed_writers_never_deadlock(pg_server_url: str, fresh: tuple[str, str]) -> None:
     name, url = fresh
     before = await deadlocks_reported(pg_server_url, name)
-    engine = make_engine(url, pool_size=ACTORS * 2, max_overflow=0)
+    # Waits, not deadlines, are under test: PostgreSQL reports a deadlock after deadlock_timeout (1 s), long before
+    # these deadlines; the services' 5 s lock deadline ended plain queueing of 2 x ACTORS writers on a loaded
+    # machine (a full suite in parallel tiers) with "lock timeout", which says nothing about lock order.
+    patient = Deadlines(connect_s=60, checkout_s=60, lock_s=120, statement_s=300, commit_s=60)
+    engine = make_engine(url, pool_size=ACTORS * 2, max_overflow=0, deadlines=patient)
     ledger = Ledger(engine, prefix="locks", source="lock-order-test")
     try:
         await ledger.record(InventoryEvent(node=NODE, gpus=INVENTORY))

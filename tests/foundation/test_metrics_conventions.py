@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from services.accounting.metrics import AccountingMetrics, Snapshot
 from services.binder.metrics import BinderMetrics
 from services.extender import metrics as extender_metrics
 from services.node_agent.metrics import AgentMetrics
+from shared.ledger.commit_watch import SYNCHRONOUS_STANDBY, Blocked, CommitWatch
+from shared.ledger.deadlines import Deadlines
 from shared.metrics import GPU_LABELS, NODE_LABELS, SeriesSet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +45,7 @@ SECTIONS = {
     "extender": "## Extender",
     "binder": "## Binder",
     "node agent": "## Node agent",
+    "ledger": "## Ledger commits",
 }
 
 Exported = dict[str, tuple[str, frozenset[str]]]  # documented name -> (type, label names)
@@ -97,7 +101,22 @@ def _node_agent() -> CollectorRegistry:
     return metrics.registry
 
 
-REGISTRIES = {"accounting": _accounting, "extender": _extender, "binder": _binder, "node agent": _node_agent}
+def _ledger() -> CollectorRegistry:
+    """The commit watch's metrics (every process with a database registers them), while it cannot commit."""
+    watch = CommitWatch(Deadlines())
+    watch.blocked = Blocked("a reason", SYNCHRONOUS_STANDBY, time.monotonic(), held=True)
+    registry = CollectorRegistry()
+    registry.register(watch.collector())
+    return registry
+
+
+REGISTRIES = {
+    "accounting": _accounting,
+    "extender": _extender,
+    "binder": _binder,
+    "node agent": _node_agent,
+    "ledger": _ledger,
+}
 
 
 def exported(service: str) -> Exported:
@@ -140,7 +159,12 @@ def test_the_docs_table_is_what_the_registry_exports(service: str) -> None:
 
 @pytest.mark.parametrize("service", sorted(REGISTRIES))
 def test_prometheus_conventions_and_dcgm_labels(service: str) -> None:
-    prefix = {"extender": "gpushare_extender_", "binder": "gpushare_binder_", "node agent": "gpushare_node_agent_"}
+    prefix = {
+        "extender": "gpushare_extender_",
+        "binder": "gpushare_binder_",
+        "node agent": "gpushare_node_agent_",
+        "ledger": "gpushare_ledger_",
+    }
     for name, (kind, labels) in exported(service).items():
         assert name.startswith(prefix.get(service, "gpushare_")), name
         assert not NOT_BASE_UNITS.search(name), f"{name}: use base units (bytes, ratios, seconds)"

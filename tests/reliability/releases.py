@@ -21,7 +21,9 @@ from pathlib import Path
 from devstack.stack.spec import ServiceCommand
 
 REPO = Path(__file__).resolve().parents[2]
-TREE_ENV = ("PYTHONPATH", "PYTHONSAFEPATH")
+TREE_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "GPUSHARE_TEST_LISTEN_HOST")
+LOOPBACK_SITE = Path(__file__).resolve().parent / "loopback_site"
+SERVICES = ("extender", "binder", "accounting", "node-agent")
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,22 @@ class Release:
         """Environment that makes `python -m services.cli` run this release's code."""
         return {"PYTHONPATH": str(self.tree), "PYTHONSAFEPATH": "1"}
 
+    def knows(self, service: str, flag: str) -> bool:
+        """Whether this release's `gpushare <service>` accepts `flag` (read from its CLI module)."""
+        cli = self.tree / "services" / service.replace("-", "_") / "cli.py"
+        return cli.is_file() and f'"{flag}"' in cli.read_text()
+
     def command(self, command: ServiceCommand) -> ServiceCommand:
-        """`command` as this release's code runs it (same arguments)."""
-        return dataclasses.replace(command, env={**current(command).env, **self.env()})
+        """`command` as this release's code runs it: the same arguments, except a `--host` its node agent does not
+        know yet (0.1.0's listened on every address), which is then applied through `loopback_site`."""
+        argv, env = list(command.argv), {**current(command).env, **self.env()}
+        service = next((a for a in argv if a in SERVICES), "")
+        if "--host" in argv and service and not self.knows(service, "--host"):
+            at = argv.index("--host")
+            env["GPUSHARE_TEST_LISTEN_HOST"] = argv[at + 1]
+            env["PYTHONPATH"] = os.pathsep.join([str(LOOPBACK_SITE), env["PYTHONPATH"]])
+            del argv[at : at + 2]
+        return dataclasses.replace(command, argv=argv, env=env)
 
     def run(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         """`gpushare ARGS` of this release, to completion."""
@@ -54,8 +69,13 @@ class Release:
 
 
 def current(command: ServiceCommand) -> ServiceCommand:
-    """`command` as this checkout's code runs it."""
-    return dataclasses.replace(command, env={k: v for k, v in command.env.items() if k not in TREE_ENV})
+    """`command` as this checkout's code runs it (with the `--host` an old release's form of it went without)."""
+    argv = list(command.argv)
+    host = command.env.get("GPUSHARE_TEST_LISTEN_HOST")
+    if host and "--host" not in argv:
+        argv += ["--host", host]
+    env = {k: v for k, v in command.env.items() if k not in TREE_ENV}
+    return dataclasses.replace(command, argv=argv, env=env)
 
 
 def _git(*args: str) -> str:

@@ -26,6 +26,7 @@ median and worst in docs/reliability.md ("Failover: PostgreSQL and NATS servers"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 
 from devstack.ha import NatsCluster, PostgresPair
@@ -52,6 +54,7 @@ from shared.ledger.rules import is_live
 from tests.reliability.harness import burst_stack_config, ledger_rebuild, require_complete, settled_invariants
 from tests.reliability.profile import PROFILE
 from tests.reliability.test_crash import RESULTS, accounting_caught_up
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -385,3 +388,193 @@ async def test_each_server_fault_costs_seconds_and_no_pod(ha_stack, servers: Ser
         assert not outcome.double_binds, f"{where}: pods bound twice: {outcome.double_binds}"
         assert outcome.recovery_s is not None, f"{where}: no pod created after the fault was bound"
         assert not outcome.problems, f"{where}:\n" + "\n".join(outcome.problems[:20])
+
+
+# ------------------------------------------------------------------------ synchronous replication and scheduling
+
+HELD = "waiting for a synchronous standby"
+SERVICES = ("extender", "binder", "accounting")
+HOLD_PODS = 6  # pods created, one a second, while COMMITs are held
+QUORUM_PODS = 8  # pods created, one a second, with one of two quorum standbys lost
+
+
+async def _readyz(url: str) -> tuple[int, str]:
+    async with httpx.AsyncClient(timeout=5) as http:
+        try:
+            answer = await http.get(url)
+        except httpx.TransportError as exc:
+            return 0, repr(exc)
+    return answer.status_code, answer.text
+
+
+Seen = dict[str, list[tuple[float, int, str]]]  # per service: (when, /readyz status, body) at each change
+
+
+async def _watch_ready(urls: dict[str, str], seen: Seen, stop: asyncio.Event) -> None:
+    """Every service's `/readyz` twice a second: (when, status, body) whenever a service's answer changes."""
+    while not stop.is_set():
+        for service, url in urls.items():
+            status, body = await _readyz(url)
+            if status == 0:  # no answer within 5 s (a loaded machine): says nothing about readiness
+                continue
+            if not seen[service] or seen[service][-1][1] != status:
+                seen[service].append((time.monotonic(), status, body))
+        await asyncio.sleep(0.5)
+
+
+async def _scheduler_said(api: Any, namespace: str, text: str) -> str | None:
+    """The message of an event in `namespace` (kube-scheduler's FailedScheduling, say) that contains `text`."""
+    from kubernetes_asyncio import client
+
+    for item in (await client.CoreV1Api(api).list_namespaced_event(namespace)).items:
+        if text in (item.message or ""):
+            return str(item.message)
+    return None
+
+
+@dataclass
+class Watched:
+    """A namespace of a scenario and what is watched meanwhile: each pod's creation and first bind, every service's
+    `/readyz`."""
+
+    api: Any
+    namespace: str
+    seen: Seen = field(default_factory=lambda: {s: [] for s in SERVICES})
+    bound_at: dict[str, float] = field(default_factory=dict)
+    created_at: dict[str, float] = field(default_factory=dict)
+
+    async def create(self, count: int, prefix: str) -> None:
+        """`count` 1 GiB pods, one a second."""
+        from tests.e2e import helpers as h
+
+        for i in range(count):
+            await h.create_pod(self.api, self.namespace, h.gpu_pod(f"{prefix}-{i}", [1]))
+            self.created_at[f"{prefix}-{i}"] = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    async def all_bound(self) -> None:
+        await eventually(
+            lambda: len(self.bound_at) >= len(self.created_at), what="every pod created bound", within=BIND_WAIT_S
+        )
+
+
+@contextlib.asynccontextmanager
+async def watching(stack: Any, prefix: str) -> AsyncIterator[Watched]:
+    """A fresh namespace, its binds and every service's `/readyz` watched for the block; its pods deleted after."""
+    from tests.e2e import helpers as h
+
+    api = await stack.api_client()
+    watched = Watched(api, f"{prefix}-{uuid.uuid4().hex[:6]}")
+    await h.create_namespace(api, watched.namespace)
+    urls = {s: stack.replicas(s)[0].command.ready_url for s in SERVICES}
+    stop = asyncio.Event()
+    watchers = [
+        asyncio.create_task(_watch_binds(api, watched.namespace, watched.bound_at, stop)),
+        asyncio.create_task(_watch_ready(urls, watched.seen, stop)),
+    ]
+    try:
+        yield watched
+    finally:
+        stop.set()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
+
+async def _settle(stack: Any, servers: Servers, watched: Watched, outcome: Outcome) -> None:
+    """The invariants after a scenario (`check_after`), recorded, the namespace's pods deleted; then its asserts."""
+    from tests.e2e import helpers as h
+
+    outcome.pods = len(watched.created_at)
+    outcome.lost = sorted(set(watched.created_at) - set(watched.bound_at))
+    try:
+        await check_after(stack, servers, outcome)
+    finally:
+        _record(outcome)
+        log.info("%s: %s", outcome.fault, outcome)
+        await h.delete_all_pods(watched.api, watched.namespace)
+    assert not outcome.lost, f"pods never bound: {outcome.lost}"
+    assert not outcome.double_binds, f"pods bound twice: {outcome.double_binds}"
+    assert not outcome.problems, "\n".join(outcome.problems[:20])
+
+
+def _first(seen: list[tuple[float, int, str]], status: int, after: float) -> float | None:
+    return next((t - after for t, s, _ in seen if s == status and t >= after), None)
+
+
+async def test_commits_held_for_a_missing_synchronous_standby_are_said_then_every_pod_binds_once(  # type: ignore[no-untyped-def]
+    ha_stack, servers: Servers
+) -> None:
+    """Strict synchronous replication on two instances (`synchronous_standby_names` names the one standby) and the
+    standby lost: PostgreSQL holds every COMMIT. gpushare says so instead of hanging: every service's `/readyz`
+    answers 503 naming the missing standby, kube-scheduler's bind of each pod created meanwhile is answered with
+    that reason (its FailedScheduling event), and nothing is bound. Once the standby is back, without anyone's help,
+    every pod created meanwhile is bound exactly once, no GPU is overcommitted, accounting and a replay of the stream
+    agree with the ledger, and `/readyz` is 200 again."""
+    outcome = Outcome("commit-hold", 0)
+    standby_back = False
+    async with watching(ha_stack, "hold") as w:
+        outcome.details["namespace"] = w.namespace
+        try:
+            held_at = time.monotonic()
+            await asyncio.to_thread(servers.pg.stop_standby)
+            await w.create(HOLD_PODS, "held")
+            for service in SERVICES:
+                await eventually(
+                    lambda service=service: any(s == 503 and HELD in b for _, s, b in w.seen[service]),
+                    what=f"{service}'s /readyz 503 naming the missing standby",
+                    within=60,
+                )
+            said = await eventually(
+                lambda: _scheduler_said(w.api, w.namespace, HELD),
+                what="kube-scheduler told why the bind failed",
+                within=90,
+            )
+            assert not w.bound_at, f"pods bound while no COMMIT could complete: {w.bound_at}"
+            outcome.details["scheduler_event"] = said[:300]
+            outcome.details["not_ready_after_s"] = {s: _first(w.seen[s], 503, held_at) for s in SERVICES}
+
+            released_at = time.monotonic()
+            await servers.pg.start_standby()
+            standby_back = True
+            await w.all_bound()
+            for service in SERVICES:
+                await eventually(
+                    lambda service=service: w.seen[service] and w.seen[service][-1][1] == 200,
+                    what=f"{service}'s /readyz 200 again",
+                    within=60,
+                )
+            outcome.details["ready_again_after_s"] = {s: _first(w.seen[s], 200, released_at) for s in SERVICES}
+            outcome.recovery_s = round(min(w.bound_at.values()) - released_at, 2)
+            outcome.details["all_bound_after_s"] = round(max(w.bound_at.values()) - released_at, 2)
+        finally:
+            if not standby_back:
+                await servers.pg.start_standby()
+    await _settle(ha_stack, servers, w, outcome)
+
+
+async def test_with_two_quorum_standbys_losing_one_keeps_scheduling(ha_stack, servers: Servers) -> None:  # type: ignore[no-untyped-def]
+    """Three instances, `synchronous_standby_names = 'ANY 1 (pg1, pg2)'` (what the HA overlay's CloudNativePG
+    cluster runs: `method: any`, `number: 1`): one standby lost, the other confirms every COMMIT. Pods created
+    meanwhile bind as usual, and no service's `/readyz` leaves 200."""
+    pg = servers.pg
+    lost = pg.standby
+    assert lost is not None
+    extra = await pg.add_standby()
+    await pg.set_synchronous(f"ANY 1 ({lost.name}, {extra.name})")
+    outcome = Outcome("quorum-standby-lost", 0)
+    try:
+        async with watching(ha_stack, "quorum") as w:
+            outcome.details["namespace"] = w.namespace
+            await asyncio.to_thread(pg.stop_node, lost)
+            await w.create(QUORUM_PODS, "q")
+            await w.all_bound()
+            waits = sorted(w.bound_at[n] - w.created_at[n] for n in w.created_at)
+            median, worst = round(statistics.median(waits), 2), round(waits[-1], 2)
+            outcome.details["create_to_bind_s"] = {"median": median, "max": worst}
+            outcome.details["readyz"] = {s: [st for _, st, _ in w.seen[s]] for s in SERVICES}
+    finally:
+        await pg.start_node(lost)
+        await pg.set_synchronous(lost.name)
+        pg.remove_standby(extra)
+    for service in SERVICES:
+        assert [st for _, st, _ in w.seen[service]] == [200], f"{service}'s /readyz left 200: {w.seen[service]}"
+    await _settle(ha_stack, servers, w, outcome)
