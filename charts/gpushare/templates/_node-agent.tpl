@@ -126,11 +126,16 @@ spec:
               path: /readyz
               port: metrics
             periodSeconds: 10
+          startupProbe:  # a slow start (a loaded node) is not a hung process: liveness counts once it answers
+            httpGet:
+              path: /healthz
+              port: metrics
+            periodSeconds: 2
+            failureThreshold: 90
           livenessProbe:
             httpGet:
               path: /healthz
               port: metrics
-            initialDelaySeconds: 15
             periodSeconds: 15
             failureThreshold: 4
           resources:

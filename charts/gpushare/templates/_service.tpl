@@ -87,11 +87,16 @@ spec:
               path: /readyz
               port: http
             periodSeconds: 5
+          startupProbe:  # a slow start (a loaded node) is not a hung process: liveness counts once it answers
+            httpGet:
+              path: /healthz
+              port: http
+            periodSeconds: 2
+            failureThreshold: 90
           livenessProbe:
             httpGet:
               path: /healthz
               port: http
-            initialDelaySeconds: 10
             periodSeconds: 10
             failureThreshold: 3
           resources:
