@@ -1,8 +1,9 @@
 """Recording a DRA claim's allocation: the reservation statements, plus what makes a claim a claim.
 
-kube-scheduler proposes (it allocated the claim's shares from the node's ResourceSlice); the ledger decides, in
-one transaction, with the very statements and CHECK constraints of `reservations.reserve` (namespace quota under
-its lock, the conditional counter UPDATE per GPU in UUID order). On top of them:
+kube-scheduler allocated the claim's shares from the node's ResourceSlice; the ledger records them in one
+transaction, with the very statements and CHECK constraints of `reservations.reserve` (the conditional counter
+UPDATE per GPU in UUID order). The namespace's GiB quota is not checked again: the claim took it when it was
+created (gpushare admission, `claim_holds`), as a Kubernetes object takes its ResourceQuota. On top of them:
 
 * the same claim allocation is recorded once (its id comes from the claim's UID and share ids), and one that
   ended is never brought back;
@@ -69,7 +70,7 @@ async def reserve_claim(conn: AsyncConnection, event: ClaimReservedEvent) -> Res
             f"({'unknown' if allocator is None else 'its agent serves the device plugins'}): its GPUs are placed by "
             "the scheduler extender"
         )
-    result = await reserve(conn, event)
+    result = await reserve(conn, event, check_quota=False)  # the claim took its quota when it was created
     if not result.created:
         raise ReservationError(
             f"pod {event.namespace}/{event.pod_name} holds allocation {result.allocation_id} already; "
