@@ -89,6 +89,10 @@ class StackConfig:
     # how many of the nodes (the last ones) are DRA nodes: their agents run --dra, kube-scheduler places their
     # shares from ResourceClaims and the kubelet stand-in plays kubelet's DRA side (docs/dra.md)
     dra_nodes: int = 0
+    # of the DRA nodes, how many (the last ones) are a gated pool: labelled gpushare.io/dra-gate=ledger, their slices
+    # carry the ledger's binding conditions and kube-scheduler binds their pods only once the binder recorded them
+    dra_gated_nodes: int = 0
+    binder_extra: list[str] = field(default_factory=list)  # more `gpushare binder` flags (e.g. --template-grace)
 
 
 class Stack:
@@ -291,7 +295,7 @@ class Stack:
             "binder",
             bnd_port,
             lambda name, port: spec.binder_command(
-                self._common("binder"), port, str(self.services_kubeconfig), name=name
+                self._common("binder"), port, str(self.services_kubeconfig), name=name, extra=tuple(c.binder_extra)
             ),
         )
         if c.replicas > 1:  # the first replica answers on the binder port, as the one binder would
@@ -454,6 +458,7 @@ class Stack:
         from kubernetes_asyncio.client.exceptions import ApiException
 
         from devstack.cluster.nodes import NodeHeartbeat, create_gpu_node, delete_node
+        from shared.dra.slices import GATE_LABEL, GATE_VALUE
 
         api = await self.api_client()
         unit_mib = 1 if self.config.memory_unit == "MiB" else 1024
@@ -466,6 +471,8 @@ class Stack:
             # DRA nodes carry the DRA pool's label; the others `gpushare=true`, the label the gpushare guide puts on
             # GPU nodes (and k8s/base's node agent selects)
             labels = {**base_labels, "gpushare.io/allocator": "dra"} if dra else {**base_labels, "gpushare": "true"}
+            if node in self.dra_node_names[len(self.dra_node_names) - self.config.dra_gated_nodes :]:
+                labels[GATE_LABEL] = GATE_VALUE  # a gated pool (docs/dra.md)
             kind = "DRA node" if dra else "node"
             self.progress(f"creating simulated {kind} {node} with GPUs {self.config.gpus}")
             make = functools.partial(

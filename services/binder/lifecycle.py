@@ -70,6 +70,7 @@ class Lifecycle:
         self._marked: OrderedDict[str, None] = OrderedDict()
         self.claims: Any = None  # the ClaimGate: marks DRA pods bound once kube-scheduler bound them
         self.dra_pending: Any = None  # DraPending: why the DRA pods gpushare admission rewrote are not placed
+        self.templates: Any = None  # TemplateSweeper: which gpushare claim templates live pods use
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """Follow every pod in the cluster until `stop`."""
@@ -78,6 +79,8 @@ class Lifecycle:
             if event.type == SYNCED:
                 self.index.synced()
                 self.pods_synced.set()
+                if self.templates is not None:
+                    self.templates.synced.set()
                 continue
             try:
                 await self.on_pod(event)
@@ -101,6 +104,8 @@ class Lifecycle:
         pod = event.object
         if self.dra_pending is not None:
             await self.dra_pending.on_pod(event.type, pod)
+        if self.templates is not None:
+            await self.templates.on_pod(event.type, pod)
         if not is_gpu_pod(pod):
             return 0
         self.index.update(event.type, pod)

@@ -90,6 +90,13 @@ class BinderMetrics:
             ["reason"],
             registry=r,
         )
+        self.claim_templates = Counter(
+            "gpushare_binder_claim_templates_total",
+            "gpushare admission's ResourceClaimTemplates deleted once no pod used them for --template-grace, and "
+            "written again because a new pod named one just deleted",
+            ["outcome"],
+            registry=r,
+        )
         self.nodes_retired = Counter(
             "gpushare_binder_nodes_retired_total", "Nodes retired in the ledger after their deletion", registry=r
         )

@@ -74,7 +74,7 @@ class ClaimAdmission:
     async def _answer(self, review: Review) -> tuple[dict[str, Any], str]:
         what = (review.group, review.resource, review.sub_resource, review.operation)
         if what != ("resource.k8s.io", "resourceclaims", "", "CREATE"):
-            log.info("resource_claim admission review for %s %s/%s passed unchanged", review.operation, *what[:2])
+            log.info("claim admission review for %s %s/%s passed unchanged", review.operation, *what[:2])
             return allowed(review.uid), "ignored"
         resource_claim = review.object
         if not isinstance(resource_claim, dict) or not asks_gpushare(resource_claim):
@@ -118,12 +118,13 @@ class ClaimAdmission:
             return allowed(review.uid), "dry_run"
         if admitted.held:
             log.info(
-                "resource_claim %s/%s holds %d MiB, %d%% of its namespace's GPU quota until it is allocated or deleted",
+                "claim %s/%s holds %d MiB and %d%% compute of its namespace's GPU quota until it is allocated or "
+                "deleted",
                 review.namespace,
                 name,
                 demand.memory_mib,
                 demand.compute,
-                extra={"namespace": review.namespace, "resource_claim": name, "claim_uid": uid},
+                extra={"namespace": review.namespace, "claim": name, "claim_uid": uid},
             )
         return allowed(review.uid), "held" if admitted.held else "no_quota"
 

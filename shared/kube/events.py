@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from shared.kube.raw import DEFAULT_TIMEOUT_S
+from shared.kube.raw import DEFAULT_TIMEOUT_S, read_json
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,10 @@ async def post_pod_event(api: client.ApiClient, body: dict[str, Any]) -> bool:
     """Write an Event (`event_body`); False, logged, when the API server would not take it."""
     namespace = body["metadata"]["namespace"]
     try:
-        await client.CoreV1Api(api).create_namespaced_event(
-            namespace, body, _preload_content=False, _request_timeout=DEFAULT_TIMEOUT_S
+        await read_json(
+            await client.CoreV1Api(api).create_namespaced_event(
+                namespace, body, _preload_content=False, _request_timeout=DEFAULT_TIMEOUT_S
+            )
         )
     except (ApiException, OSError, TimeoutError) as exc:
         log.warning(

@@ -123,6 +123,14 @@ async def claims(api: client.ApiClient) -> list[dict[str, Any]]:
     return list(body.get("items") or [])
 
 
+async def claims_in(api: client.ApiClient, namespace: str) -> list[dict[str, Any]]:
+    """The claims of one namespace."""
+    body = await read_json(
+        await client.ResourceV1Api(api).list_namespaced_resource_claim(namespace, _preload_content=False)
+    )
+    return list(body.get("items") or [])
+
+
 async def resource_slice(api: client.ApiClient, node: str) -> dict[str, Any] | None:
     """The node's ResourceSlice (None while it has none)."""
     try:

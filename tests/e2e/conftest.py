@@ -47,7 +47,8 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags,
 # STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, STACK_REPLICAS /
 # STACK_SCHEDULERS for replicated services and kube-schedulers, STACK_SCHEDULER_EXTRA for more kube-scheduler
-# configuration, and STACK_DRA_NODES to make that many of the nodes (the last ones) DRA nodes (tests/dra). The
+# configuration, STACK_BINDER for more binder flags, and STACK_DRA_NODES to make that many of the nodes (the last
+# ones) DRA nodes (tests/dra; STACK_DRA_GATED_NODES of them, the last ones, a gated pool). The
 # scheduler configuration is the shipped one's (k8s/scheduler/): kube-scheduler counts every aliyun.com/* resource
 # per node itself.
 
@@ -105,6 +106,8 @@ async def stack(
         controller_manager_extra=list(getattr(request.module, "STACK_CONTROLLER_MANAGER", [])),
         monitoring=getattr(request.module, "STACK_MONITORING", False),
         dra_nodes=getattr(request.module, "STACK_DRA_NODES", 0),
+        dra_gated_nodes=getattr(request.module, "STACK_DRA_GATED_NODES", 0),
+        binder_extra=list(getattr(request.module, "STACK_BINDER", [])),
         scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
         service_roles=True,  # each service as its own PostgreSQL role: least privilege, end to end
