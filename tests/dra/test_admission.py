@@ -107,6 +107,7 @@ async def test_the_readme_demo_deployment_is_admitted_and_packed_on_dra_nodes(st
         return found if len(found) == want and all(p.spec.node_name for p in found) else None
 
     bound = await poll(all_bound, 120, interval=0.5, what="the demo's pods to be bound")
+    await w.wait_recorded(api, dra_namespace, [p.metadata.name for p in bound])
     assert {p.spec.node_name for p in bound} == {dra_node}
     templates = {t["metadata"]["name"]: t for t in await _templates(api, dra_namespace)}
     assert len(templates) == 2  # one per Deployment: every replica asks the same, so names the same template
@@ -176,6 +177,7 @@ async def test_a_two_container_pod_a_sidecar_pod_and_a_count_two_pod_through_the
     ):
         await helpers.create_pod(api, dra_namespace, pod)
     await helpers.wait_bound(api, dra_namespace, ["duo", "side", "pair"], timeout_s=90)
+    await w.wait_recorded(api, dra_namespace, ["duo", "side", "pair"])
 
     duo = await _parts(api, dra_namespace, "duo")
     assert {c: [(m, k) for _, m, k in v] for c, v in duo.items()} == {"a": [(4096, 0)], "b": [(2048, 20)]}
@@ -341,6 +343,8 @@ async def test_inspect_without_accounting_reads_dra_nodes_from_their_slices(stac
     await helpers.create_pod(api, dra_namespace, _pod("seen", [_c("main", mem="4")]))
     await helpers.wait_bound(api, dra_namespace, ["seen"], timeout_s=60)
     rows = await helpers.gpu_rows(stack.database_url, node)
+
+    await w.wait_recorded(api, dra_namespace, ["seen"])  # inspect reads the binder's annotations
     shown = {n["name"]: n for n in await from_apiserver(api, Request(), MemoryUnit.GIB)}
     assert set(shown) == set(stack.node_names)  # the device-plugin node from its capacity, the DRA node from its slice
     gpus = shown[node]["gpus"]

@@ -22,11 +22,9 @@ from shared.dra.cdi import spec_file_name
 from shared.dra.claims import LedgerGpu, read_claim
 from shared.dra.quantity import parse_quantity
 from shared.dra.slices import device_name
-from shared.events.catalogue import AllocationPart
 from shared.kubelet_api import load
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
-from shared.ledger.reservations import ReservationRequest
 from shared.settings import MemoryUnit
 from tests.dra import workloads as w
 from tests.dra.conftest import needs_dra
@@ -172,13 +170,8 @@ async def test_a_share_the_extender_path_holds_makes_the_gate_refuse_the_gpu(sta
     (gpu,) = await helpers.gpu_rows(stack.database_url, node)
     engine = make_engine(stack.database_url, pool_size=1)
     ledger = Ledger(engine, prefix=stack.config.subject_prefix, source="test")
-    part = AllocationPart(container="c", container_index=0, gpu_uuid=gpu["uuid"], gpu_index=0, memory_mib=1024)
     try:
-        outsider = await ledger.reserve(
-            ReservationRequest(
-                pod_uid=f"outsider-{namespace}", namespace=namespace, pod_name="outsider", node=node, parts=(part,)
-            )
-        )
+        await w.extender_share(api, ledger, namespace, "outsider", node, gpu)
         await w.create(
             api,
             namespace,
@@ -194,8 +187,8 @@ async def test_a_share_the_extender_path_holds_makes_the_gate_refuse_the_gpu(sta
             stack.database_url, "SELECT state FROM allocations WHERE namespace = $1 AND pod_name = 'c'", namespace
         )
         assert rows == []
-        # the extender's share ends (the binder fails it anyway: its pod does not exist), and the claim gets the GPU
-        await ledger.release(outsider.allocation_id, outsider.pod_uid, node, "test done")
+        # the extender's share ends with its pod, and the claim gets the GPU
+        await helpers.delete_pod(api, namespace, "outsider")
         await helpers.wait_bound(api, namespace, ["c"], timeout_s=90)
     finally:
         await engine.dispose()

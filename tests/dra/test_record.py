@@ -25,11 +25,9 @@ from kubernetes_asyncio import client
 from shared.annotations import ALLOCATION, parse_allocation
 from shared.dra import CLAIM_ANNOTATION, DRIVER
 from shared.dra.quantity import parse_quantity
-from shared.events.catalogue import AllocationPart
 from shared.kube.watching import DELETED, SYNCED, watch_objects
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
-from shared.ledger.reservations import ReservationRequest
 from tests.dra import workloads as w
 from tests.dra.conftest import needs_dra
 from tests.e2e import helpers
@@ -167,28 +165,7 @@ async def test_a_record_the_ledger_refuses_is_an_alert_and_the_pod_waits_until_i
     before = await _metric(binder_url, "gpushare_binder_claim_record_refusals_total", reason="PathConflict")
     try:
         for g in gpus:
-            # a real pod (no scheduler picks it up: the binder binds it, as the extender path's bind would)
-            name = f"outsider-{g['index']}"
-            body = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name},
-                "spec": {
-                    "schedulerName": "gpushare-test-nobody",
-                    "terminationGracePeriodSeconds": 0,
-                    "containers": [{"name": "c", "image": "busybox"}],
-                },
-            }
-            uid = (await helpers.create_pod(api, namespace, body)).metadata.uid
-            part = AllocationPart(
-                container="c", container_index=0, gpu_uuid=g["uuid"], gpu_index=g["index"], memory_mib=1024
-            )
-            outsiders.append(
-                await ledger.reserve(
-                    ReservationRequest(pod_uid=uid, namespace=namespace, pod_name=name, node=node, parts=(part,))
-                )
-            )
-        await helpers.wait_bound(api, namespace, [f"outsider-{g['index']}" for g in gpus], timeout_s=30)
+            outsiders.append(await w.extender_share(api, ledger, namespace, f"outsider-{g['index']}", node, g))
         await w.create(
             api,
             namespace,

@@ -11,6 +11,7 @@ import asyncpg
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from shared.annotations import ALLOCATION
 from shared.dra import DEVICE_CLASS
 from shared.dra.slices import slice_name
 from shared.kube.raw import read_json
@@ -163,6 +164,20 @@ async def wait_claim_allocated(
     )
 
 
+async def wait_recorded(api: client.ApiClient, namespace: str, names: list[str], within: float = 60) -> None:
+    """Until the binder recorded each pod's claim: it writes the pod's allocation annotation right after the ledger
+    record (without the gate, kube-scheduler may bind the pod a moment before that)."""
+
+    async def recorded() -> bool:
+        for name in names:
+            p = await raw_pod(api, namespace, name)
+            if ALLOCATION not in ((p or {}).get("metadata") or {}).get("annotations", {}):
+                return False
+        return True
+
+    await eventually(recorded, what=f"the claims of {names} recorded", within=within, interval=0.3)
+
+
 async def ledger_rows(database_url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
     """Rows of a read-only query on the ledger."""
     conn = await asyncpg.connect(database_url)
@@ -235,3 +250,31 @@ def consumed(claim_obj: dict[str, Any]) -> list[tuple[str, str, str, str | None]
 async def settle(seconds: float) -> None:
     """Let time pass on purpose (a pod that must stay Pending through several scheduling attempts)."""
     await asyncio.sleep(seconds)
+
+
+async def extender_share(api: client.ApiClient, ledger: Any, namespace: str, name: str, node: str, gpu: dict) -> Any:
+    """A share the extender path holds on `gpu` (a ledger row): a real pod no scheduler picks up (the binder binds
+    it, as after the extender's bind), so the share stays live until the pod is deleted. Returns the reservation."""
+    from shared.events.catalogue import AllocationPart
+    from shared.ledger.reservations import ReservationRequest
+    from tests.e2e import helpers
+
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "schedulerName": "gpushare-test-nobody",
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "c", "image": "busybox"}],
+        },
+    }
+    uid = (await helpers.create_pod(api, namespace, body)).metadata.uid
+    part = AllocationPart(
+        container="c", container_index=0, gpu_uuid=gpu["uuid"], gpu_index=gpu["index"], memory_mib=1024
+    )
+    reservation = await ledger.reserve(
+        ReservationRequest(pod_uid=uid, namespace=namespace, pod_name=name, node=node, parts=(part,))
+    )
+    await helpers.wait_bound(api, namespace, [name], timeout_s=30)
+    return reservation
