@@ -57,17 +57,28 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.binder.metrics import BinderMetrics
 from shared.annotations import ALLOCATION, binding_annotations, parse_allocation
-from shared.dra import CLAIM_ANNOTATION, RESERVED_CONDITION
-from shared.dra.claims import ClaimRefused, LedgerGpu, allocation_id, claim_key, our_results, pod_consumer, read_claim
+from shared.dra import CLAIM_ANNOTATION, DEVICE_CLASS, RESERVED_CONDITION
+from shared.dra.claims import (
+    ClaimRefused,
+    LedgerGpu,
+    allocation_id,
+    claim_key,
+    our_results,
+    pod_consumer,
+    read_claim,
+    requests_gpushare,
+)
 from shared.dra.conditions import FIELD_MANAGER, REFUSED, RESERVED, decided, status_apply
 from shared.dra.slices import device_name
+from shared.events.bus import EventBus
+from shared.events.catalogue import EventDecodeError, QuotaEvent, decode_event
 from shared.kube import pods
 from shared.kube.events import event_body, post_pod_event
 from shared.kube.pods import Pod
 from shared.kube.raw import read_json
 from shared.kube.retry import RetryPolicy, call_with_retry
-from shared.kube.watching import DELETED, SYNCED, watch_objects
-from shared.ledger.claim_holds import end_holds, holds_older_than
+from shared.kube.watching import ADDED, DELETED, SYNCED, watch_objects
+from shared.ledger.claim_holds import end_holds, holds_older_than, quota_namespaces
 from shared.ledger.claims import ClaimAllocationEnded, PathConflict
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
@@ -83,6 +94,7 @@ MAX_ATTEMPTS = 8
 REMEMBERED_BOUND = 10_000
 
 
+NODE_GPUS_TTL_S = 30.0
 HOLD_GRACE_S = 60.0  # a quota hold this old whose claim is not listed belongs to a creation that failed
 ALERT_AFTER_S = 5.0  # an unrecorded claim allocation that lasts this long is an alert (an event on its pod)
 RETRY_FIRST_S = 0.25  # then doubled at each refusal, up to RETRY_MAX_S
@@ -188,6 +200,9 @@ class ClaimGate:
         self._held: dict[str, Held] = {}  # claim UID -> what the ledger holds for it (absent: seen without one)
         self._unrecorded: dict[str, Unrecorded] = {}  # claim UID -> an allocation the ledger refused (no gate)
         self._gated_pods: dict[str, bool] = {}  # pods recorded at a gated pool's gate, until bound (the node nudge)
+        self._fresh: set[str] = set()  # claims created in this term (after the claim watch listed them all)
+        self._quota_namespaces: set[str] = set()  # namespaces with a GPU quota (their claims may hold quota)
+        self._node_gpus: dict[str, tuple[float, dict[str, LedgerGpu]]] = {}  # node -> (when read, its GPUs)
         # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
         self.nudge: Callable[[str], None] | None = None
         self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
@@ -202,6 +217,7 @@ class ClaimGate:
         (Kubernetes before 1.34, or DRA turned off) there is nothing to follow: the gate stays idle."""
         self._held.clear()  # a new term: another leader may have recorded or ended allocations meanwhile
         self._unrecorded.clear()
+        self._fresh.clear()
         self.served = await self._kube(self._resource_api_served, "GET /apis/resource.k8s.io/v1")
         if not self.served:
             log.info(
@@ -220,7 +236,15 @@ class ClaimGate:
                     log.warning("claim reconciliation failed: %r", exc)
                 self.synced.set()
                 continue
-            self.submit(event.type, event.object)
+            claim = event.object
+            uid = str((claim.get("metadata") or {}).get("uid") or "")
+            if not (requests_gpushare(claim, DEVICE_CLASS) or our_results(claim) or uid in self._held):
+                continue  # another driver's claim: nothing of it is gpushare's
+            if event.type == DELETED:
+                self._fresh.discard(uid)
+            elif event.type == ADDED and self.synced.is_set():
+                self._fresh.add(uid)  # created in this term: the ledger holds nothing of it but what it is told here
+            self.submit(event.type, claim)
 
     async def _resource_api_served(self) -> bool:
         """Whether there are claims to gate: resource.k8s.io/v1 served, and the binder allowed to list claims (a
@@ -261,7 +285,8 @@ class ClaimGate:
                         if event_type == DELETED:
                             self._unrecorded.pop(uid, None)
                             await self.claim_ended(uid, "claim deleted", gone=True)
-                            await self.holds_ended.submit(uid)  # the quota it took at creation comes back
+                            if str((claim.get("metadata") or {}).get("namespace")) in self._quota_namespaces:
+                                await self.holds_ended.submit(uid)  # the quota it took at creation comes back
                         else:
                             await self.gate(claim)
                 except Exception as exc:  # the ledger or the API is away: again later (reconciliation too)
@@ -294,7 +319,10 @@ class ClaimGate:
         verdict = decided(claim, results) if gate else None
         if self._held.get(uid) == expected and (verdict == RESERVED or not gate):  # recorded before, in this term
             return self._count("reserved_already")
-        (live,) = (await live_claim_allocations(self.ledger.engine, uid)) or (None,)
+        if uid in self._fresh and uid not in self._held:
+            live = None  # created in this term and never recorded: the ledger holds nothing of it
+        else:
+            (live,) = (await live_claim_allocations(self.ledger.engine, uid)) or (None,)
         if live is not None and live.id != expected:  # allocated anew (after a refusal, a timeout, a new pod)
             await self._end(live, "claim allocated anew")
             live = None
@@ -316,9 +344,15 @@ class ClaimGate:
         if pod is None or pods.pod_uid(pod) != consumer.get("uid"):
             return self._count("pod_gone")
         node = str(results[0].get("pool") or "")
-        gpus_of_node = await node_gpus(self.ledger.engine, node)
+        gpus_of_node = await self._gpus_of(node)
         try:
-            allocation = read_claim(claim, pod, gpus_of_node, self.unit)
+            try:
+                allocation = read_claim(claim, pod, gpus_of_node, self.unit)
+            except ClaimRefused as exc:
+                if exc.reason != "UnknownDevice":
+                    raise
+                gpus_of_node = await self._gpus_of(node, fresh=True)  # the node's inventory changed meanwhile
+                allocation = read_claim(claim, pod, gpus_of_node, self.unit)
         except ClaimRefused as exc:
             return await self._refuse(claim, results, exc.reason, exc.message, gate=gate, lasting=True)
         started = time.monotonic()
@@ -329,6 +363,7 @@ class ClaimGate:
             log.warning("claim %s: %s", claim_key(claim), exc, extra={"claim_uid": uid})
             return self._count("ended_already")
         except ReservationError as exc:
+            self._fresh.discard(uid)  # the next try asks the ledger what it holds
             return await self._refuse(claim, results, refusal_reason(exc), str(exc), gate=gate, lasting=False)
         earlier = self._unrecorded.pop(uid, None)
         memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
@@ -372,6 +407,41 @@ class ClaimGate:
             },
         )
         return self._count("reserved" if reservation.created else "reserved_before")
+
+    async def _gpus_of(self, node: str, *, fresh: bool = False) -> dict[str, LedgerGpu]:
+        """The node's GPUs in the ledger, read at most every NODE_GPUS_TTL_S (an inventory changes seldom; the
+        record's statements and CHECKs judge capacity anyway)."""
+        cached = self._node_gpus.get(node)
+        now = time.monotonic()
+        if cached is None or fresh or now - cached[0] > NODE_GPUS_TTL_S:
+            cached = self._node_gpus[node] = (now, await node_gpus(self.ledger.engine, node))
+        return cached[1]
+
+    async def follow_quotas(self, bus: EventBus, stop: asyncio.Event) -> None:
+        """Keep the set of namespaces with a GPU quota (whose claims may hold quota at creation, `claim_holds`) as
+        the quota events change it, until `stop`; each (re)list reads it whole again (`reconcile_once`)."""
+
+        async def on_message(msg: Any) -> None:
+            with contextlib.suppress(EventDecodeError):
+                event = decode_event(msg.data)
+                if isinstance(event, QuotaEvent):
+                    if event.memory_mib is None and event.compute is None:
+                        self._quota_namespaces.discard(event.namespace)
+                    else:
+                        self._quota_namespaces.add(event.namespace)
+
+        sub = await bus.nc.subscribe(bus.names.subject("quota", ">"), cb=on_message)
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def released_with_pod(self, claim_uid: str) -> None:
+        """The pod watch released the pod's allocation (the pod ended): the claim holds nothing in the ledger now,
+        so its deallocation that follows costs no query."""
+        if claim_uid in self._held:
+            self._held[claim_uid] = None
 
     async def _refuse(
         self,
@@ -589,6 +659,7 @@ class ClaimGate:
         if not self.served:
             return
         live = await live_claim_allocations(self.ledger.engine)
+        self._quota_namespaces = await quota_namespaces(self.ledger.engine)
         holds = await holds_older_than(self.ledger.engine, HOLD_GRACE_S)
         body = await read_json(
             await self.resource.list_resource_claim_for_all_namespaces(_preload_content=False, _request_timeout=120)

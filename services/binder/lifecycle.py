@@ -25,6 +25,7 @@ from services.binder.metrics import BinderMetrics
 from services.binder.nudge import CapacityNudger
 from services.binder.pod_index import PodIndex, binder_index
 from shared.annotations import ALLOCATION, GPU_MEM_IDX
+from shared.dra import CLAIM_ANNOTATION
 from shared.kube import pods
 from shared.kube.pods import Pod
 from shared.kube.watching import DELETED, SYNCED, WatchEvent, watch_objects
@@ -121,6 +122,9 @@ class Lifecycle:
             return 0
         released = await self.ledger.release_pod(uid, reason)
         self._remember(self._released, uid)
+        claim_uid = pods.annotations(pod).get(CLAIM_ANNOTATION)
+        if claim_uid and self.claims is not None:
+            self.claims.released_with_pod(claim_uid)
         if released:
             self.nudger.capacity_freed(pods.node_name(pod) or "")
             self.metrics.released.labels(reason=reason.replace(" ", "_")).inc(released)

@@ -65,6 +65,7 @@ class Binder:
 
     def __init__(self, ledger: Ledger, bus: EventBus, api: client.ApiClient, config: BinderConfig) -> None:
         self.config = config
+        self.bus = bus
         self.metrics = BinderMetrics()
         self.pods = binder_index()  # fed by the lifecycle's pod watch, read by the handler before binding
         self.handler = BindHandler(
@@ -192,6 +193,7 @@ class Binder:
                     "node-watch": self.lifecycle.watch_nodes(term_ended),
                     "claim-watch": self.claims.watch(term_ended),
                     "claim-reconcile": self.claims.run(term_ended, self.config.reconcile_interval_s),
+                    "quota-follow": self.claims.follow_quotas(self.bus, term_ended),
                     "dra-pending": self.dra_pending.run(term_ended),
                     **({"claim-templates": self.templates.run(term_ended)} if self.lifecycle.templates else {}),
                 },

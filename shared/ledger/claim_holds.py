@@ -180,3 +180,10 @@ async def has_quota(engine: AsyncEngine, namespace: str) -> bool:
     )
     async with engine.connect() as conn:
         return (await conn.execute(query)).first() is not None
+
+
+async def quota_namespaces(engine: AsyncEngine) -> set[str]:
+    """The namespaces with a GPU quota (the only ones whose claims take holds)."""
+    query = select(quotas.c.namespace).where((quotas.c.memory_mib.is_not(None)) | (quotas.c.compute.is_not(None)))
+    async with engine.connect() as conn:
+        return {r.namespace for r in (await conn.execute(query)).all()}
