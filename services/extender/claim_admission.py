@@ -9,9 +9,13 @@ what is left (kube-apiserver returns it to the creator as HTTP 403; the resource
 `FailedResourceClaimCreation` event on the pod and tries again with backoff); for a template's claim the pod's
 refusal is also published (`RefusedEvent`), so `/v1/pending` in accounting says why the pod waits.
 
-A namespace without a quota costs one read. A dry run is judged and records nothing. A ledger that does not answer
-gets a refusal saying so (HTTP 503; the creator tries again): with `failurePolicy: Fail` no gpushare claim is
-created uncounted. Every answer is counted (`gpushare_extender_claim_admissions_total`) and every refusal logged.
+A namespace without a quota costs no ledger query: the extender's view of the ledger follows the quota events
+(`has_quota`), as kube-apiserver's own quota admission reads ResourceQuotas from an informer, so a quota applies to
+the claims created once the extender has heard of it (milliseconds after it is set); where the view knows a quota,
+`admit_claim` reads it again under the namespace's lock. A dry run is judged and records nothing. A ledger that
+does not answer gets a refusal saying so (HTTP 503; the creator tries again): with `failurePolicy: Fail` no gpushare
+claim is created uncounted. Every answer is counted (`gpushare_extender_claim_admissions_total`) and every refusal
+logged.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -50,10 +55,18 @@ def owner_pod(claim: dict[str, Any]) -> tuple[str, str] | None:
 class ClaimAdmission:
     """The claim webhook's handler: review bytes in, (HTTP status, JSON body) out."""
 
-    def __init__(self, engine: AsyncEngine, unit: MemoryUnit, *, bus: EventBus | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        unit: MemoryUnit,
+        *,
+        bus: EventBus | None = None,
+        has_quota: Callable[[str], bool] | None = None,
+    ) -> None:
         self.engine = engine
         self.unit = unit
         self.bus = bus
+        self.has_quota = has_quota  # namespace -> whether it has a GPU quota, as the view knows (None: ask the ledger)
         self._published: OrderedDict[tuple[str, str], float] = OrderedDict()  # (pod UID, message) -> when
 
     async def __call__(self, body: bytes) -> tuple[int, bytes]:
@@ -91,6 +104,8 @@ class ClaimAdmission:
                 "refused",
             )
         pod = owner_pod(resource_claim)
+        if self.has_quota is not None and not self.has_quota(review.namespace):
+            return allowed(review.uid), "no_quota"
         try:
             whole_gpu = await largest_dra_gpu_mib(self.engine) if asks_whole_gpu(resource_claim) else 0
             try:

@@ -110,7 +110,9 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
         )
         await service.start()
         admission = Admission(settings.resource_memory_unit, kubeconfig=args.kubeconfig)
-        claims = ClaimAdmission(rt.engine, settings.resource_memory_unit, bus=rt.bus)
+        claims = ClaimAdmission(
+            rt.engine, settings.resource_memory_unit, bus=rt.bus, has_quota=lambda ns: ns in service.view.quotas
+        )
         try:
             await rt.serve(
                 create_app(service, prefix=args.prefix, max_body_bytes=args.max_body_bytes),

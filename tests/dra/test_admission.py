@@ -240,6 +240,7 @@ async def test_a_claim_over_the_quota_is_refused_at_creation_and_the_pod_says_wh
     the namespace's 2 GiB quota and refused: the pod's events and /v1/pending say which quota, what is held and what
     is left. Raised, the controller's next try passes and the pod binds."""
     assert (await helpers.set_quota(stack, ADMIN_TOKEN, dra_namespace, 2)).status_code == 200
+    await w.wait_quota_enforced(api, dra_namespace)
     await helpers.create_pod(api, dra_namespace, _pod("over-quota", [_c("main", mem="4")]))
     view = await helpers.wait_pending_reason(stack, dra_namespace, "over-quota", timeout_s=60)
     summary = view["pending"]["summary"]

@@ -58,6 +58,7 @@ async def _holds(database_url: str, namespace: str) -> int:
 
 async def test_fifty_claims_created_at_once_where_the_quota_admits_ten_pass_exactly_ten(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
     assert (await helpers.set_quota(stack, ADMIN_TOKEN, namespace, 10)).status_code == 200
+    await w.wait_quota_enforced(api, namespace)
     answers = await asyncio.gather(*(_create_claim(api, namespace, _claim(f"c{i:02d}")) for i in range(50)))
     created = [i for i, (status, _) in enumerate(answers) if status == 201]
     refused = [(status, body) for status, body in answers if status != 201]

@@ -278,3 +278,22 @@ async def extender_share(api: client.ApiClient, ledger: Any, namespace: str, nam
     )
     await helpers.wait_bound(api, namespace, [name], timeout_s=30)
     return reservation
+
+
+async def wait_quota_enforced(api: client.ApiClient, namespace: str, within: float = 30) -> None:
+    """Until gpushare's claim webhook enforces the namespace's quota (the extender hears of a quota from the event
+    stream, a moment after it is set): a dry-run claim larger than any quota is refused."""
+
+    async def refused() -> bool:
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "quota-probe"},
+            "spec": claim_spec([("probe", "1000000Gi", None, 1)]),
+        }
+        resp = await client.ResourceV1Api(api).create_namespaced_resource_claim(
+            namespace, body, dry_run="All", _preload_content=False
+        )
+        return int(resp.status) == 403
+
+    await eventually(refused, what=f"the quota of {namespace} enforced at claim creation", within=within, interval=0.2)
