@@ -168,7 +168,7 @@ async def reserve(conn: AsyncConnection, event: ReservedEvent, *, check_quota: b
             .returning(gpus.c.uuid)
         )
         if done.first() is None:
-            raise InsufficientCapacity(gpu_uuid, await _explain_refusal(conn, event.node, gpu_uuid, memory, compute))
+            raise InsufficientCapacity(gpu_uuid, await explain_refusal(conn, event.node, gpu_uuid, memory, compute))
 
     await conn.execute(insert(allocation_parts), [part_row(event.allocation_id, p) for p in event.parts])
     return Reservation(
@@ -199,7 +199,8 @@ async def _check_quota(conn: AsyncConnection, namespace: str, memory: int, compu
         )
 
 
-async def _explain_refusal(conn: AsyncConnection, node: str, gpu_uuid: str, memory: int, compute: int) -> str:
+async def explain_refusal(conn: AsyncConnection, node: str, gpu_uuid: str, memory: int, compute: int) -> str:
+    """Why a GPU refused a share, as a person reads it (removed, unhealthy, or how much is free)."""
     row = (await conn.execute(select(gpus).where(gpus.c.uuid == gpu_uuid))).first()
     if row is None or row.node != node:
         return f"GPU {gpu_uuid} is not on node {node}"
