@@ -132,11 +132,19 @@ class Flight:
     created: dict[str, float] = field(default_factory=dict)
     bound: dict[str, float] = field(default_factory=dict)
     bound_wall: dict[str, float] = field(default_factory=dict)  # the same moment by the wall clock (epoch seconds)
+    claimed: dict[str, float] = field(default_factory=dict)  # first seen with its claim's name in its status
     running: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # pod -> why its create failed
 
     def creation_to_bound(self) -> list[float]:
         return [self.bound[p] - self.created[p] for p in self.bound if p in self.created]
+
+    def creation_to_claimed(self) -> list[float]:
+        """Creation -> the resourceclaim controller named the pod's claim in its status (claim created)."""
+        return [self.claimed[p] - self.created[p] for p in self.claimed if p in self.created]
+
+    def claimed_to_bound(self) -> list[float]:
+        return [self.bound[p] - self.claimed[p] for p in self.bound if p in self.claimed]
 
     def bound_to_running(self) -> list[float]:
         return [self.running[p] - self.bound[p] for p in self.running if p in self.bound]
@@ -160,6 +168,8 @@ def record(flight: Flight, pod: dict[str, Any], now: float, free: asyncio.Semaph
     name = str((pod.get("metadata") or {}).get("name") or "")
     if name not in flight.created:
         return
+    if (pod.get("status") or {}).get("resourceClaimStatuses") and name not in flight.claimed:
+        flight.claimed[name] = now
     if (pod.get("spec") or {}).get("nodeName") and name not in flight.bound:
         flight.bound[name] = now
         flight.bound_wall[name] = time.time()
@@ -359,6 +369,9 @@ class PhaseResult:
         }
         m.update(latency_summary(f"{p}_to_bound", f.creation_to_bound()))
         m.update(latency_summary(f"{p}_bound_to_running", f.bound_to_running()))
+        if f.claimed:  # the pod's claim made from its template: creation -> claim, claim -> bound
+            m.update(latency_summary(f"{p}_to_claimed", f.creation_to_claimed()))
+            m.update(latency_summary(f"{p}_claimed_to_bound", f.claimed_to_bound()))
         m[f"{p}_bound"] = len(f.bound)
         m[f"{p}_running"] = len(f.running)
         m[f"{p}_create_failed"] = len(f.failed)
