@@ -125,8 +125,9 @@ class Lifecycle:
         claim_uid = pods.annotations(pod).get(CLAIM_ANNOTATION)
         if claim_uid and self.claims is not None:
             self.claims.released_with_pod(claim_uid)
-        if released:
+        if released and not claim_uid:  # kube-scheduler requeues DRA pods itself when a claim is deallocated
             self.nudger.capacity_freed(pods.node_name(pod) or "")
+        if released:
             self.metrics.released.labels(reason=reason.replace(" ", "_")).inc(released)
             log.info(
                 "released %d allocation(s) of %s: %s",
