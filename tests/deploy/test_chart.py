@@ -226,6 +226,8 @@ def test_notes_say_how_to_wire_the_scheduler_and_run_the_tests(helm: str, tmp_pa
         "--set",
         "dra.enabled=true",
         "--set",
+        "dra.admission.networkPolicy.apiServerCIDRs={198.51.100.0/24}",
+        "--set",
         "postgresql.mode=cloudnativepg",
     ).stdout
     assert "kubectl label node <gpu-node> gpushare.io/allocator=dra" in modes
