@@ -35,6 +35,7 @@ LEDGER_TABLES = (
     "applied_events",
     "usage_samples",
     "outbox",
+    "claim_holds",
 )
 
 

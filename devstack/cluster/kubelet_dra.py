@@ -18,6 +18,12 @@ What it mirrors, from the v1.37.2 sources in the Go module cache (k8s.io/kuberne
   (`newClaimInfoFromClaim`), the plugin of each driver in its results (`GetPlugin`: an error when none registered);
   a claim already prepared is not prepared again; the claims of one driver go in one `NodePrepareResources` call;
   an error of one claim, a result for a claim not asked about, or a claim left out fails the pod's preparation;
+* a pod whose preparation failed (pkg/kubelet/kuberuntime/kuberuntime_manager.go `SyncPod`: the error becomes a
+  `FailedPrepareDynamicResources` event and SyncPod returns without a sync error, so pkg/kubelet/pod_workers.go
+  `completeWork` requeues the pod at the resync interval, `syncFrequency` 1 min jittered by up to half of it) is
+  prepared again at its next update that kubelet's pod config passes on (pkg/kubelet/config/config.go
+  `checkAndUpdatePod`: spec, labels, annotations or deletion changed, not status) or at that resync, whichever
+  comes first; until then `prepare` raises `DraPrepareDeferred` without calling the plugin;
 * a container's CDI devices (`Manager.GetResources`, claiminfo.go `cdiDevicesAsList`): the CDI IDs of the devices
   whose request the container references (all of the claim's devices for a reference without a request);
 * unprepare (`Manager.unprepareResources`), after a pod's containers stopped: a claim another pod still references
@@ -35,6 +41,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +68,29 @@ def _protos() -> dict[str, tuple[Any, Any]]:
     return {n: load(n) for n in names}
 
 
+SYNC_FREQUENCY_S = 60.0  # KubeletConfiguration syncFrequency default (pkg/kubelet/apis/config/v1beta1/defaults.go)
+RESYNC_JITTER = 0.5  # workerResyncIntervalJitterFactor (pkg/kubelet/pod_workers.go)
+
+
 class DraPrepareError(Exception):
     """kubelet could not prepare a pod's claims (its containers do not start): which claim and why."""
+
+
+class DraPrepareDeferred(DraPrepareError):
+    """A pod whose preparation failed, asked again before kubelet would retry it (its next update or resync)."""
+
+
+def pod_fingerprint(pod: dict[str, Any]) -> str:
+    """What of a pod makes kubelet's pod config pass an update on to the pod worker (`podsDifferSemantically`):
+    spec, labels, annotations, deletion timestamp and grace period; status changes do not."""
+    meta = pod.get("metadata") or {}
+    seen = {
+        "spec": pod.get("spec"),
+        "labels": meta.get("labels"),
+        "annotations": meta.get("annotations"),
+        "deletion": [meta.get("deletionTimestamp"), meta.get("deletionGracePeriodSeconds")],
+    }
+    return json.dumps(seen, sort_keys=True, separators=(",", ":"))
 
 
 def claim_name(pod: dict[str, Any], entry: dict[str, Any]) -> tuple[str | None, bool]:
@@ -124,6 +153,9 @@ class DraKubeletStandIn:
         self.health: dict[tuple[str, str, str], int] = {}  # (driver, pool, device) -> health status enum value
         self.registration_errors: list[str] = []
         self.calls: list[tuple[str, list[str]]] = []  # (rpc, claim UIDs): what kubelet asked, in order
+        self.sync_frequency_s = SYNC_FREQUENCY_S
+        self.refused: dict[str, tuple[str, float]] = {}  # pod UID -> (fingerprint, monotonic time of the resync)
+        self.clock = time.monotonic
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.pb = _protos()
@@ -259,7 +291,24 @@ class DraKubeletStandIn:
             raise DraPrepareError(f"fetch ResourceClaim {name}: {exc.status} {exc.reason}") from None
 
     async def prepare(self, pod: dict[str, Any]) -> None:
-        """`Manager.prepareResources` for one pod (raises DraPrepareError; the pod's containers must not start)."""
+        """`Manager.prepareResources` for one pod (raises DraPrepareError; the pod's containers must not start), as
+        the pod worker runs it: a pod that failed is tried again only once it changed or its resync is due."""
+        uid, fingerprint = pod["metadata"]["uid"], pod_fingerprint(pod)
+        refused = self.refused.get(uid)
+        if refused is not None and refused[0] == fingerprint and self.clock() < refused[1]:
+            raise DraPrepareDeferred(
+                f"pod {pod['metadata'].get('name')}: preparation failed before; kubelet tries again at the pod's next "
+                "update or resync"
+            )
+        try:
+            await self._prepare(pod)
+        except DraPrepareError:
+            resync = self.sync_frequency_s * (1 + random.random() * RESYNC_JITTER)  # wait.Jitter
+            self.refused[uid] = (fingerprint, self.clock() + resync)
+            raise
+        self.refused.pop(uid, None)
+
+    async def _prepare(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         ns, pod_uid = meta.get("namespace", "default"), meta["uid"]
         infos: list[ClaimInfo] = []
@@ -388,6 +437,7 @@ class DraKubeletStandIn:
     async def unprepare(self, pod: dict[str, Any]) -> None:
         """`Manager.unprepareResources` once a pod's containers stopped (idempotent)."""
         pod_uid = pod["metadata"]["uid"]
+        self.refused.pop(pod_uid, None)
         batches: dict[str, list[ClaimInfo]] = {}
         done: list[tuple[str, str]] = []
         for key, info in list(self.cache.items()):

@@ -224,7 +224,7 @@ class NodeKubelet:
 
     async def _admit(self, uid: str, pod: dict[str, Any]) -> None:
         from devstack.cluster.kubelet import AdmissionError
-        from devstack.cluster.kubelet_dra import DraPrepareError
+        from devstack.cluster.kubelet_dra import DraPrepareDeferred, DraPrepareError
 
         meta = pod["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -240,6 +240,8 @@ class NodeKubelet:
                 self._starting[uid] = asyncio.create_task(self._start(uid, pod, envs))
                 return
             await self.standin.start_pod(pod)
+        except DraPrepareDeferred:
+            return  # kubelet's pod worker would not have tried yet: not an attempt
         except (AdmissionError, DraPrepareError) as exc:
             self._failed(uid, key, exc)
             if isinstance(exc, AdmissionError) and exc.call != "PreStartContainer" and self.admission_failures_final:

@@ -167,7 +167,13 @@ def extender_command(
 
 
 def binder_command(
-    common: CommonFlags, port: int, kubeconfig: str, *, name: str = "binder", lease_namespace: str = "default"
+    common: CommonFlags,
+    port: int,
+    kubeconfig: str,
+    *,
+    name: str = "binder",
+    lease_namespace: str = "default",
+    extra: tuple[str, ...] = (),
 ) -> ServiceCommand:
     """The binder (creates Bindings for reserved pods). Replicas share one host here, so each is named in the
     leader election's Lease by its process name (in Kubernetes the pod name does that), and the Lease lives in
@@ -184,6 +190,7 @@ def binder_command(
         name,
         "--lease-namespace",
         lease_namespace,
+        *extra,
         common=common,
     )
     return ServiceCommand(name, argv, f"http://127.0.0.1:{port}/readyz", f"http://127.0.0.1:{port}")

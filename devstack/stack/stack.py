@@ -93,6 +93,10 @@ class StackConfig:
     # `auto`: real when the machine can, else stand-ins, saying why; `stand-in`: kubelet stand-ins (the default here,
     # for the many-node stacks of the tests; `gpushare up` asks for `auto`)
     nodes_kind: str = "stand-in"
+    # of the DRA nodes, how many (the last ones) are a gated pool: labelled gpushare.io/dra-gate=ledger, their slices
+    # carry the ledger's binding conditions and kube-scheduler binds their pods only once the binder recorded them
+    dra_gated_nodes: int = 0
+    binder_extra: list[str] = field(default_factory=list)  # more `gpushare binder` flags (e.g. --template-grace)
 
 
 class Stack:
@@ -298,7 +302,7 @@ class Stack:
             "binder",
             bnd_port,
             lambda name, port: spec.binder_command(
-                self._common("binder"), port, str(self.services_kubeconfig), name=name
+                self._common("binder"), port, str(self.services_kubeconfig), name=name, extra=tuple(c.binder_extra)
             ),
         )
         if c.replicas > 1:  # the first replica answers on the binder port, as the one binder would
@@ -496,9 +500,15 @@ class Stack:
         self._heartbeat = NodeHeartbeat(api, self.node_names, interval=10.0).start()
 
     def _pool_label(self, node: str) -> dict[str, str]:
-        """DRA nodes carry the DRA pool's label; the others `gpushare=true`, the label the gpushare guide puts on GPU
-        nodes (and k8s/base's node agent selects)."""
-        return {"gpushare.io/allocator": "dra"} if node in self.dra_node_names else {"gpushare": "true"}
+        """DRA nodes carry the DRA pool's label (and the last `dra_gated_nodes` of them the gate's: docs/dra.md);
+        the others `gpushare=true`, the label the gpushare guide puts on GPU nodes (and k8s/base's node agent
+        selects)."""
+        from shared.dra.slices import GATE_LABEL, GATE_VALUE
+
+        if node not in self.dra_node_names:
+            return {"gpushare": "true"}
+        gated = self.dra_node_names[len(self.dra_node_names) - self.config.dra_gated_nodes :]
+        return {"gpushare.io/allocator": "dra", **({GATE_LABEL: GATE_VALUE} if node in gated else {})}
 
     async def _start_real_nodes(self) -> bool:
         """With `nodes_kind` real (or auto, where the machine can): start every node as a real one; False when

@@ -4,7 +4,9 @@ With DRA nodes, the extender also serves the mutating webhook (`--webhook-port`)
 signed by a CA made here (openssl, as `devstack.cluster.controlplane` makes its own), for `127.0.0.1`, the
 address kube-apiserver calls it at. Once the control plane is up, the MutatingWebhookConfiguration of
 `shared.dra.webhook` is registered with that CA as `caBundle`, and a namespace opts in with the label
-`gpushare.io/allocator=dra`: its unchanged `aliyun.com/*` pods are then rewritten into claims.
+`gpushare.io/allocator=dra`: its unchanged `aliyun.com/*` pods are then rewritten into claims. The
+ValidatingWebhookConfiguration that counts every gpushare claim against its namespace's GiB quota at creation is
+registered beside it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from shared.dra.admission import OPT_IN_LABEL, OPT_IN_VALUE
-from shared.dra.webhook import CONFIGURATION_NAME, PATH, webhook_configuration
+from shared.dra.webhook import (
+    CLAIM_CONFIGURATION_NAME,
+    CLAIM_PATH,
+    CONFIGURATION_NAME,
+    PATH,
+    claim_webhook_configuration,
+    webhook_configuration,
+)
 
 HOST = "127.0.0.1"
 
@@ -63,32 +72,47 @@ def make_certificates(directory: Path, host: str = HOST, days: int = 30) -> Webh
     return WebhookTls(ca, cert, key)
 
 
-def webhook_url(port: int, host: str = HOST) -> str:
-    """Where kube-apiserver calls the webhook."""
-    return f"https://{host}:{port}{PATH}"
+def webhook_url(port: int, host: str = HOST, path: str = PATH) -> str:
+    """Where kube-apiserver calls the webhook (`path`: the pods' `/mutate`, or the claims' `/validate-claims`)."""
+    return f"https://{host}:{port}{path}"
 
 
 async def register_webhook(api: Any, url: str, tls: WebhookTls) -> dict[str, Any]:
-    """Create (or replace) the MutatingWebhookConfiguration calling `url`; returns it."""
+    """Create (or replace) the MutatingWebhookConfiguration calling `url` and the claims' ValidatingWebhookConfiguration
+    on the same port; returns the mutating one."""
     from kubernetes_asyncio import client
+
+    admission = client.AdmissionregistrationV1Api(api)
+    claims_url = url.removesuffix(PATH) + CLAIM_PATH
+    await _create_or_replace(
+        claim_webhook_configuration({"url": claims_url, "caBundle": tls.ca_bundle()}),
+        CLAIM_CONFIGURATION_NAME,
+        admission.create_validating_webhook_configuration,
+        admission.read_validating_webhook_configuration,
+        admission.replace_validating_webhook_configuration,
+    )
+    return await _create_or_replace(
+        webhook_configuration({"url": url, "caBundle": tls.ca_bundle()}),
+        CONFIGURATION_NAME,
+        admission.create_mutating_webhook_configuration,
+        admission.read_mutating_webhook_configuration,
+        admission.replace_mutating_webhook_configuration,
+    )
+
+
+async def _create_or_replace(body: dict[str, Any], name: str, create: Any, read: Any, replace: Any) -> dict[str, Any]:
     from kubernetes_asyncio.client.exceptions import ApiException
 
     from shared.kube.raw import read_json
 
-    body = webhook_configuration({"url": url, "caBundle": tls.ca_bundle()})
-    admission = client.AdmissionregistrationV1Api(api)
     try:
-        return await read_json(await admission.create_mutating_webhook_configuration(body, _preload_content=False))
+        return await read_json(await create(body, _preload_content=False))
     except ApiException as exc:
         if exc.status != 409:
             raise
-    current = await read_json(
-        await admission.read_mutating_webhook_configuration(CONFIGURATION_NAME, _preload_content=False)
-    )
+    current = await read_json(await read(name, _preload_content=False))
     body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-    return await read_json(
-        await admission.replace_mutating_webhook_configuration(CONFIGURATION_NAME, body, _preload_content=False)
-    )
+    return await read_json(await replace(name, body, _preload_content=False))
 
 
 async def opt_in(api: Any, namespace: str) -> None:

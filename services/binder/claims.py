@@ -1,17 +1,27 @@
-"""The ledger's gate on DRA nodes: every gpushare claim allocation is recorded before kube-scheduler binds the pod.
+"""DRA claims in the ledger: every gpushare claim allocation kube-scheduler makes is recorded as it appears.
 
-kube-scheduler allocates a claim from the node's ResourceSlice in PreBind and then waits until every allocated
-device's binding condition `gpushare.io/LedgerReserved` is `True`, or gives the allocation up when
-`gpushare.io/LedgerRefused` is (`isPodReadyForBinding`, polled every 5 s; pkg/scheduler/framework/plugins/
-dynamicresources, v1.37.2). This gate follows every ResourceClaim (list-then-watch) and, for a claim allocated
-on gpushare devices and reserved for a pod:
+kube-scheduler's allocator places claim shares from the nodes' ResourceSlices and keeps every device within its
+capacity; PreBind writes the claim's allocation and reservation, then the pod binds (pkg/scheduler/framework/
+plugins/dynamicresources, v1.37.2). The binder follows every ResourceClaim (list-then-watch) and, for a claim
+allocated on gpushare devices and reserved for a pod:
 
-1. reads the claim with its pod as the ledger must record it (`shared.dra.claims.read_claim`), or refuses it;
-2. records it with `Ledger.reserve_claim` (the reservation statements and CHECKs: capacity, namespace quota, no
-   GPU of the device-plugin path), the `claim_reserved` event staged in the same transaction;
-3. writes the pod's annotations (gpushare's `ALIYUN_COM_GPU_MEM_*`, `gpushare.io/allocation`, `gpushare.io/claim`);
-4. sets `LedgerReserved=True` on each device, or `LedgerRefused=True` with the ledger's reason: the scheduler then
-   clears the allocation and tries again, and nothing was written.
+1. reads the claim with its pod as the ledger must record it (`shared.dra.claims.read_claim`);
+2. records it with `Ledger.reserve_claim` (the reservation statements and CHECKs: capacity, no GPU of the
+   device-plugin path; the namespace's GiB quota was taken when the claim was created, at admission), the
+   `claim_reserved` event staged in the same transaction;
+3. writes the pod's annotations (gpushare's `ALIYUN_COM_GPU_MEM_*`, `gpushare.io/allocation`, `gpushare.io/claim`).
+
+The pod may be bound before step 2 ends: the node agent prepares no claim the ledger does not hold on its node
+(services/node_agent/dra_prepare.py), so no container starts on an unrecorded share. A record the ledger refuses
+should never happen (kube-scheduler kept the device within its capacity): it is counted and logged at once, tried
+again with backoff, and when it lasts, an alert (an error log line and a Warning event on the pod).
+
+**A gated pool** (nodes labelled `gpushare.io/dra-gate=ledger`) publishes the binding condition
+`gpushare.io/LedgerReserved` and the failure condition `gpushare.io/LedgerRefused` on its devices, and
+kube-scheduler copies them into the allocation's results. PreBind then waits for them (`isPodReadyForBinding`,
+checked at once and then every 5 s), and the binder adds a step 4: `LedgerReserved=True` on each device, or
+`LedgerRefused=True` with the ledger's reason (the scheduler clears the allocation and tries again; nothing was
+written). Once such a pod binds, its node is nudged (`on_pod`).
 
 A crash between any two steps is repaired by doing them again: the allocation id comes from the claim's UID and
 share ids, so the ledger returns the allocation recorded before; annotations and conditions are idempotent. The
@@ -20,12 +30,12 @@ otherwise), when the pod ends (the pod watch, exactly as on device-plugin nodes)
 claims the ledger does not hold are recorded (adopted) and live claim allocations whose claim is gone or
 allocated anew are ended. The pod watch marks an allocation `bound` once the scheduler bound its pod.
 
-The gate remembers, per claim, what it last learnt the ledger holds (`Held`): a claim's later events that cannot
-change anything (the claim created, a finalizer added or removed, the gate's own condition, the claim deleted
-after its allocation ended) then cost no ledger query; benchmark 12 counted six or seven claim events per pod, and
-each cost one. What it has not seen in this term (a claim first seen without an allocation) it takes to hold
-nothing: what changed while nobody watched is found by the reconciliation after every (re)list, which reads the
-ledger and hands such claims back to be checked.
+The binder remembers, per claim, what it last learnt the ledger holds (`Held`): a claim's later events that cannot
+change anything (the claim created, a finalizer added or removed, a gated claim's own condition, the claim deleted
+after its allocation ended) then cost no ledger query; benchmark 12 counted six or seven claim events per pod. What
+it has not seen in this term (a claim first seen without an allocation) it takes to hold nothing: what changed
+while nobody watched is found by the reconciliation after every (re)list, which reads the ledger and hands such
+claims back to be checked.
 """
 
 from __future__ import annotations
@@ -47,15 +57,28 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.binder.metrics import BinderMetrics
 from shared.annotations import ALLOCATION, binding_annotations, parse_allocation
-from shared.dra import CLAIM_ANNOTATION
-from shared.dra.claims import ClaimRefused, LedgerGpu, allocation_id, claim_key, our_results, pod_consumer, read_claim
+from shared.dra import CLAIM_ANNOTATION, DEVICE_CLASS, RESERVED_CONDITION
+from shared.dra.claims import (
+    ClaimRefused,
+    LedgerGpu,
+    allocation_id,
+    claim_key,
+    our_results,
+    pod_consumer,
+    read_claim,
+    requests_gpushare,
+)
 from shared.dra.conditions import FIELD_MANAGER, REFUSED, RESERVED, decided, status_apply
 from shared.dra.slices import device_name
+from shared.events.bus import EventBus
+from shared.events.catalogue import EventDecodeError, QuotaEvent, decode_event
 from shared.kube import pods
+from shared.kube.events import event_body, post_pod_event
 from shared.kube.pods import Pod
 from shared.kube.raw import read_json
 from shared.kube.retry import RetryPolicy, call_with_retry
-from shared.kube.watching import DELETED, SYNCED, watch_objects
+from shared.kube.watching import ADDED, DELETED, SYNCED, watch_objects
+from shared.ledger.claim_holds import end_holds, holds_older_than, quota_namespaces
 from shared.ledger.claims import ClaimAllocationEnded, PathConflict
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
@@ -69,6 +92,13 @@ log = logging.getLogger(__name__)
 APPLY_PATCH = "application/apply-patch+yaml"
 MAX_ATTEMPTS = 8
 REMEMBERED_BOUND = 10_000
+
+
+NODE_GPUS_TTL_S = 30.0
+HOLD_GRACE_S = 60.0  # a quota hold this old whose claim is not listed belongs to a creation that failed
+ALERT_AFTER_S = 5.0  # an unrecorded claim allocation that lasts this long is an alert (an event on its pod)
+RETRY_FIRST_S = 0.25  # then doubled at each refusal, up to RETRY_MAX_S
+RETRY_MAX_S = 30.0
 
 
 CHECK = "check"  # a claim the gate must look up in the ledger (reconciliation found it there)
@@ -113,6 +143,21 @@ async def node_gpus(engine: AsyncEngine, node: str) -> dict[str, LedgerGpu]:
     return {device_name(r.uuid): LedgerGpu(r.uuid, int(r.index), int(r.memory_mib), int(r.compute_units)) for r in rows}
 
 
+@dataclass
+class Unrecorded:
+    """A claim allocation the ledger refused to record (no gate): since when, how often, whether alerted."""
+
+    first_at: float
+    attempts: int = 0
+    alerted: bool = False
+
+
+def is_gated(results: list[dict[str, Any]]) -> bool:
+    """Whether kube-scheduler waits for the ledger's verdict on this allocation: a result of a gated pool's device
+    carries the binding condition `gpushare.io/LedgerReserved` (copied from the slice into the allocation)."""
+    return any(RESERVED_CONDITION in (r.get("bindingConditions") or []) for r in results)
+
+
 def refusal_reason(exc: ReservationError) -> str:
     """The condition reason of a ledger refusal."""
     if isinstance(exc, QuotaExceeded):
@@ -153,9 +198,17 @@ class ClaimGate:
         self._tasks: set[asyncio.Task[None]] = set()
         self._bound: dict[str, None] = {}
         self._held: dict[str, Held] = {}  # claim UID -> what the ledger holds for it (absent: seen without one)
+        self._unrecorded: dict[str, Unrecorded] = {}  # claim UID -> an allocation the ledger refused (no gate)
+        self._gated_pods: dict[str, bool] = {}  # pods recorded at a gated pool's gate, until bound (the node nudge)
+        self._fresh: set[str] = set()  # claims created in this term (after the claim watch listed them all)
+        self._quota_namespaces: set[str] = set()  # namespaces with a GPU quota (their claims may hold quota)
+        self._node_gpus: dict[str, tuple[float, dict[str, LedgerGpu]]] = {}  # node -> (when read, its GPUs)
         # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
         self.nudge: Callable[[str], None] | None = None
         self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
+        self.holds_ended: GroupCommit[str, bool] = GroupCommit(
+            lambda uids: end_holds(ledger.engine, uids), what="claim_holds_ended"
+        )
 
     # -- following claims ---------------------------------------------------------------------------------------
     async def watch(self, stop: asyncio.Event) -> None:
@@ -163,6 +216,8 @@ class ClaimGate:
         (claims deleted while no watch was open are not reported by the watch). Without `resource.k8s.io/v1`
         (Kubernetes before 1.34, or DRA turned off) there is nothing to follow: the gate stays idle."""
         self._held.clear()  # a new term: another leader may have recorded or ended allocations meanwhile
+        self._unrecorded.clear()
+        self._fresh.clear()
         self.served = await self._kube(self._resource_api_served, "GET /apis/resource.k8s.io/v1")
         if not self.served:
             log.info(
@@ -181,7 +236,15 @@ class ClaimGate:
                     log.warning("claim reconciliation failed: %r", exc)
                 self.synced.set()
                 continue
-            self.submit(event.type, event.object)
+            claim = event.object
+            uid = str((claim.get("metadata") or {}).get("uid") or "")
+            if not (requests_gpushare(claim, DEVICE_CLASS) or our_results(claim) or uid in self._held):
+                continue  # another driver's claim: nothing of it is gpushare's
+            if event.type == DELETED:
+                self._fresh.discard(uid)
+            elif event.type == ADDED and self.synced.is_set():
+                self._fresh.add(uid)  # created in this term: the ledger holds nothing of it but what it is told here
+            self.submit(event.type, claim)
 
     async def _resource_api_served(self) -> bool:
         """Whether there are claims to gate: resource.k8s.io/v1 served, and the binder allowed to list claims (a
@@ -220,7 +283,10 @@ class ClaimGate:
                 try:
                     async with self._slots:
                         if event_type == DELETED:
+                            self._unrecorded.pop(uid, None)
                             await self.claim_ended(uid, "claim deleted", gone=True)
+                            if str((claim.get("metadata") or {}).get("namespace")) in self._quota_namespaces:
+                                await self.holds_ended.submit(uid)  # the quota it took at creation comes back
                         else:
                             await self.gate(claim)
                 except Exception as exc:  # the ledger or the API is away: again later (reconciliation too)
@@ -238,31 +304,38 @@ class ClaimGate:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    # -- the gate -----------------------------------------------------------------------------------------------
+    # -- recording ----------------------------------------------------------------------------------------------
     async def gate(self, claim: dict[str, Any]) -> str:
-        """Bring the ledger and the claim's status to agree about one claim; returns what was done."""
+        """Bring the ledger (and, on a gated pool, the claim's status) to agree about one claim; returns what was
+        done."""
         meta = claim.get("metadata") or {}
         uid = str(meta.get("uid") or "")
         results = our_results(claim)
         if not results:
+            self._unrecorded.pop(uid, None)
             return await self.claim_ended(uid, "claim deallocated")
         expected = allocation_id(uid, [str(r.get("shareID") or "") for r in results])
-        verdict = decided(claim, results)
-        if verdict == RESERVED and self._held.get(uid) == expected:  # its condition, written after the record
+        gate = is_gated(results)
+        verdict = decided(claim, results) if gate else None
+        if self._held.get(uid) == expected and (verdict == RESERVED or not gate):  # recorded before, in this term
             return self._count("reserved_already")
-        (live,) = (await live_claim_allocations(self.ledger.engine, uid)) or (None,)
-        if live is not None and live.id != expected:  # allocated anew (after a refusal or a timeout)
+        if uid in self._fresh and uid not in self._held:
+            live = None  # created in this term and never recorded: the ledger holds nothing of it
+        else:
+            (live,) = (await live_claim_allocations(self.ledger.engine, uid)) or (None,)
+        if live is not None and live.id != expected:  # allocated anew (after a refusal, a timeout, a new pod)
             await self._end(live, "claim allocated anew")
             live = None
         self._held[uid] = live.id if live is not None else None
         if verdict == REFUSED:
             return self._count("refused_already")
-        if verdict == RESERVED and live is not None:
+        if live is not None and (verdict == RESERVED or not gate):
+            self._unrecorded.pop(uid, None)
             return self._count("reserved_already")
         try:
             consumer = pod_consumer(claim)
         except ClaimRefused as exc:
-            return await self._refuse(claim, results, exc.reason, exc.message)
+            return await self._refuse(claim, results, exc.reason, exc.message, gate=gate, lasting=True)
         if consumer is None:
             return self._count("waiting_for_pod")  # the scheduler writes allocation and reservation together
         pod = await self._kube(
@@ -271,11 +344,17 @@ class ClaimGate:
         if pod is None or pods.pod_uid(pod) != consumer.get("uid"):
             return self._count("pod_gone")
         node = str(results[0].get("pool") or "")
-        gpus_of_node = await node_gpus(self.ledger.engine, node)
+        gpus_of_node = await self._gpus_of(node)
         try:
-            allocation = read_claim(claim, pod, gpus_of_node, self.unit)
+            try:
+                allocation = read_claim(claim, pod, gpus_of_node, self.unit)
+            except ClaimRefused as exc:
+                if exc.reason != "UnknownDevice":
+                    raise
+                gpus_of_node = await self._gpus_of(node, fresh=True)  # the node's inventory changed meanwhile
+                allocation = read_claim(claim, pod, gpus_of_node, self.unit)
         except ClaimRefused as exc:
-            return await self._refuse(claim, results, exc.reason, exc.message)
+            return await self._refuse(claim, results, exc.reason, exc.message, gate=gate, lasting=True)
         started = time.monotonic()
         try:
             reservation = await self.ledger.reserve_claim(allocation.event(source="binder"))
@@ -284,12 +363,17 @@ class ClaimGate:
             log.warning("claim %s: %s", claim_key(claim), exc, extra={"claim_uid": uid})
             return self._count("ended_already")
         except ReservationError as exc:
-            return await self._refuse(claim, results, refusal_reason(exc), str(exc))
+            self._fresh.discard(uid)  # the next try asks the ledger what it holds
+            return await self._refuse(claim, results, refusal_reason(exc), str(exc), gate=gate, lasting=False)
+        earlier = self._unrecorded.pop(uid, None)
         memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
         annotations = binding_annotations(allocation.allocation_id, node, list(allocation.parts), memory, self.unit)
         annotations[CLAIM_ANNOTATION] = uid
         await self._annotate(pod, annotations)
-        if verdict != RESERVED:
+        if gate and verdict != RESERVED:
+            self._gated_pods[allocation.pod_uid] = True
+            while len(self._gated_pods) > REMEMBERED_BOUND:
+                self._gated_pods.pop(next(iter(self._gated_pods)))
             data = {
                 s.device: {
                     "gpuUUID": s.gpu_uuid,
@@ -302,28 +386,78 @@ class ClaimGate:
             await self._apply_status(
                 claim, status_apply(claim, results, reserved=True, reason="Recorded", message=message, data=data)
             )
-        if pods.node_name(pod):  # adopted after the pod was bound (a binder that was down meanwhile)
+        if pods.node_name(pod):  # bound before the record reached it (no gate), or adopted after a restart
             await self.bound.submit((allocation.allocation_id, allocation.pod_uid, pods.node_name(pod)))
         self.metrics.bind_seconds.observe(time.monotonic() - started)
         log.info(
-            "claim %s of %s/%s recorded on %s (%d MiB)%s",
+            "claim %s of %s/%s recorded on %s (%d MiB)%s%s",
             claim_key(claim),
             allocation.namespace,
             allocation.pod_name,
             node,
             allocation.pod_memory_mib(),
             "" if reservation.created else " (recorded before)",
+            "" if earlier is None else f" after {earlier.attempts} refusal(s)",
             extra={
                 "claim_uid": uid,
                 "pod": f"{allocation.namespace}/{allocation.pod_name}",
                 "node": node,
                 "allocation_id": str(allocation.allocation_id),
+                "gated": gate,
             },
         )
         return self._count("reserved" if reservation.created else "reserved_before")
 
-    async def _refuse(self, claim: dict[str, Any], results: list[dict[str, Any]], reason: str, message: str) -> str:
-        """LedgerRefused on the claim's devices: kube-scheduler gives the allocation up and tries again."""
+    async def _gpus_of(self, node: str, *, fresh: bool = False) -> dict[str, LedgerGpu]:
+        """The node's GPUs in the ledger, read at most every NODE_GPUS_TTL_S (an inventory changes seldom; the
+        record's statements and CHECKs judge capacity anyway)."""
+        cached = self._node_gpus.get(node)
+        now = time.monotonic()
+        if cached is None or fresh or now - cached[0] > NODE_GPUS_TTL_S:
+            cached = self._node_gpus[node] = (now, await node_gpus(self.ledger.engine, node))
+        return cached[1]
+
+    async def follow_quotas(self, bus: EventBus, stop: asyncio.Event) -> None:
+        """Keep the set of namespaces with a GPU quota (whose claims may hold quota at creation, `claim_holds`) as
+        the quota events change it, until `stop`; each (re)list reads it whole again (`reconcile_once`)."""
+
+        async def on_message(msg: Any) -> None:
+            with contextlib.suppress(EventDecodeError):
+                event = decode_event(msg.data)
+                if isinstance(event, QuotaEvent):
+                    if event.memory_mib is None and event.compute is None:
+                        self._quota_namespaces.discard(event.namespace)
+                    else:
+                        self._quota_namespaces.add(event.namespace)
+
+        sub = await bus.nc.subscribe(bus.names.subject("quota", ">"), cb=on_message)
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def released_with_pod(self, claim_uid: str) -> None:
+        """The pod watch released the pod's allocation (the pod ended): the claim holds nothing in the ledger now,
+        so its deallocation that follows costs no query."""
+        if claim_uid in self._held:
+            self._held[claim_uid] = None
+
+    async def _refuse(
+        self,
+        claim: dict[str, Any],
+        results: list[dict[str, Any]],
+        reason: str,
+        message: str,
+        *,
+        gate: bool,
+        lasting: bool,
+    ) -> str:
+        """The ledger will not record the claim's allocation. On a gated pool: `LedgerRefused` on the claim's
+        devices (kube-scheduler gives the allocation up and tries again; nothing was written). Without the gate the
+        pod is bound or about to be: `_unrecorded` (an alert, and a new try)."""
+        if not gate:
+            return await self._unrecorded_claim(claim, reason, message, lasting=lasting)
         await self._apply_status(claim, status_apply(claim, results, reserved=False, reason=reason, message=message))
         log.warning(
             "claim %s refused by the ledger (%s): %s",
@@ -333,6 +467,72 @@ class ClaimGate:
             extra={"claim_uid": (claim.get("metadata") or {}).get("uid"), "reason": reason},
         )
         return self._count(f"refused_{reason}")
+
+    async def _unrecorded_claim(self, claim: dict[str, Any], reason: str, message: str, *, lasting: bool) -> str:
+        """kube-scheduler allocated the claim and the ledger refused to record it (it should never happen: the
+        allocator keeps each device within its capacity; a release the ledger has not applied yet can make it
+        happen for a moment). Counted and logged at once; tried again with backoff while the claim stays allocated
+        (`lasting`: a claim shape that cannot change, tried again only at its next event); once it has lasted
+        `ALERT_AFTER_S` (at once when `lasting`), an error log line and a Warning event on the pod say that its
+        containers will not start (the node agent prepares no claim the ledger does not hold)."""
+        meta = claim.get("metadata") or {}
+        uid = str(meta.get("uid") or "")
+        now = time.monotonic()
+        state = self._unrecorded.get(uid)
+        if state is None:
+            state = self._unrecorded[uid] = Unrecorded(first_at=now)
+        state.attempts += 1
+        self.metrics.claim_record_refusals.labels(reason=reason).inc()
+        due = lasting or now - state.first_at >= ALERT_AFTER_S
+        extra = {"claim_uid": uid, "reason": reason, "attempts": state.attempts}
+        if due and not state.alerted:
+            state.alerted = True
+            log.error(
+                "ALERT: claim %s is allocated by kube-scheduler but the gpushare ledger refuses to record it (%s): %s; "
+                "its pod's containers will not start until it is recorded",
+                claim_key(claim),
+                reason,
+                message,
+                extra=extra,
+            )
+            await self._alert_pod(claim, reason, message)
+        else:
+            log.warning("claim %s not recorded yet (%s): %s", claim_key(claim), reason, message, extra=extra)
+        if not lasting:
+            delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (state.attempts - 1))
+            task = asyncio.create_task(self._again(uid, claim, delay), name=f"claim-again-{uid}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return self._count(f"unrecorded_{reason}")
+
+    async def _again(self, uid: str, claim: dict[str, Any], delay: float) -> None:
+        """Try an unrecorded claim again after `delay`, unless it was recorded, deallocated or deleted meanwhile
+        (a newer event of the claim is handled in its place)."""
+        await asyncio.sleep(delay)
+        if uid in self._unrecorded and uid not in self._latest and uid not in self._running:
+            self.submit("MODIFIED", claim)
+
+    async def _alert_pod(self, claim: dict[str, Any], reason: str, message: str) -> None:
+        """A Warning event on the claim's pod: the allocation is not in the ledger, the containers will not start."""
+        meta = claim.get("metadata") or {}
+        consumers = (claim.get("status") or {}).get("reservedFor") or []
+        pod = next((c for c in consumers if c.get("resource") == "pods"), None)
+        if pod is None:
+            return
+        text = (
+            f"kube-scheduler allocated claim {meta.get('name')}, but the gpushare ledger refuses to record it "
+            f"({reason}): {message}. The node agent prepares no claim the ledger does not hold, so the containers "
+            "wait; gpushare tries again (gpushare_binder_claim_record_refusals_total)"
+        )
+        body = event_body(
+            str(meta.get("namespace") or ""),
+            str(pod.get("name") or ""),
+            str(pod.get("uid") or ""),
+            reason="LedgerRefused",
+            message=text,
+            component="gpushare-binder",
+        )
+        await post_pod_event(self.api, body)
 
     async def claim_ended(self, claim_uid: str, reason: str, *, gone: bool = False) -> str:
         """The claim lost its allocation or is gone (`gone`): its live ledger allocation ends (if it has one)."""
@@ -412,11 +612,11 @@ class ClaimGate:
 
     # -- pods ---------------------------------------------------------------------------------------------------
     async def on_pod(self, event_type: str, pod: Pod) -> bool:
-        """The pod watch's hook: a gated pod that kube-scheduler bound is `bound` in the ledger (True when marked).
+        """The pod watch's hook: a DRA pod that kube-scheduler bound is `bound` in the ledger (True when marked).
 
-        Then the node is nudged (a label stamp, which makes kube-scheduler retry the pods waiting for DRA devices):
-        while a pod waits in PreBind for its binding conditions, kube-scheduler 1.37.2 counts its claim's consumed
-        capacity twice (the claim is still in flight and already in the informer's allocated state:
+        A pod of a gated pool is then nudged (a label stamp, which makes kube-scheduler retry the pods waiting for
+        DRA devices): while a pod waits in PreBind for its binding conditions, kube-scheduler 1.37.2 counts its
+        claim's consumed capacity twice (the claim is still in flight and already in the informer's allocated state:
         `claimTracker.GatherAllocatedState`, in flight until PreBind returns), so pods placed meanwhile may have
         been found not to fit; no claim event requeues them once the first pod is bound."""
         ann = pods.annotations(pod)
@@ -434,7 +634,7 @@ class ClaimGate:
         while len(self._bound) > REMEMBERED_BOUND:
             self._bound.pop(next(iter(self._bound)))
         marked = await self.bound.submit((allocation, uid, node))
-        if marked and self.nudge is not None:
+        if marked and self.nudge is not None and self._gated_pods.pop(uid, False):
             self.nudge(node)
         return marked
 
@@ -454,15 +654,26 @@ class ClaimGate:
                 log.warning("claim reconciliation failed: %r; next pass in %.0fs", exc, interval_s)
 
     async def reconcile_once(self) -> None:
-        """Read the ledger's live claim allocations, then list the claims, and make them agree."""
+        """Read the ledger's live claim allocations and older quota holds, then list the claims, and make them
+        agree."""
         if not self.served:
             return
         live = await live_claim_allocations(self.ledger.engine)
+        self._quota_namespaces = await quota_namespaces(self.ledger.engine)
+        holds = await holds_older_than(self.ledger.engine, HOLD_GRACE_S)
         body = await read_json(
             await self.resource.list_resource_claim_for_all_namespaces(_preload_content=False, _request_timeout=120)
         )
         claims = {str((c.get("metadata") or {}).get("uid")): c for c in body.get("items") or []}
         await self._reconcile_with(claims, live)
+        stale = [uid for uid in holds if uid not in claims]
+        if stale:
+            await end_holds(self.ledger.engine, stale)
+            log.info(
+                "ended %d quota hold(s) of claims that do not exist (%s)",
+                len(stale),
+                ", ".join(f"{holds[u][0]}/{holds[u][1]}" for u in stale[:10]),
+            )
 
     async def _reconcile_with(self, claims: dict[str, dict[str, Any]], live: list[LiveClaim]) -> None:
         """`live` was read before `claims` was listed: a live allocation whose claim is not listed is gone."""
@@ -477,6 +688,13 @@ class ClaimGate:
                 if uid in held:
                     self._held[uid] = CHECK
                     self.submit("MODIFIED", claim)  # deallocated while nobody watched
+                continue
+            if not is_gated(results):
+                if uid in held:  # recorded: later events of the claim cost no query
+                    self._held.setdefault(uid, held[uid].id)
+                else:
+                    self._held[uid] = CHECK
+                    self.submit("MODIFIED", claim)  # not recorded yet, or recorded in a ledger that lost it: adopt
                 continue
             verdict = decided(claim, results)
             if verdict is None or (verdict == RESERVED and uid not in held):

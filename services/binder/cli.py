@@ -21,6 +21,13 @@ def _positive(value: str) -> float:
     return number
 
 
+def _not_negative(value: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
+
+
 def _count(value: str) -> int:
     number = int(value)
     if not 1 <= number <= 256:
@@ -51,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         help="never release a reservation younger than this many seconds (default 30)",
     )
     p.add_argument("--concurrency", type=_count, default=16, help="reservations bound in parallel (default 16)")
+    p.add_argument(
+        "--template-grace",
+        type=_not_negative,
+        default=600.0,
+        help="delete a ResourceClaimTemplate gpushare admission wrote once no pod has used it for this many seconds "
+        "(default 600; 0: never delete)",
+    )
     lease = p.add_argument_group(
         "leader election",
         "Every replica binds and serves the node agents; the pod and node watches, reconciliation and node nudges "
@@ -140,6 +154,7 @@ async def _main(args: argparse.Namespace, settings: Settings) -> int:
         reconcile_interval_s=args.reconcile_interval,
         reserve_grace_s=args.reserve_grace,
         election=election,
+        template_grace_s=args.template_grace,
     )
     try:
         async with ServiceRuntime("binder", settings, pool_size=5, listen=Listen(args.host, args.port)) as rt:

@@ -5,8 +5,10 @@ in the pod's `PodScheduled` condition (`False`, reason `Unschedulable`, or `Sche
 the ledger refused the claim at the gate: `handleSchedulingFailure`, pkg/scheduler/schedule_one.go; it updates
 the condition only when it changes). The binder's pod watch sees every pod; for the pods gpushare admission rewrote
 (annotation `gpushare.io/dra-demand`) this publishes kube-scheduler's message as the pod's refusal whenever it
-changes, and again every `REPUBLISH_S` while the pod waits (accounting hides refusals older than an hour). A
-reservation of the pod (its claim recorded at the gate) clears it in accounting, as for extender pods.
+changes, and again every `REPUBLISH_S` while the pod waits (accounting hides refusals older than an hour), except
+kube-scheduler's "ResourceClaim not created yet": a claim gpushare admission refused over the namespace's quota is
+explained by the extender's refusal, which says why. A reservation of the pod (its claim recorded) clears it in
+accounting, as for extender pods.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from shared.kube.watching import DELETED
 log = logging.getLogger(__name__)
 
 REPUBLISH_S = 600.0
+# kube-scheduler's word for a pod whose claim the resourceclaim controller has not made (`resourceclaim.Name`,
+# dynamic-resource-allocation@v0.37.2): when gpushare admission refused the claim over its namespace's quota, that
+# refusal (published by the extender) says more, so this one is not published over it
+CLAIM_NOT_CREATED = "ResourceClaim not created yet"
 
 
 def scheduling_refusal(pod: dict[str, Any]) -> str | None:
@@ -60,6 +66,8 @@ class DraPending:
             return False
         uid = pods.pod_uid(pod)
         summary = None if event_type == DELETED else scheduling_refusal(pod)
+        if summary is not None and CLAIM_NOT_CREATED in summary:
+            return False
         if summary is None:
             self.waiting.pop(uid, None)
             return False

@@ -25,6 +25,7 @@ from services.binder.metrics import BinderMetrics
 from services.binder.nudge import CapacityNudger
 from services.binder.pod_index import PodIndex, binder_index
 from shared.annotations import ALLOCATION, GPU_MEM_IDX
+from shared.dra import CLAIM_ANNOTATION
 from shared.kube import pods
 from shared.kube.pods import Pod
 from shared.kube.watching import DELETED, SYNCED, WatchEvent, watch_objects
@@ -70,6 +71,7 @@ class Lifecycle:
         self._marked: OrderedDict[str, None] = OrderedDict()
         self.claims: Any = None  # the ClaimGate: marks DRA pods bound once kube-scheduler bound them
         self.dra_pending: Any = None  # DraPending: why the DRA pods gpushare admission rewrote are not placed
+        self.templates: Any = None  # TemplateSweeper: which gpushare claim templates live pods use
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """Follow every pod in the cluster until `stop`."""
@@ -78,6 +80,8 @@ class Lifecycle:
             if event.type == SYNCED:
                 self.index.synced()
                 self.pods_synced.set()
+                if self.templates is not None:
+                    self.templates.synced.set()
                 continue
             try:
                 await self.on_pod(event)
@@ -101,6 +105,8 @@ class Lifecycle:
         pod = event.object
         if self.dra_pending is not None:
             await self.dra_pending.on_pod(event.type, pod)
+        if self.templates is not None:
+            await self.templates.on_pod(event.type, pod)
         if not is_gpu_pod(pod):
             return 0
         self.index.update(event.type, pod)
@@ -116,8 +122,12 @@ class Lifecycle:
             return 0
         released = await self.ledger.release_pod(uid, reason)
         self._remember(self._released, uid)
-        if released:
+        claim_uid = pods.annotations(pod).get(CLAIM_ANNOTATION)
+        if claim_uid and self.claims is not None:
+            self.claims.released_with_pod(claim_uid)
+        if released and not claim_uid:  # kube-scheduler requeues DRA pods itself when a claim is deallocated
             self.nudger.capacity_freed(pods.node_name(pod) or "")
+        if released:
             self.metrics.released.labels(reason=reason.replace(" ", "_")).inc(released)
             log.info(
                 "released %d allocation(s) of %s: %s",

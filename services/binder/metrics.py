@@ -78,8 +78,23 @@ class BinderMetrics:
         )
         self.claims = Counter(
             "gpushare_binder_claims_total",
-            "DRA claim events handled by the ledger's gate, by outcome: reserved, refused_*, ended, *_already",
+            "DRA claim events handled by the binder, by outcome: reserved, refused_* (a gated pool's verdict), "
+            "unrecorded_* (not recorded yet, tried again), ended, *_already",
             ["reason"],
+            registry=r,
+        )
+        self.claim_record_refusals = Counter(
+            "gpushare_binder_claim_record_refusals_total",
+            "Claim allocations kube-scheduler made that the ledger refused to record, by reason (on a DRA pool "
+            "without the gate this should never happen: each is logged and, when it persists, an event on the pod)",
+            ["reason"],
+            registry=r,
+        )
+        self.claim_templates = Counter(
+            "gpushare_binder_claim_templates_total",
+            "gpushare admission's ResourceClaimTemplates deleted once no pod used them for --template-grace, and "
+            "written again because a new pod named one just deleted",
+            ["outcome"],
             registry=r,
         )
         self.nodes_retired = Counter(

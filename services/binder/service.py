@@ -27,6 +27,7 @@ from services.binder.lifecycle import Lifecycle
 from services.binder.metrics import BinderMetrics
 from services.binder.pod_index import binder_index
 from services.binder.reconcile import Reconciler
+from services.binder.templates import TemplateSweeper
 from shared.events.bus import EventBus
 from shared.events.catalogue import ReservedEvent, kind_of
 from shared.events.consumer import DurableConsumer
@@ -55,6 +56,8 @@ class BinderConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     durable: str = DURABLE
     election: ElectionConfig | None = None  # None: this process leads alone (one replica)
+    # gpushare admission's claim templates no live pod has named for this long are deleted (0: never)
+    template_grace_s: float = 600.0
 
 
 class Binder:
@@ -62,6 +65,7 @@ class Binder:
 
     def __init__(self, ledger: Ledger, bus: EventBus, api: client.ApiClient, config: BinderConfig) -> None:
         self.config = config
+        self.bus = bus
         self.metrics = BinderMetrics()
         self.pods = binder_index()  # fed by the lifecycle's pod watch, read by the handler before binding
         self.handler = BindHandler(
@@ -107,6 +111,15 @@ class Binder:
         self.dra_pending = DraPending(bus)  # kube-scheduler's reasons for rewritten DRA pods, for /v1/pending
         self.lifecycle.dra_pending = self.dra_pending
         self.claims.nudge = self.lifecycle.nudger.capacity_freed
+        interval_s = min(300.0, max(1.0, config.template_grace_s / 2))
+        self.templates = TemplateSweeper(
+            api,
+            grace_s=config.template_grace_s,
+            interval_s=interval_s,
+            on_outcome=lambda outcome: self.metrics.claim_templates.labels(outcome=outcome).inc(),
+        )
+        if config.template_grace_s > 0:
+            self.lifecycle.templates = self.templates
         self.reconciler = Reconciler(
             ledger,
             api,
@@ -180,7 +193,9 @@ class Binder:
                     "node-watch": self.lifecycle.watch_nodes(term_ended),
                     "claim-watch": self.claims.watch(term_ended),
                     "claim-reconcile": self.claims.run(term_ended, self.config.reconcile_interval_s),
+                    "quota-follow": self.claims.follow_quotas(self.bus, term_ended),
                     "dra-pending": self.dra_pending.run(term_ended),
+                    **({"claim-templates": self.templates.run(term_ended)} if self.lifecycle.templates else {}),
                 },
                 term_ended,
             )
@@ -191,6 +206,7 @@ class Binder:
             await self.lifecycle.nudger.close()
             self.claims.synced.clear()
             await self.claims.close()
+            self.templates.reset()
 
 
 async def _together(parts: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -28,7 +28,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from services.extender.metrics import ADMISSION_SECONDS, ADMISSIONS
 from shared.dra.admission import AdmissionRefused, Rewrite, rewrite_pod, template_matches
 from shared.dra.review import Review, ReviewError, allowed, denied, parse_review
-from shared.dra.webhook import PATH
+from shared.dra.webhook import CLAIM_PATH, PATH
 from shared.http import BodyLimitMiddleware, dump_json, install_common
 from shared.kube.client import api_client
 from shared.kube.raw import read_json, status_message
@@ -198,8 +198,14 @@ def _template_refusal(exc: ApiException, namespace: str, name: str) -> Admission
     )
 
 
-def create_webhook_app(admission: Admission, *, ready: Any = lambda: True) -> FastAPI:
-    """The webhook port's app: `POST /mutate`, and /healthz, /readyz, /metrics."""
+def create_webhook_app(
+    admission: Admission,
+    *,
+    claims: Callable[[bytes], Awaitable[tuple[int, bytes]]] | None = None,
+    ready: Any = lambda: True,
+) -> FastAPI:
+    """The webhook port's app: `POST /mutate` (pods), `POST /validate-claims` (gpushare claims against their
+    namespace's GiB quota, `services.extender.claim_admission`), and /healthz, /readyz, /metrics."""
     app = FastAPI(title="gpushare admission", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     install_common(app, ready=ready)
@@ -208,5 +214,13 @@ def create_webhook_app(admission: Admission, *, ready: Any = lambda: True) -> Fa
     async def mutate(request: Request) -> Response:
         status, body = await admission(await request.body())
         return Response(body, status_code=status, media_type="application/json")
+
+    if claims is not None:
+        count_claim = claims
+
+        @app.post(CLAIM_PATH)
+        async def validate_claim(request: Request) -> Response:
+            status, body = await count_claim(await request.body())
+            return Response(body, status_code=status, media_type="application/json")
 
     return app

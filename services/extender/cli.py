@@ -63,7 +63,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         type=int,
         default=None,
         help="also serve gpushare admission (POST /mutate: the mutating webhook that rewrites aliyun.com/* pods of "
-        "opted-in namespaces into DRA claims, docs/dra.md) over HTTPS on this port; needs --webhook-tls-cert/-key",
+        "opted-in namespaces into DRA claims; POST /validate-claims: the validating webhook that counts gpushare "
+        "ResourceClaims against their namespace's GPU quota; docs/dra.md) over HTTPS on this port; needs "
+        "--webhook-tls-cert/-key",
     )
     p.add_argument("--webhook-tls-cert", default=None, help="serving certificate of --webhook-port")
     p.add_argument("--webhook-tls-key", default=None, help="private key of --webhook-tls-cert")
@@ -82,6 +84,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
 
     from services.extender.admission import Admission, create_webhook_app
     from services.extender.app import create_app, create_health_app
+    from services.extender.claim_admission import ClaimAdmission
     from services.extender.service import ExtenderService
     from shared.runtime import Listen, ServiceRuntime
 
@@ -110,11 +113,16 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> None:
         )
         await service.start()
         admission = Admission(settings.resource_memory_unit, kubeconfig=args.kubeconfig)
+        claims = ClaimAdmission(
+            rt.engine, settings.resource_memory_unit, bus=rt.bus, has_quota=lambda ns: ns in service.view.quotas
+        )
         try:
             await rt.serve(
                 create_app(service, prefix=args.prefix, max_body_bytes=args.max_body_bytes),
                 probes_app=create_health_app(service) if args.health_port else None,
-                extra_apps=(create_webhook_app(admission, ready=lambda: service.ready),) if webhook else (),
+                extra_apps=(create_webhook_app(admission, claims=claims, ready=lambda: service.ready),)
+                if webhook
+                else (),
             )
         finally:
             await admission.close()

@@ -34,6 +34,13 @@ ADMISSIONS = Counter(
     "gpushare admission reviews by outcome (rewritten, dry_run, unchanged, ignored, refused, malformed, failed)",
     ["reason"],
 )
+CLAIM_ADMISSIONS = Counter(
+    "gpushare_extender_claim_admissions_total",
+    "gpushare ResourceClaims reviewed at creation against their namespace's GiB quota, by outcome (held: a hold "
+    "recorded; no_quota; dry_run; quota: refused over quota; refused: a claim that cannot be counted; failed: the "
+    "ledger did not answer; unchanged: not a gpushare claim; ignored; malformed)",
+    ["reason"],
+)
 ADMISSION_SECONDS = Histogram(
     "gpushare_extender_admission_seconds",
     "Time to answer a gpushare admission review (template creation included)",

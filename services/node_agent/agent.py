@@ -75,6 +75,9 @@ class AgentConfig:
     dra_registration_dir: Path = Path(REGISTRATION_DIR)
     dra_plugin_dir: Path = Path(PLUGIN_DIR)
     cdi_dir: Path = Path(CDI_DIR)
+    # how long NodePrepareResources waits for the ledger to hold a claim's allocation before refusing it (the binder
+    # records an allocation from its claim watch, and kubelet may call as soon as the pod is bound)
+    dra_ledger_wait_s: float = 10.0
 
 
 @dataclass
@@ -96,6 +99,7 @@ class NodeAgent:
         self.driver = self.cuda = ""
         self.failed: BaseException | None = None  # a fatal error stopped the agent
         self._changed = asyncio.Event()
+        self._view_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.link = LedgerLink(self.bus, self.config.node, max_backoff_s=min(5.0, self.config.retry_max_s))
         self.view = NodeView(self.config.node)
@@ -228,6 +232,12 @@ class NodeAgent:
     def _on_event(self, event: Event) -> None:
         if self.view.apply(event):
             self._gpu_metrics_soon()
+            old, self._view_changed = self._view_changed, asyncio.Event()
+            old.set()
+
+    def view_changed(self) -> asyncio.Event:
+        """Set at the next change of the node's view of the ledger (an event of the node applied)."""
+        return self._view_changed
 
     def _gpu_metrics_soon(self) -> None:
         """Refresh the GPU gauges once for every ledger event of the next `metrics_debounce_s`: a refresh walks

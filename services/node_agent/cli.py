@@ -66,8 +66,16 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--dra",
         action="store_true",
         help="a DRA node: publish a ResourceSlice and serve kubelet's DRA plugin API (driver gpu.gpushare.io) instead "
-        "of the device plugins; kube-scheduler then places the shares and the ledger records them before binding "
-        "(needs Kubernetes 1.36+, or 1.34-1.35 with DRAConsumableCapacity and DRADeviceBindingConditions; docs/dra.md)",
+        "of the device plugins; kube-scheduler then places the shares, the binder records them in the ledger and no "
+        "claim the ledger does not hold is prepared (needs Kubernetes 1.36+, or 1.34-1.35 with DRAConsumableCapacity; "
+        "label the node gpushare.io/dra-gate=ledger to have the ledger decide before each bind; docs/dra.md)",
+    )
+    p.add_argument(
+        "--dra-ledger-wait",
+        type=float,
+        default=10.0,
+        help="with --dra: seconds NodePrepareResources waits for the ledger to hold a claim's allocation before "
+        "refusing it (kubelet then retries; default 10)",
     )
     p.add_argument(
         "--dra-registration-dir",
@@ -225,6 +233,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, backend: Any) -> 
         dra_registration_dir=Path(args.dra_registration_dir),
         dra_plugin_dir=Path(args.dra_plugin_dir),
         cdi_dir=Path(args.cdi_dir),
+        dra_ledger_wait_s=args.dra_ledger_wait,
     )
     listen = Listen(host=args.host, port=args.metrics_port)
     async with ServiceRuntime("node-agent", settings, database=False, listen=listen) as rt:

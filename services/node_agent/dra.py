@@ -4,7 +4,9 @@ The agent keeps discovery, inventory (now saying `allocator: dra`), health, usag
 
 * the ResourceSlice (`shared.dra.slices`) is published once the ledger holds the inventory, and written again on
   every inventory or health change with the pool generation raised (an unhealthy GPU gets its taint); the slice is
-  owned by the Node, so it goes with it;
+  owned by the Node, so it goes with it. A node labelled `gpushare.io/dra-gate=ledger` (a gated pool) publishes
+  the ledger's binding conditions on its devices; the label is read at every pass (a minute at most), so moving a
+  pool into or out of the gate needs no restart;
 * the DRA plugin (`dra_plugin`) registers with kubelet and prepares claims (`dra_prepare`).
 
 Everything Kubernetes-side is read and written as JSON through the API client (no generated models: the client's
@@ -23,7 +25,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.node_agent.dra_plugin import DraPluginServer, device_health
 from services.node_agent.dra_prepare import ClaimPreparer
-from shared.dra.slices import SliceError, next_generation, resource_slice, slice_name, slice_spec
+from shared.dra.slices import SliceError, gated, next_generation, resource_slice, slice_name, slice_spec
 from shared.events.catalogue import GpuInfo
 from shared.kube.raw import read_json
 from shared.settings import MemoryUnit
@@ -52,30 +54,34 @@ class SlicePublisher:
         self.node_uid = ""
         self.generation = 0
         self.writes = 0
+        self.gate = False  # the node's pool is gated (`gpushare.io/dra-gate=ledger`), as last read
 
     async def publish(self, gpus: list[GpuInfo], *, driver_version: str = "", cuda_version: str = "") -> bool:
         """Write the slice when it differs from the inventory (True when written). Raises ApiException."""
-        if not self.node_uid:
-            node = await _read(self.core.read_node, self.node)
-            self.node_uid = str(((node or {}).get("metadata") or {}).get("uid") or "")
+        node = await _read(self.core.read_node, self.node)
+        meta = (node or {}).get("metadata") or {}
+        self.node_uid = str(meta.get("uid") or self.node_uid)
+        self.gate = gated(meta.get("labels"))
         name = slice_name(self.node)
-        for _ in range(5):
-            current = await _read(self.resource.read_resource_slice, name)
-            devices = slice_spec(
-                self.node, gpus, self.unit, generation=0, driver_version=driver_version, cuda_version=cuda_version
-            )["devices"]
-            generation, changed = next_generation(current, devices)
-            self.generation = generation
-            if not changed:
-                return False
-            spec = slice_spec(
+
+        def spec_at(generation: int) -> dict[str, Any]:
+            return slice_spec(
                 self.node,
                 gpus,
                 self.unit,
                 generation=generation,
                 driver_version=driver_version,
                 cuda_version=cuda_version,
+                gate=self.gate,
             )
+
+        for _ in range(5):
+            current = await _read(self.resource.read_resource_slice, name)
+            generation, changed = next_generation(current, spec_at(0)["devices"])
+            self.generation = generation
+            if not changed:
+                return False
+            spec = spec_at(generation)
             body = resource_slice(self.node, self.node_uid, spec)
             try:
                 if current is None:
@@ -89,11 +95,12 @@ class SlicePublisher:
                 raise
             self.writes += 1
             log.info(
-                "published ResourceSlice %s (pool generation %d, %d GPU(s))",
+                "published ResourceSlice %s (pool generation %d, %d GPU(s)%s)",
                 name,
                 generation,
                 len(spec["devices"]),
-                extra={"node": self.node, "generation": generation},
+                ", the ledger's binding conditions on each" if self.gate else "",
+                extra={"node": self.node, "generation": generation, "gate": self.gate},
             )
             return True
         raise RuntimeError(f"ResourceSlice {name} kept changing while it was written")

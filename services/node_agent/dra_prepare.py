@@ -6,8 +6,12 @@ is idempotent and needs no memory, only the ledger and the files. For each claim
 
 1. reads the claim and the pod it is reserved for from the API, and reads them as the binder did
    (`shared.dra.claims.read_claim`: the same parts, the same allocation id);
-2. checks that the ledger holds that very allocation live on this node (its view of the ledger, reloaded once
-   when the allocation is not in it yet): a claim the ledger never recorded is refused, never prepared;
+2. checks that the ledger holds that very allocation live on this node: kube-scheduler binds the pod as soon as it
+   wrote the claim's allocation and the binder records it from its claim watch, so kubelet may ask a moment before
+   the record reaches the agent; the agent waits for it in its view of the ledger (the node's events) up to
+   `dra_ledger_wait_s`, reloads the view once, and refuses a claim the ledger still does not hold: no container
+   starts on a share the ledger does not hold. kubelet retries a refused pod at its next update (the binder
+   annotates the pod right after the record) or resync (pkg/kubelet/pod_workers.go, v1.37.2);
 3. writes the claim's CDI spec: per request, the environment the device-plugin path gives a container
    (`assignment.container_env`: NVIDIA_VISIBLE_DEVICES, gpushare's ALIYUN_COM_GPU_MEM_*, the memory limits and, under
    MPS, its limits and client directories);
@@ -21,9 +25,12 @@ binder when the pod ends, as on device-plugin nodes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -80,10 +87,12 @@ class ClaimPreparer:
     # -- prepare ------------------------------------------------------------------------------------------------
     async def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         """Prepare one claim; raises PrepareError with a message for kubelet."""
+        node = self.agent.config.node
         try:
             devices = await self._prepare(namespace, uid, name)
         except PrepareError as exc:
             self.refused += 1
+            self.agent.metrics.dra_prepares.labels(node, "refused").inc()
             log.warning(
                 "claim %s/%s not prepared: %s",
                 namespace,
@@ -93,6 +102,7 @@ class ClaimPreparer:
             )
             raise
         self.prepared += 1
+        self.agent.metrics.dra_prepares.labels(node, "prepared").inc()
         return devices
 
     async def _prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
@@ -129,15 +139,23 @@ class ClaimPreparer:
         }
 
     async def _check_ledger(self, allocation: ClaimAllocation) -> None:
-        """The ledger must hold this allocation live on the node: the view first, a fresh snapshot once."""
-        view = self.agent.view
+        """The ledger must hold this allocation live on the node: the view as the node's events bring it (up to
+        `dra_ledger_wait_s`), then a fresh snapshot once. How long it waited is observed (0: held at once)."""
+        view, started = self.agent.view, time.monotonic()
+        deadline = started + self.agent.config.dra_ledger_wait_s
+        while view.version(allocation.allocation_id) is None and time.monotonic() < deadline:
+            changed = self.agent.view_changed()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
         if view.version(allocation.allocation_id) is None:
             await self.agent.reload_view()
+        self.agent.metrics.dra_ledger_wait.labels(self.agent.config.node).observe(time.monotonic() - started)
         if view.version(allocation.allocation_id) is None:
             raise PrepareError(
                 f"the gpushare ledger holds no live allocation {allocation.allocation_id} for claim "
                 f"{allocation.namespace}/{allocation.claim_name} on {allocation.node}: refusing to hand out a GPU "
-                "share the ledger did not record (the binder records each allocation before the pod is bound)"
+                "share the ledger did not record (the binder records each claim allocation as it appears; kubelet will "
+                "ask again)"
             )
 
     def _env(self, allocation: ClaimAllocation, request: str) -> tuple[dict[str, str], list[tuple[str, str, bool]]]:

@@ -6,7 +6,7 @@ same GPUs; GPUs carry dcgm-exporter's labels (`shared.metrics.GPU_LABELS`), amou
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.metrics import GPU_LABELS, SeriesSet
 
@@ -85,5 +85,19 @@ class AgentMetrics:
             "gpushare_node_agent_device_plugin_outcomes_total",
             "Allocate / PreStartContainer outcomes",
             ["node", "reason"],
+            registry=r,
+        )
+        self.dra_prepares = Counter(
+            "gpushare_node_agent_dra_prepares_total",
+            "NodePrepareResources per claim: prepared, or refused (the message went to kubelet)",
+            ["node", "outcome"],
+            registry=r,
+        )
+        self.dra_ledger_wait = Histogram(
+            "gpushare_node_agent_dra_prepare_ledger_wait_seconds",
+            "How long NodePrepareResources waited for the ledger to hold the claim's allocation on this node "
+            "(0 when it did at once; a claim still not held at the end is refused and kubelet retries)",
+            ["node"],
+            buckets=(0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=r,
         )

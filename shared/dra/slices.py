@@ -9,9 +9,13 @@ ledger counts:
   (`default`);
 * `compute`: the GPU's compute units (100); whole percent, and a request that names none takes none.
 
-Every device carries the binding condition `gpushare.io/LedgerReserved` and the failure condition
-`gpushare.io/LedgerRefused`: kube-scheduler binds a pod only once the binder recorded its allocation in the
-ledger (docs/dra.md). An unhealthy GPU carries the taint `gpushare.io/unhealthy` (NoSchedule).
+By default a device carries no binding condition: kube-scheduler's allocator keeps every device within its
+capacity, binds the pod as soon as PreBind wrote the claim's allocation, and the binder records that allocation
+in the ledger from its claim watch (the node agent prepares no claim the ledger does not hold). A node pool whose
+nodes carry the label `gpushare.io/dra-gate=ledger` (`GATE_LABEL`) publishes the binding condition
+`gpushare.io/LedgerReserved` and the failure condition `gpushare.io/LedgerRefused` on every device instead:
+kube-scheduler then binds a pod only once the binder recorded its allocation (the gate; kube-scheduler 1.37.2 polls
+it every 5 s, docs/dra.md). An unhealthy GPU carries the taint `gpushare.io/unhealthy` (NoSchedule).
 
 Field rules (ResourceSlice validation of v1.37.2, `pkg/apis/resource/validation`): a device name is a DNS label;
 a request policy needs `allowMultipleAllocations`; `default` and `max` lie on `min + n * step`; `min + step` may
@@ -29,6 +33,9 @@ from shared.dra.quantity import mib_quantity
 from shared.events.catalogue import GpuInfo
 from shared.settings import MemoryUnit
 
+GATE_LABEL = "gpushare.io/dra-gate"
+GATE_VALUE = "ledger"
+"""The node label that makes a DRA node's devices carry the ledger's binding conditions (a gated node pool)."""
 MAX_DEVICES_WITH_TAINTS = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures; an unhealthy GPU makes a slice tainted
 _LABEL = re.compile(r"[^a-z0-9-]+")
 
@@ -80,8 +87,15 @@ def compute_policy(compute_units: int) -> dict[str, Any]:
     }
 
 
-def gpu_device(gpu: GpuInfo, unit: MemoryUnit, *, driver_version: str = "", cuda_version: str = "") -> dict[str, Any]:
-    """One GPU as a slice device."""
+def gated(node_labels: dict[str, str] | None) -> bool:
+    """Whether a node's labels put it in a gated pool (its devices carry the ledger's binding conditions)."""
+    return (node_labels or {}).get(GATE_LABEL) == GATE_VALUE
+
+
+def gpu_device(
+    gpu: GpuInfo, unit: MemoryUnit, *, driver_version: str = "", cuda_version: str = "", gate: bool = False
+) -> dict[str, Any]:
+    """One GPU as a slice device (`gate`: with the ledger's binding conditions)."""
     attributes: dict[str, Any] = {
         "uuid": {"string": gpu.uuid},
         "index": {"int": gpu.index},
@@ -100,9 +114,10 @@ def gpu_device(gpu: GpuInfo, unit: MemoryUnit, *, driver_version: str = "", cuda
         "allowMultipleAllocations": True,
         "attributes": attributes,
         "capacity": {MEMORY: memory_policy(gpu.memory_mib, unit), COMPUTE: compute_policy(gpu.compute_units)},
-        "bindingConditions": [RESERVED_CONDITION],
-        "bindingFailureConditions": [REFUSED_CONDITION],
     }
+    if gate:
+        device["bindingConditions"] = [RESERVED_CONDITION]
+        device["bindingFailureConditions"] = [REFUSED_CONDITION]
     if not gpu.healthy:
         device["taints"] = [{"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"}]
     return device
@@ -116,8 +131,10 @@ def slice_spec(
     generation: int,
     driver_version: str = "",
     cuda_version: str = "",
+    gate: bool = False,
 ) -> dict[str, Any]:
-    """The slice's `spec`: the node's pool at `generation`, one device per GPU that can hold a share.
+    """The slice's `spec`: the node's pool at `generation`, one device per GPU that can hold a share (`gate`: a
+    gated pool's devices, with the ledger's binding conditions).
 
     A GPU with less than one unit of schedulable memory cannot hold a share and is left out. Raises
     `SliceError` for more GPUs than one slice may carry, or two GPUs with one device name.
@@ -125,7 +142,7 @@ def slice_spec(
     usable = sorted((g for g in gpus if g.memory_mib >= unit.mib), key=lambda g: g.index)
     if len(usable) > MAX_DEVICES_WITH_TAINTS:
         raise SliceError(f"{len(usable)} GPUs on {node}: one slice carries at most {MAX_DEVICES_WITH_TAINTS}")
-    devices = [gpu_device(g, unit, driver_version=driver_version, cuda_version=cuda_version) for g in usable]
+    devices = [gpu_device(g, unit, driver_version=driver_version, cuda_version=cuda_version, gate=gate) for g in usable]
     names = [d["name"] for d in devices]
     if len(set(names)) != len(names):
         raise SliceError(f"two GPUs of {node} have the same device name: {sorted(names)}")

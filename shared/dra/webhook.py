@@ -1,4 +1,6 @@
-"""The MutatingWebhookConfiguration that sends opted-in namespaces' `aliyun.com/*` pods to gpushare admission (pure).
+"""The webhook configurations of gpushare admission (pure): the MutatingWebhookConfiguration that sends opted-in
+namespaces' `aliyun.com/*` pods to it, and the ValidatingWebhookConfiguration that sends it every ResourceClaim of
+the gpushare class being created (GiB quotas at creation, `claim_webhook_configuration` below).
 
 One webhook, `pods.gpu.gpushare.io`, on pod CREATE only (`spec.resourceClaims` is immutable, so the rewrite must
 happen at creation):
@@ -13,7 +15,7 @@ happen at creation):
 * `sideEffects: NoneOnDryRun`: the webhook creates a ResourceClaimTemplate, except for a dry-run request;
 * `reinvocationPolicy: Never`: the rewrite removes what the match condition looks for.
 
-The k8s/overlays/dra manifest and `gpushare up --dra` register exactly this object (tests compare them).
+The k8s/overlays/dra manifest and `gpushare up --dra` register exactly these objects (tests compare them).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared import annotations as ann
+from shared.dra import DEVICE_CLASS
 from shared.dra.admission import OPT_IN_LABEL, OPT_IN_VALUE
 
 CONFIGURATION_NAME = "gpushare-dra-admission"
@@ -65,6 +68,55 @@ def webhook_configuration(client_config: dict[str, Any]) -> dict[str, Any]:
                 "timeoutSeconds": TIMEOUT_S,
                 "admissionReviewVersions": ["v1"],
                 "reinvocationPolicy": "Never",
+            }
+        ],
+    }
+
+
+CLAIM_CONFIGURATION_NAME = "gpushare-dra-claims"
+CLAIM_WEBHOOK_NAME = "claims.gpu.gpushare.io"
+CLAIM_PATH = "/validate-claims"
+ASKS_GPUSHARE_CLASS = (
+    "has(object.spec.devices) && has(object.spec.devices.requests) && object.spec.devices.requests.exists(r, "
+    f"(has(r.exactly) && r.exactly.deviceClassName == '{DEVICE_CLASS}') || "
+    f"(has(r.firstAvailable) && r.firstAvailable.exists(s, s.deviceClassName == '{DEVICE_CLASS}')))"
+)
+"""The claim webhook's match condition: a request (or an alternative of it) asks the gpushare device class."""
+
+
+def claim_webhook_configuration(client_config: dict[str, Any]) -> dict[str, Any]:
+    """The `admissionregistration.k8s.io/v1` ValidatingWebhookConfiguration that counts every gpushare ResourceClaim
+    being created against its namespace's GiB quota in the ledger (hand-written claims, and the claims the
+    resourceclaim controller makes from templates).
+
+    Validating, not mutating: only then has kube-apiserver set the claim's UID and generated name
+    (`Store.create` fills them before the validating admission it runs; apiserver@v0.37.2
+    pkg/registry/generic/registry/store.go). Every namespace (a quota may be set on any); `failurePolicy: Fail`, so
+    no gpushare claim escapes its quota while no extender answers (the resourceclaim controller retries);
+    `sideEffects: NoneOnDryRun` (the hold is recorded unless the request is a dry run)."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": CLAIM_CONFIGURATION_NAME},
+        "webhooks": [
+            {
+                "name": CLAIM_WEBHOOK_NAME,
+                "clientConfig": client_config,
+                "rules": [
+                    {
+                        "operations": ["CREATE"],
+                        "apiGroups": ["resource.k8s.io"],
+                        "apiVersions": ["v1"],
+                        "resources": ["resourceclaims"],
+                        "scope": "Namespaced",
+                    }
+                ],
+                "matchConditions": [{"name": "asks-gpushare-gpus", "expression": ASKS_GPUSHARE_CLASS}],
+                "failurePolicy": "Fail",
+                "matchPolicy": "Equivalent",
+                "sideEffects": "NoneOnDryRun",
+                "timeoutSeconds": TIMEOUT_S,
+                "admissionReviewVersions": ["v1"],
             }
         ],
     }

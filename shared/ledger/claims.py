@@ -1,8 +1,9 @@
 """Recording a DRA claim's allocation: the reservation statements, plus what makes a claim a claim.
 
-kube-scheduler proposes (it allocated the claim's shares from the node's ResourceSlice); the ledger decides, in
-one transaction, with the very statements and CHECK constraints of `reservations.reserve` (namespace quota under
-its lock, the conditional counter UPDATE per GPU in UUID order). On top of them:
+kube-scheduler allocated the claim's shares from the node's ResourceSlice; the ledger records them in one
+transaction, writing what `reservations.reserve` writes, under the same CHECK constraints (the conditional counter
+UPDATE, the GPUs locked in UUID order first). The namespace's GiB quota is not checked again: the claim took it when
+it was created (gpushare admission, `claim_holds`), as a Kubernetes object takes its ResourceQuota. On top of them:
 
 * the same claim allocation is recorded once (its id comes from the claim's UID and share ids), and one that
   ended is never brought back;
@@ -14,13 +15,19 @@ its lock, the conditional counter UPDATE per GPU in UUID order). On top of them:
 
 from __future__ import annotations
 
-from sqlalchemy import and_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import ClaimReservedEvent
-from shared.ledger.models import allocation_parts, allocations, nodes
-from shared.ledger.reservations import Reservation, ReservationError, live_reservation, reserve
-from shared.ledger.rules import LIVE_STATE_VALUES, is_live
+from shared.ledger import driver, locks
+from shared.ledger.models import LIVE_SQL
+from shared.ledger.reservations import (
+    InsufficientCapacity,
+    Reservation,
+    ReservationError,
+    explain_refusal,
+    live_reservation,
+)
+from shared.ledger.rules import AllocationState, gpu_charges, is_live
 
 
 class PathConflict(ReservationError):
@@ -31,74 +38,131 @@ class ClaimAllocationEnded(ReservationError):
     """This very claim allocation was recorded before and has ended: it is not brought back."""
 
 
+_LIVE = LIVE_SQL.replace("state", "a.state")
+# after the GPU rows are locked, in one round trip: who places shares on the node, this very allocation if it was
+# recorded before, another live allocation of the claim, and a live share the extender placed on one of the GPUs
+_CHECKS = (
+    "SELECT (SELECT allocator FROM nodes WHERE name = $1) AS allocator,"
+    " (SELECT a.state FROM allocations AS a WHERE a.id = $2) AS known_state,"
+    " (SELECT a.pod_uid FROM allocations AS a WHERE a.id = $2) AS known_pod,"
+    f" (SELECT a.id FROM allocations AS a WHERE a.claim_uid = $3 AND {_LIVE} AND a.id <> $2 LIMIT 1) AS other,"
+    " (SELECT a.namespace || '/' || a.pod_name || ' ' || p.gpu_uuid FROM allocation_parts AS p"
+    " JOIN allocations AS a ON a.id = p.allocation_id"
+    f" WHERE p.gpu_uuid = ANY($4::text[]) AND {_LIVE} AND a.claim_uid IS NULL AND a.id <> $2 LIMIT 1) AS taken"
+)
+_INSERT_CLAIM_ALLOCATION = (
+    "INSERT INTO allocations (id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, state, memory_mib,"
+    " compute, reserved_at, pod_created_at)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+    f" ON CONFLICT (pod_uid) WHERE {LIVE_SQL} DO NOTHING RETURNING id"
+)
+_CHARGE_GPUS = (
+    "UPDATE gpus AS g SET allocated_memory_mib = g.allocated_memory_mib + w.memory,"
+    " allocated_compute = g.allocated_compute + w.compute, updated_at = $1 "
+    "FROM unnest($2::text[], $3::integer[], $4::integer[]) AS w(uuid, memory, compute) "
+    "WHERE g.uuid = w.uuid AND g.node = $5 AND g.healthy AND g.retired_at IS NULL"
+    " AND g.allocated_memory_mib + w.memory <= g.memory_mib AND g.allocated_compute + w.compute <= g.compute_units "
+    "RETURNING g.uuid"
+)
+# the parts, and the claim the allocation records (the columns the previous release set in a statement of their own)
+_INSERT_PARTS_AND_CLAIM = (
+    "WITH parts AS (INSERT INTO allocation_parts (allocation_id, container, container_index, init, sidecar, gpu_uuid,"
+    " gpu_index, memory_mib, compute) "
+    "SELECT $1, * FROM unnest($2::text[], $3::integer[], $4::boolean[], $5::boolean[], $6::text[],"
+    " $7::integer[], $8::integer[], $9::integer[])) "
+    "UPDATE allocations SET claim_uid = $10, claim_name = $11 WHERE id = $1"
+)
+
+
 async def reserve_claim(conn: AsyncConnection, event: ClaimReservedEvent) -> Reservation:
     """Apply a claim's allocation inside the caller's transaction (which must stage `event` when `created`).
 
     Returns the live allocation (created=False when it was recorded before). Raises `InsufficientCapacity`,
-    `QuotaExceeded`, `PathConflict`, `ClaimAllocationEnded` or `ReservationError`; the caller rolls back.
+    `PathConflict`, `ClaimAllocationEnded` or `ReservationError`; the caller rolls back. The statements go to
+    asyncpg directly (`driver`), as the extender's batch reservations do: the claim's GPUs locked in UUID order,
+    the checks in one round trip, then the allocation, the counters (the conditional UPDATE the CHECK constraints
+    back), the parts and the claim's UID and name, written as `reservations.reserve` writes them: five statements.
     """
-    known = (
-        await conn.execute(
-            select(allocations.c.state, allocations.c.pod_uid).where(allocations.c.id == event.allocation_id)
-        )
-    ).first()
-    if known is not None:
-        if not is_live(known.state) or known.pod_uid != event.pod_uid:
+    charges = gpu_charges(event.parts)
+    uuids = sorted(charges)
+    await locks.lock_gpus(conn, uuids)  # GPUs before allocations (`locks`)
+    (found,) = await driver.fetch(conn, _CHECKS, event.node, event.allocation_id, event.claim_uid, uuids)
+    if found["known_state"] is not None:
+        if not is_live(found["known_state"]) or found["known_pod"] != event.pod_uid:
             raise ClaimAllocationEnded(
-                f"allocation {event.allocation_id} of claim {event.namespace}/{event.claim_name} is {known.state}: "
-                "the ledger does not bring an ended allocation back"
+                f"allocation {event.allocation_id} of claim {event.namespace}/{event.claim_name} is "
+                f"{found['known_state']}: the ledger does not bring an ended allocation back"
             )
         existing = await live_reservation(conn, event.pod_uid)
         assert existing is not None
         return existing
-    other = (
-        await conn.execute(
-            select(allocations.c.id).where(
-                and_(allocations.c.claim_uid == event.claim_uid, allocations.c.state.in_(LIVE_STATE_VALUES))
-            )
-        )
-    ).first()
-    if other is not None:
+    if found["other"] is not None:
         raise ReservationError(
-            f"claim {event.namespace}/{event.claim_name} holds allocation {other.id} already; it must end first"
+            f"claim {event.namespace}/{event.claim_name} holds allocation {found['other']} already; it must end first"
         )
-    allocator = (await conn.execute(select(nodes.c.allocator).where(nodes.c.name == event.node))).scalar()
-    if allocator != "dra":
+    if found["allocator"] != "dra":
         raise PathConflict(
             f"node {event.node} is not a DRA node in the gpushare ledger "
-            f"({'unknown' if allocator is None else 'its agent serves the device plugins'}): its GPUs are placed by "
-            "the scheduler extender"
+            f"({'unknown' if found['allocator'] is None else 'its agent serves the device plugins'}): its GPUs are "
+            "placed by the scheduler extender"
         )
-    result = await reserve(conn, event)
-    if not result.created:
-        raise ReservationError(
-            f"pod {event.namespace}/{event.pod_name} holds allocation {result.allocation_id} already; "
-            f"claim {event.claim_name} cannot add another"
-        )
-    gpu_uuids = sorted({p.gpu_uuid for p in event.parts})
-    taken = (
-        await conn.execute(
-            select(allocations.c.namespace, allocations.c.pod_name, allocation_parts.c.gpu_uuid)
-            .select_from(allocations.join(allocation_parts, allocation_parts.c.allocation_id == allocations.c.id))
-            .where(
-                and_(
-                    allocation_parts.c.gpu_uuid.in_(gpu_uuids),
-                    allocations.c.state.in_(LIVE_STATE_VALUES),
-                    allocations.c.claim_uid.is_(None),
-                    allocations.c.id != event.allocation_id,
-                )
-            )
-            .limit(1)
-        )
-    ).first()
-    if taken is not None:
-        raise PathConflict(
-            f"GPU {taken.gpu_uuid} holds a share the scheduler extender placed (pod {taken.namespace}/"
-            f"{taken.pod_name}); a GPU is served by one path: the DRA path takes none of it until those pods end"
-        )
-    await conn.execute(
-        update(allocations)
-        .where(allocations.c.id == event.allocation_id)
-        .values(claim_uid=event.claim_uid, claim_name=event.claim_name)
+    at = event.occurred_at
+    inserted = await driver.fetch(
+        conn,
+        _INSERT_CLAIM_ALLOCATION,
+        event.allocation_id,
+        event.pod_uid,
+        event.namespace,
+        event.pod_name,
+        event.owner_kind,
+        event.owner_name,
+        event.node,
+        AllocationState.RESERVED.value,
+        sum(m for m, _ in charges.values()),
+        sum(c for _, c in charges.values()),
+        at,
+        event.pod_created_at,
     )
-    return result
+    if not inserted:
+        held = await live_reservation(conn, event.pod_uid)
+        raise ReservationError(
+            f"pod {event.namespace}/{event.pod_name} holds allocation {held.allocation_id if held else '?'} "
+            f"already; claim {event.claim_name} cannot add another"
+        )
+    if uuids:
+        charged = await driver.fetch(
+            conn,
+            _CHARGE_GPUS,
+            at,
+            uuids,
+            [charges[u][0] for u in uuids],
+            [charges[u][1] for u in uuids],
+            event.node,
+        )
+        short = sorted(set(uuids) - {r["uuid"] for r in charged})
+        if short:
+            memory, compute = charges[short[0]]
+            raise InsufficientCapacity(short[0], await explain_refusal(conn, event.node, short[0], memory, compute))
+    if found["taken"] is not None:  # read after the GPUs were locked: an extender share that committed first
+        who, _, gpu_uuid = str(found["taken"]).rpartition(" ")
+        raise PathConflict(
+            f"GPU {gpu_uuid} holds a share the scheduler extender placed (pod {who}); a GPU is served by one path: "
+            "the DRA path takes none of it until those pods end"
+        )
+    parts = list(event.parts)
+    await driver.fetch(
+        conn,
+        _INSERT_PARTS_AND_CLAIM,
+        event.allocation_id,
+        [p.container for p in parts],
+        [p.container_index for p in parts],
+        [p.init for p in parts],
+        [p.sidecar for p in parts],
+        [p.gpu_uuid for p in parts],
+        [p.gpu_index for p in parts],
+        [p.memory_mib for p in parts],
+        [p.compute for p in parts],
+        event.claim_uid,
+        event.claim_name,
+    )
+    return Reservation(event.allocation_id, event.pod_uid, event.node, AllocationState.RESERVED, tuple(parts), True)

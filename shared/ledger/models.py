@@ -156,6 +156,21 @@ quotas = Table(
     CheckConstraint("compute IS NULL OR compute >= 0", name="compute_non_negative"),
 )
 
+claim_holds = Table(
+    "claim_holds",
+    metadata,
+    # the quota a gpushare ResourceClaim took at admission (migration 0011: admission's bookkeeping, no events)
+    Column("claim_uid", Text, primary_key=True),
+    Column("namespace", Text, nullable=False),
+    Column("claim_name", Text, nullable=False),
+    Column("pod_name", Text, nullable=False, server_default=""),
+    Column("memory_mib", Integer, nullable=False),
+    Column("compute", Integer, nullable=False, server_default="0"),
+    Column("admitted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("memory_mib >= 0 AND compute >= 0", name="non_negative"),
+    Index("ix_claim_holds_namespace", "namespace"),
+)
+
 applied_events = Table(
     "applied_events",
     metadata,

@@ -14,13 +14,13 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import and_, func, select, text, update
+from sqlalchemy import and_, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import AllocationPart, ReservedEvent
 from shared.ledger.models import LIVE_SQL, allocation_parts, allocations, gpus, part_from_row, part_row, quotas
-from shared.ledger.quotas import lock_quota
+from shared.ledger.quotas import lock_quota, namespace_usage
 from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState, gpu_charges
 
 
@@ -105,12 +105,14 @@ async def live_reservation(conn: AsyncConnection, pod_uid: str) -> Reservation |
     return Reservation(row.id, pod_uid, row.node, AllocationState(row.state), parts, created=False)
 
 
-async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
+async def reserve(conn: AsyncConnection, event: ReservedEvent, *, check_quota: bool = True) -> Reservation:
     """Apply a reservation inside the caller's transaction (which must stage `event` and commit, and took the
     locks `locks.lock_for_reservations` names first).
 
     Returns the existing live allocation (created=False) when the pod already has one. Raises
     `InsufficientCapacity` or `QuotaExceeded`; the caller then rolls back, leaving nothing behind.
+    `check_quota=False`: a DRA claim's allocation, whose quota was taken when the claim was created
+    (`claim_holds`).
     """
     charges = gpu_charges(event.parts)
     total_memory = sum(m for m, _ in charges.values())
@@ -142,7 +144,8 @@ async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
             return existing
         raise ReservationError(f"pod {event.namespace}/{event.pod_name} changed while reserving; retry")
 
-    await _check_quota(conn, event.namespace, total_memory, total_compute)
+    if check_quota:
+        await _check_quota(conn, event.namespace, total_memory, total_compute)
 
     for gpu_uuid, (memory, compute) in charges.items():
         done = await conn.execute(
@@ -165,7 +168,7 @@ async def reserve(conn: AsyncConnection, event: ReservedEvent) -> Reservation:
             .returning(gpus.c.uuid)
         )
         if done.first() is None:
-            raise InsufficientCapacity(gpu_uuid, await _explain_refusal(conn, event.node, gpu_uuid, memory, compute))
+            raise InsufficientCapacity(gpu_uuid, await explain_refusal(conn, event.node, gpu_uuid, memory, compute))
 
     await conn.execute(insert(allocation_parts), [part_row(event.allocation_id, p) for p in event.parts])
     return Reservation(
@@ -182,33 +185,22 @@ async def _check_quota(conn: AsyncConnection, namespace: str, memory: int, compu
     quota = (await conn.execute(read)).first()  # as it is now that nobody else can change it
     if quota is None or (quota.memory_mib is None and quota.compute is None):
         return
-    used = (
-        await conn.execute(
-            select(
-                func.coalesce(func.sum(allocations.c.memory_mib), 0),
-                func.coalesce(func.sum(allocations.c.compute), 0),
-            ).where(
-                and_(
-                    allocations.c.namespace == namespace,
-                    allocations.c.state.in_(LIVE_STATE_VALUES),
-                )
-            )
-        )
-    ).one()
-    used_memory, used_compute = int(used[0]), int(used[1])  # includes this pod's row
-    if quota.memory_mib is not None and used_memory > quota.memory_mib:
+    usage = await namespace_usage(conn, namespace)  # includes this pod's row, and the claims waiting (`claim_holds`)
+    waiting = f" (of which {usage.waiting_claims} DRA claim(s) not allocated yet)" if usage.waiting_claims else ""
+    if quota.memory_mib is not None and usage.memory_mib > quota.memory_mib:
         raise QuotaExceeded(
             f"namespace {namespace} GPU memory quota {quota.memory_mib} MiB exceeded: "
-            f"{used_memory - memory} MiB in use, pod needs {memory} MiB"
+            f"{usage.memory_mib - memory} MiB in use{waiting}, pod needs {memory} MiB"
         )
-    if quota.compute is not None and used_compute > quota.compute:
+    if quota.compute is not None and usage.compute > quota.compute:
         raise QuotaExceeded(
             f"namespace {namespace} GPU compute quota {quota.compute}% exceeded: "
-            f"{used_compute - compute}% in use, pod needs {compute}%"
+            f"{usage.compute - compute}% in use{waiting}, pod needs {compute}%"
         )
 
 
-async def _explain_refusal(conn: AsyncConnection, node: str, gpu_uuid: str, memory: int, compute: int) -> str:
+async def explain_refusal(conn: AsyncConnection, node: str, gpu_uuid: str, memory: int, compute: int) -> str:
+    """Why a GPU refused a share, as a person reads it (removed, unhealthy, or how much is free)."""
     row = (await conn.execute(select(gpus).where(gpus.c.uuid == gpu_uuid))).first()
     if row is None or row.node != node:
         return f"GPU {gpu_uuid} is not on node {node}"

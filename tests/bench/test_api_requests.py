@@ -68,10 +68,20 @@ def test_extender_calls_are_counted_by_verb() -> None:
         "gpushare_extender_admission_seconds_count 5.0\n"
     )
     calls = parse_calls(exposition)
-    assert calls == {"filter": 30, "prioritize": 0, "bind": 10, "preempt": 0, "admission": 5}
-    before = {"filter": 10, "prioritize": 0, "bind": 0, "preempt": 0, "admission": 0}
+    assert {v: calls[v] for v in ("filter", "prioritize", "bind", "preempt", "admission")} == {
+        "filter": 30,
+        "prioritize": 0,
+        "bind": 10,
+        "preempt": 0,
+        "admission": 5,
+    }
+    assert (calls["filter_seconds"], calls["bind_seconds"], calls["admission_seconds"]) == (0.5, 1.5, 0)
+    before = {"filter": 10, "prioritize": 0, "bind": 0, "preempt": 0, "admission": 0, "filter_seconds": 0.1}
     assert calls_per_pod(before, calls, 10, "gpu") == {
         "gpu_extender_filter_calls_per_pod": 2.0,
+        "gpu_extender_filter_mean_ms": 20.0,  # 0.4 s over 20 calls
         "gpu_extender_bind_calls_per_pod": 1.0,
+        "gpu_extender_bind_mean_ms": 150.0,
         "gpu_extender_admission_calls_per_pod": 0.5,
+        "gpu_extender_admission_mean_ms": 0.0,
     }

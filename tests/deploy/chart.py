@@ -29,6 +29,9 @@ RELEASE = "gpushare"
 # The Prometheus Operator's API, as a cluster with it serves: the kustomize tree always renders the ServiceMonitor.
 WITH_SERVICE_MONITOR = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
 
+# dra.enabled needs the addresses kube-apiserver calls the webhook from: the overlay's placeholder range
+DRA_POLICY: dict[str, Any] = {"admission": {"networkPolicy": {"apiServerCIDRs": ["198.51.100.0/24"]}}}
+
 # kustomization -> (chart values, extra `helm template` flags) that render the same mode.
 MODES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "base": ({}, ()),
@@ -52,7 +55,7 @@ MODES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     ),
     "overlays/extender-mtls": ({"extender": {"tls": {"enabled": True}}}, ()),
     "overlays/ha": ({"postgresql": {"mode": "cloudnativepg"}}, ()),
-    "overlays/dra": ({"dra": {"enabled": True}}, ()),
+    "overlays/dra": ({"dra": {"enabled": True, **DRA_POLICY}}, ()),
 }
 
 HELM_LABELS = {
@@ -140,9 +143,8 @@ def normalise(obj: dict[str, Any]) -> dict[str, Any]:
     if obj["kind"] == "Secret":
         obj["data"] = dict.fromkeys(obj.get("data", {}), CREDENTIAL)
         obj.setdefault("type", "Opaque")
-    if (
-        obj["kind"] == "MutatingWebhookConfiguration"
-    ):  # the CA of a credential (test_chart.py checks it is the Secret's)
+    if obj["kind"] in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        # the CA of a credential (test_chart.py checks it is the Secret's)
         for hook in obj.get("webhooks", []):
             hook["clientConfig"]["caBundle"] = CA_BUNDLE
     template = obj.get("spec", {}).get("template", {}).get("metadata", {})

@@ -25,6 +25,7 @@ import yaml
 
 from tests.deploy.chart import (
     CHART,
+    DRA_POLICY,
     MODES,
     RELEASE,
     WITH_SERVICE_MONITOR,
@@ -225,6 +226,8 @@ def test_notes_say_how_to_wire_the_scheduler_and_run_the_tests(helm: str, tmp_pa
         "--set",
         "dra.enabled=true",
         "--set",
+        "dra.admission.networkPolicy.apiServerCIDRs={198.51.100.0/24}",
+        "--set",
         "postgresql.mode=cloudnativepg",
     ).stdout
     assert "kubectl label node <gpu-node> gpushare.io/allocator=dra" in modes
@@ -319,7 +322,7 @@ def test_another_namespace_reaches_every_namespaced_name_in_the_shared_files(hel
     """The rules read from k8s/ (RBAC, the admission policies, the webhook) name gpushare-system; installed elsewhere,
     the chart names the release's namespace in each: bindings' subjects, the writers the annotation policy exempts,
     the webhook's Service, the webhook certificate's name."""
-    values = {"dra": {"enabled": True}}
+    values = {"dra": {"enabled": True, **DRA_POLICY}}
     args = ["template", RELEASE, str(CHART), "-n", "gpu-ops", "-f", str(values_file(values, tmp_path))]
     objects = load_all(run_helm(helm, *args).stdout)
     text = yaml.safe_dump_all(objects)
@@ -360,7 +363,7 @@ def _admission(objects: list[dict[str, Any]]) -> tuple[dict[str, bytes], str, st
 def test_dra_generates_a_webhook_certificate_the_api_server_can_verify_and_wires_its_ca(
     helm: str, tmp_path: Path
 ) -> None:
-    objects = template(helm, {"dra": {"enabled": True}}, (), tmp_path)
+    objects = template(helm, {"dra": {"enabled": True, **DRA_POLICY}}, (), tmp_path)
     data, ca_bundle, checksum = _admission(objects)
     assert ca_bundle == data["caBundle"].decode(), "the webhook trusts the CA of the Secret the extender serves"
     (tmp_path / "ca.crt").write_bytes(data["caBundle"])
@@ -376,7 +379,10 @@ def test_dra_generates_a_webhook_certificate_the_api_server_can_verify_and_wires
     (volume,) = [v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "gpushare-admission-tls"]
     assert secret_readable(spec, spec["containers"][0], volume)
     # helm template cannot look the installed one up: a new one each time (an install keeps it: test_chart_install.py)
-    assert _admission(template(helm, {"dra": {"enabled": True}}, (), tmp_path))[0]["tls.crt"] != data["tls.crt"]
+    assert (
+        _admission(template(helm, {"dra": {"enabled": True, **DRA_POLICY}}, (), tmp_path))[0]["tls.crt"]
+        != data["tls.crt"]
+    )
 
 
 def test_dra_takes_a_webhook_certificate_of_your_own(helm: str, tmp_path: Path) -> None:
@@ -387,11 +393,33 @@ def test_dra_takes_a_webhook_certificate_of_your_own(helm: str, tmp_path: Path) 
         check=True,
     )
     crt, key_pem = (tmp_path / "crt.pem").read_text(), (tmp_path / "key.pem").read_text()
-    given = {"dra": {"enabled": True, "admission": {"tls": {"certificate": crt, "key": key_pem, "caBundle": crt}}}}
+    tls = {"certificate": crt, "key": key_pem, "caBundle": crt}
+    given = {"dra": {"enabled": True, "admission": {"tls": tls, **DRA_POLICY["admission"]}}}
     data, ca_bundle, checksum = _admission(template(helm, given, (), tmp_path))
     assert (data["tls.crt"].decode(), data["tls.key"].decode(), ca_bundle) == (crt, key_pem, crt)
     again = _admission(template(helm, given, (), tmp_path))
     assert again[2] == checksum, "the same certificate: no restart"
+
+
+def test_the_webhook_port_admits_only_kube_apiserver_and_needs_its_addresses(helm: str, tmp_path: Path) -> None:
+    args = ["template", RELEASE, str(CHART), "-n", NAMESPACE, "--set", "dra.enabled=true"]
+    proc = run_helm(helm, *args, check=False)
+    assert proc.returncode != 0 and "dra.admission.networkPolicy.apiServerCIDRs" in proc.stderr
+    values = {
+        "dra": {"enabled": True, "admission": {"networkPolicy": {"apiServerCIDRs": ["10.0.0.10/32", "10.0.0.11/32"]}}}
+    }
+    policy = find(template(helm, values, (), tmp_path), "NetworkPolicy", "gpushare-extender")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "gpushare-extender"
+    verbs, webhook = policy["spec"]["ingress"]
+    assert verbs == {"ports": [{"port": 12345}]}  # kube-scheduler's verbs, probes, metrics: from anywhere, as before
+    assert webhook["ports"] == [{"port": 8443}]
+    assert webhook["from"] == [{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "10.0.0.11/32"}}]
+    off = {"dra": {"enabled": True, "admission": {"networkPolicy": {"enabled": False}}}}
+    assert not [
+        o
+        for o in template(helm, off, (), tmp_path)
+        if o["kind"] == "NetworkPolicy" and "extender" in o["metadata"]["name"]
+    ]
 
 
 def test_dra_is_refused_before_kubernetes_1_34_with_what_to_do(helm: str, tmp_path: Path) -> None:
@@ -404,7 +432,7 @@ def test_dra_is_refused_before_kubernetes_1_34_with_what_to_do(helm: str, tmp_pa
 def test_dra_runs_the_dra_agent_on_its_nodes_and_the_device_plugin_agent_elsewhere(helm: str, tmp_path: Path) -> None:
     """dra.nodeSelector of two labels: a node with both is a DRA node, a node lacking either runs the device plugin."""
     selector = {"gpushare.io/allocator": "dra", "pool": "gpu-b"}
-    objects = template(helm, {"dra": {"enabled": True, "nodeSelector": selector}}, (), tmp_path)
+    objects = template(helm, {"dra": {"enabled": True, "nodeSelector": selector, **DRA_POLICY}}, (), tmp_path)
     dra, device_plugin = (
         pod_spec(find(objects, "DaemonSet", n)) for n in ("gpushare-node-agent-dra", "gpushare-node-agent")
     )

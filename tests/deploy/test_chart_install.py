@@ -236,7 +236,14 @@ def test_the_generated_webhook_certificate_is_kept_by_upgrades(
     reads them back (`lookup`) and writes the same Secret and caBundle, so the extender keeps serving what
     kube-apiserver trusts (and its restart checksum stays)."""
     namespace = "gpushare-chart-dra"
-    base = ("-n", namespace, "--set", "dra.enabled=true")
+    base = (
+        "-n",
+        namespace,
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        "dra.admission.networkPolicy.apiServerCIDRs={127.0.0.1/32}",
+    )
 
     def installed() -> tuple[dict[str, str], str, str]:
         secret = _kubectl(kubectl, apiserver, "-n", namespace, "get", "secret", "gpushare-admission-tls", "-o", "json")

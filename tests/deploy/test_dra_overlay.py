@@ -19,7 +19,7 @@ import pytest
 from services.cli import build_parser
 from shared.dra import CDI_DIR, PLUGIN_DIR, REGISTRATION_DIR
 from shared.dra.classes import device_class
-from shared.dra.webhook import PATH, webhook_configuration
+from shared.dra.webhook import CLAIM_PATH, PATH, claim_webhook_configuration, webhook_configuration
 from tests.deploy.test_rbac import granted
 from tests.deploy.tools import K8S, ROOT, assert_serving_certificate, find, pod_spec, render, runs_on
 
@@ -37,6 +37,22 @@ def test_the_webhook_configuration_is_the_one_the_code_writes(rendered: dict[str
     secret = find(objects, "Secret", "gpushare-admission-tls")
     assert "".join(ca_bundle.split()) == "".join(secret["data"]["caBundle"].split())  # the Secret's CA
     assert find(objects, "DeviceClass", "gpushare-gpu")["spec"] == device_class()["spec"]
+    claims = find(objects, "ValidatingWebhookConfiguration", "gpushare-dra-claims")
+    (hook,) = claims["webhooks"]
+    (want,) = claim_webhook_configuration({"service": {**SERVICE, "path": CLAIM_PATH}})["webhooks"]
+    claims_ca = hook["clientConfig"].pop("caBundle")
+    assert hook == want
+    assert "".join(claims_ca.split()) == "".join(secret["data"]["caBundle"].split())
+
+
+def test_only_kube_apiserver_reaches_the_webhook_port(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    policy = find(rendered[OVERLAY], "NetworkPolicy", "gpushare-extender")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "gpushare-extender"
+    verbs, webhook = policy["spec"]["ingress"]
+    assert verbs == {"ports": [{"port": 12345}]}
+    assert webhook["ports"] == [{"port": 8443}] and [f["ipBlock"]["cidr"] for f in webhook["from"]] == [
+        "198.51.100.0/24"
+    ]
 
 
 def test_the_extender_serves_the_webhook_port_with_the_secrets_certificate(

@@ -36,6 +36,7 @@ NEWER_KINDS = {
     "ValidatingAdmissionPolicy": (1, 30),
     "ValidatingAdmissionPolicyBinding": (1, 30),
     "MutatingWebhookConfiguration": (1, 30),  # overlays/dra: matchConditions (GA in 1.30)
+    "ValidatingWebhookConfiguration": (1, 30),
     "DeviceClass": (1, 34),  # overlays/dra: resource.k8s.io/v1
 }
 POLICY = "gpushare-device-env"
@@ -97,6 +98,7 @@ def test_renders_into_one_namespace(rendered: dict[str, list[dict[str, Any]]], n
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
         "MutatingWebhookConfiguration",
+        "ValidatingWebhookConfiguration",
         "DeviceClass",
     }
     for obj in objects:

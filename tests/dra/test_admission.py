@@ -1,8 +1,9 @@
 """gpushare admission end to end: unchanged `aliyun.com/*` workloads in a namespace labelled gpushare.io/allocator=dra
 are rewritten by the webhook (the extender's HTTPS `--webhook-port`, registered by the stack exactly as
 `shared.dra.webhook` writes it) into DRA claims, which the real v1.37.2 kube-apiserver validates, the resourceclaim
-controller turns into claims, kube-scheduler allocates from the node's ResourceSlice, the binder records in the
-ledger at the gate, and the kubelet stand-in prepares. One device-plugin node beside the DRA node shows that a
+controller turns into claims (each counted against the namespace's GPU quota by the claim webhook), kube-scheduler
+allocates from the node's ResourceSlice, the binder records in the ledger, and the kubelet stand-in prepares once
+the ledger holds the claim. One device-plugin node beside the DRA node shows that a
 namespace that did not opt in is left alone (the extender places it).
 
 Nodes: each has a Tesla-T4 (index 0) and an A100 (index 1) of 16 GiB.
@@ -106,6 +107,7 @@ async def test_the_readme_demo_deployment_is_admitted_and_packed_on_dra_nodes(st
         return found if len(found) == want and all(p.spec.node_name for p in found) else None
 
     bound = await poll(all_bound, 120, interval=0.5, what="the demo's pods to be bound")
+    await w.wait_recorded(api, dra_namespace, [p.metadata.name for p in bound])
     assert {p.spec.node_name for p in bound} == {dra_node}
     templates = {t["metadata"]["name"]: t for t in await _templates(api, dra_namespace)}
     assert len(templates) == 2  # one per Deployment: every replica asks the same, so names the same template
@@ -175,6 +177,7 @@ async def test_a_two_container_pod_a_sidecar_pod_and_a_count_two_pod_through_the
     ):
         await helpers.create_pod(api, dra_namespace, pod)
     await helpers.wait_bound(api, dra_namespace, ["duo", "side", "pair"], timeout_s=90)
+    await w.wait_recorded(api, dra_namespace, ["duo", "side", "pair"])
 
     duo = await _parts(api, dra_namespace, "duo")
     assert {c: [(m, k) for _, m, k in v] for c, v in duo.items()} == {"a": [(4096, 0)], "b": [(2048, 20)]}
@@ -230,15 +233,33 @@ async def test_steering_annotations_become_selectors_that_steer(stack, api, dra_
     assert view["pending"]["summary"].startswith("kube-scheduler (DRA): ") and "claim" in view["pending"]["summary"]
 
 
-async def test_a_gate_refusal_is_a_pending_reason_until_the_quota_allows(stack, api, dra_namespace) -> None:  # type: ignore[no-untyped-def]
+async def test_a_claim_over_the_quota_is_refused_at_creation_and_the_pod_says_why_until_the_quota_allows(
+    stack, api, dra_namespace
+) -> None:  # type: ignore[no-untyped-def]
+    """The resourceclaim controller's claim for the rewritten pod is counted at creation (the claim webhook) against
+    the namespace's 2 GiB quota and refused: the pod's events and /v1/pending say which quota, what is held and what
+    is left. Raised, the controller's next try passes and the pod binds."""
     assert (await helpers.set_quota(stack, ADMIN_TOKEN, dra_namespace, 2)).status_code == 200
+    await w.wait_quota_enforced(api, dra_namespace)
     await helpers.create_pod(api, dra_namespace, _pod("over-quota", [_c("main", mem="4")]))
     view = await helpers.wait_pending_reason(stack, dra_namespace, "over-quota", timeout_s=60)
-    assert "QuotaExceeded" in view["pending"]["summary"], view["pending"]
+    summary = view["pending"]["summary"]
+    assert summary.startswith("gpushare admission: "), view["pending"]
+    assert "GPU memory quota is 2 GiB" in summary and "0 GiB held" in summary and "2 GiB left" in summary, summary
+    assert "asks 4 GiB" in summary, summary
+    events = " ".join(await w.events_of(api, dra_namespace, "over-quota"))
+    assert "FailedResourceClaimCreation" in events and "claims.gpu.gpushare.io" in events, events
+    assert await w.pod_claim(api, dra_namespace, "over-quota") is None  # no claim was created
     assert "over-quota" not in await w.claim_allocations(stack.database_url, dra_namespace)
     assert (await helpers.set_quota(stack, ADMIN_TOKEN, dra_namespace, 8)).status_code == 200
-    await helpers.wait_bound(api, dra_namespace, ["over-quota"], timeout_s=90)
-    assert [p["pod_name"] for p in await helpers.accounting_pending(stack, dra_namespace)] == []
+    await helpers.wait_bound(api, dra_namespace, ["over-quota"], timeout_s=120)
+    await poll(
+        lambda: _no_pending(stack, dra_namespace), timeout_s=30, what="the pod gone from /v1/pending once recorded"
+    )
+
+
+async def _no_pending(stack, namespace: str) -> bool:  # type: ignore[no-untyped-def]
+    return [p["pod_name"] for p in await helpers.accounting_pending(stack, namespace)] == []
 
 
 async def test_bad_input_is_refused_clearly_and_nothing_is_created(stack, api, dra_namespace) -> None:  # type: ignore[no-untyped-def]
@@ -323,6 +344,8 @@ async def test_inspect_without_accounting_reads_dra_nodes_from_their_slices(stac
     await helpers.create_pod(api, dra_namespace, _pod("seen", [_c("main", mem="4")]))
     await helpers.wait_bound(api, dra_namespace, ["seen"], timeout_s=60)
     rows = await helpers.gpu_rows(stack.database_url, node)
+
+    await w.wait_recorded(api, dra_namespace, ["seen"])  # inspect reads the binder's annotations
     shown = {n["name"]: n for n in await from_apiserver(api, Request(), MemoryUnit.GIB)}
     assert set(shown) == set(stack.node_names)  # the device-plugin node from its capacity, the DRA node from its slice
     gpus = shown[node]["gpus"]

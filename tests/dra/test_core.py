@@ -10,7 +10,16 @@ import pytest
 from shared.dra import DRIVER, REFUSED_CONDITION, RESERVED_CONDITION, UNHEALTHY_TAINT, cdi, conditions
 from shared.dra.claims import ClaimRefused, allocation_id, read_claim, requests_gpushare
 from shared.dra.quantity import QuantityError, mib_quantity, parse_quantity
-from shared.dra.slices import SliceError, device_name, next_generation, semver, slice_spec
+from shared.dra.slices import (
+    GATE_LABEL,
+    GATE_VALUE,
+    SliceError,
+    device_name,
+    gated,
+    next_generation,
+    semver,
+    slice_spec,
+)
 from shared.ledger.rules import gpu_charges
 from shared.settings import MemoryUnit
 from tests.dra.objects import claim, gpu, ledger_gpus, pod, request
@@ -78,9 +87,20 @@ def test_the_slice_has_one_shared_device_per_gpu_with_policies_the_ledger_counts
         "default": "0",
         "validRange": {"min": "0", "max": "100", "step": "1"},
     }
-    assert first["bindingConditions"] == [RESERVED_CONDITION]
-    assert first["bindingFailureConditions"] == [REFUSED_CONDITION]
+    # no binding condition by default: kube-scheduler binds as soon as PreBind wrote the allocation
+    assert "bindingConditions" not in first and "bindingFailureConditions" not in first
     assert "taints" not in first
+
+
+def test_a_gated_pools_devices_carry_the_ledgers_binding_conditions() -> None:
+    assert gated({GATE_LABEL: GATE_VALUE}) and not gated({GATE_LABEL: "no"}) and not gated(None)
+    spec = slice_spec("node-a", [gpu("node-a", 0), gpu("node-a", 1)], GIB, generation=1, gate=True)
+    for device in spec["devices"]:
+        assert device["bindingConditions"] == [RESERVED_CONDITION]
+        assert device["bindingFailureConditions"] == [REFUSED_CONDITION]
+    # moving a pool into the gate is a change of the slice: a new generation
+    plain = slice_spec("node-a", [gpu("node-a", 0), gpu("node-a", 1)], GIB, generation=1)
+    assert next_generation({"spec": plain}, spec["devices"]) == (2, True)
 
 
 def test_an_unhealthy_gpu_is_tainted_and_a_gpu_below_one_unit_is_left_out() -> None:

@@ -1,6 +1,7 @@
-"""gpushare on DRA, end to end on the real kube-apiserver, kube-scheduler and kube-controller-manager (v1.37.2),
-with PostgreSQL, NATS, the services as processes, the node agent as a DRA plugin and the kubelet stand-in playing
-kubelet's DRA side (devstack/cluster/kubelet_dra.py): docs/dra.md section 8.
+"""A gated DRA pool (nodes labelled gpushare.io/dra-gate=ledger: the ledger decides before each bind), end to end on
+the real kube-apiserver, kube-scheduler and kube-controller-manager (v1.37.2), with PostgreSQL, NATS, the services
+as processes, the node agent as a DRA plugin and the kubelet stand-in playing kubelet's DRA side
+(devstack/cluster/kubelet_dra.py): docs/dra.md section 7. (The default pool, without the gate: test_record.py.)
 
 Each gated bind waits for kube-scheduler's PreBind poll (5 s), so the module keeps to a handful of pods."""
 
@@ -16,21 +17,18 @@ import pytest
 
 from services.node_agent.assignment import PendingContainer, Share, container_env
 from shared.annotations import ALLOCATION, GPU_MEM_IDX, parse_allocation
-from shared.dra import CLAIM_ANNOTATION, DRIVER
+from shared.dra import CLAIM_ANNOTATION, DRIVER, REFUSED_CONDITION, RESERVED_CONDITION
 from shared.dra.cdi import spec_file_name
 from shared.dra.claims import LedgerGpu, read_claim
 from shared.dra.quantity import parse_quantity
 from shared.dra.slices import device_name
-from shared.events.catalogue import AllocationPart
 from shared.kubelet_api import load
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
-from shared.ledger.reservations import ReservationRequest
 from shared.settings import MemoryUnit
 from tests.dra import workloads as w
 from tests.dra.conftest import needs_dra
 from tests.e2e import helpers
-from tests.e2e.conftest import ADMIN_TOKEN
 from tests.reliability.harness import ledger_rebuild
 from tests.waiting import eventually
 
@@ -38,6 +36,7 @@ pytestmark = needs_dra
 
 STACK_NODES = 1
 STACK_DRA_NODES = 1
+STACK_DRA_GATED_NODES = 1
 STACK_GPUS = "1x16GiB:Tesla-T4"
 
 
@@ -53,6 +52,9 @@ async def test_the_slice_round_trips_with_the_ledgers_capacities(stack, api) -> 
     assert device["capacity"]["memory"]["value"] == f"{row['memory_mib'] // 1024}Gi"
     assert device["capacity"]["compute"]["value"] == "100"
     assert device["allowMultipleAllocations"] is True
+    # a gated pool: kube-scheduler binds only once the ledger said yes (or gives the allocation up when it said no)
+    assert device["bindingConditions"] == [RESERVED_CONDITION]
+    assert device["bindingFailureConditions"] == [REFUSED_CONDITION]
     allocator = await w.ledger_rows(stack.database_url, "SELECT allocator FROM nodes WHERE name = $1", node)
     assert allocator == [{"allocator": "dra"}]
 
@@ -163,37 +165,13 @@ async def test_a_pod_found_not_to_fit_while_another_waits_at_the_gate_binds_soon
     assert await w.ledger_exact(stack.database_url) == []
 
 
-async def test_a_namespace_quota_refuses_at_the_gate_and_the_pod_binds_once_raised(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
-    assert (await helpers.set_quota(stack, ADMIN_TOKEN, namespace, 2)).status_code == 200
-    await w.create(
-        api,
-        namespace,
-        w.template("gpu-4", [("main", "4Gi", None, 1)]),
-        w.pod("q", [("main", "main")], template_name="gpu-4"),
-    )
-    refused = await eventually(
-        lambda: _event_with(api, namespace, "q", "QuotaExceeded"), what="the ledger's quota refusal", within=60
-    )
-    assert "quota" in refused and "FailedScheduling" in refused
-    assert await helpers.pod_node(api, namespace, "q") is None
-    assert "q" not in await w.claim_allocations(stack.database_url, namespace)
-    assert (await helpers.set_quota(stack, ADMIN_TOKEN, namespace, 8)).status_code == 200
-    await helpers.wait_bound(api, namespace, ["q"], timeout_s=90)
-    assert (await w.claim_allocations(stack.database_url, namespace))["q"]["memory_mib"] == 4096
-
-
 async def test_a_share_the_extender_path_holds_makes_the_gate_refuse_the_gpu(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
     node = stack.node_names[0]
     (gpu,) = await helpers.gpu_rows(stack.database_url, node)
     engine = make_engine(stack.database_url, pool_size=1)
     ledger = Ledger(engine, prefix=stack.config.subject_prefix, source="test")
-    part = AllocationPart(container="c", container_index=0, gpu_uuid=gpu["uuid"], gpu_index=0, memory_mib=1024)
     try:
-        outsider = await ledger.reserve(
-            ReservationRequest(
-                pod_uid=f"outsider-{namespace}", namespace=namespace, pod_name="outsider", node=node, parts=(part,)
-            )
-        )
+        await w.extender_share(api, ledger, namespace, "outsider", node, gpu)
         await w.create(
             api,
             namespace,
@@ -209,8 +187,8 @@ async def test_a_share_the_extender_path_holds_makes_the_gate_refuse_the_gpu(sta
             stack.database_url, "SELECT state FROM allocations WHERE namespace = $1 AND pod_name = 'c'", namespace
         )
         assert rows == []
-        # the extender's share ends (the binder fails it anyway: its pod does not exist), and the claim gets the GPU
-        await ledger.release(outsider.allocation_id, outsider.pod_uid, node, "test done")
+        # the extender's share ends with its pod, and the claim gets the GPU
+        await helpers.delete_pod(api, namespace, "outsider")
         await helpers.wait_bound(api, namespace, ["c"], timeout_s=90)
     finally:
         await engine.dispose()

@@ -130,3 +130,18 @@ async def test_a_claim_deallocated_while_nobody_watched_is_ended_by_reconciliati
     await _handled(gate)
     assert await _state(engine, allocation_id) == "failed"
     assert await live_claim_allocations(engine) == []
+
+
+async def test_a_claim_released_with_its_pod_costs_no_query_when_it_is_deallocated(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """Without the gate the pod watch usually ends the allocation first (the pod is gone before the resourceclaim
+    controller deallocates its claim): told so, the gate's deallocation costs no query and ends nothing twice."""
+    reserved, allocation_id = await _recorded(gate.ledger, "p3")
+    await _handled(gate, (MODIFIED, reserved))
+    lookups = _lookups(engine)
+    p3 = reserved["status"]["reservedFor"][0]["uid"]
+    assert await gate.ledger.release_pod(p3, "pod deleted") == 1  # the pod watch's release
+    gate.released_with_pod(reserved["metadata"]["uid"])
+    await _handled(gate, (MODIFIED, _deallocated(reserved)), (DELETED, _deallocated(reserved)))
+    assert lookups == [] and await _state(engine, allocation_id) == "released"

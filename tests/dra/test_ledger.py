@@ -71,16 +71,13 @@ async def test_a_claim_is_recorded_once_with_its_claim_and_its_own_event(engine:
     assert (await _staged_kinds(engine)).count("claim_reserved") == 1
 
 
-@pytest.mark.parametrize("case", ["quota", "capacity", "extender_node", "extender_share", "ended", "second"])
+@pytest.mark.parametrize("case", ["capacity", "extender_node", "extender_share", "ended", "second"])
 async def test_a_refusal_writes_nothing(engine: AsyncEngine, case: str) -> None:
     ledger = Ledger(engine, prefix="t")
     await _dra_node(ledger)
     event = claim_event("4Gi")
     expected: type[Exception] = ReservationError
-    if case == "quota":
-        await ledger.record(QuotaEvent(namespace="team", memory_mib=2048))
-        expected = QuotaExceeded
-    elif case == "capacity":
+    if case == "capacity":
         event = claim_event("16Gi")
         await ledger.reserve_claim(claim_event("4Gi"))
         expected = InsufficientCapacity
@@ -108,6 +105,20 @@ async def test_a_refusal_writes_nothing(engine: AsyncEngine, case: str) -> None:
     assert await _staged_kinds(engine) == before_kinds
     if case == "extender_share":
         assert "scheduler extender placed" in str(refused.value) and "team/old" in str(refused.value)
+
+
+async def test_a_claim_is_recorded_whatever_the_quota_says_now(engine: AsyncEngine) -> None:
+    """A claim took its namespace's quota when it was created (gpushare admission): recording the allocation
+    kube-scheduler made checks capacity, not the quota again (a quota lowered since admits it all the same)."""
+    ledger = Ledger(engine, prefix="t")
+    await _dra_node(ledger)
+    await ledger.record(QuotaEvent(namespace="team", memory_mib=2048))
+    assert (await ledger.reserve_claim(claim_event("4Gi"))).created
+    assert (await _counters(engine))[GPUS[0].uuid] == 4096
+    # the extender path's reservations still answer to the quota, which the claim's allocation now fills
+    part = AllocationPart(container="c", container_index=0, gpu_uuid=GPUS[1].uuid, gpu_index=1, memory_mib=1024)
+    with pytest.raises(QuotaExceeded):
+        await ledger.reserve(ReservationRequest(pod_uid="x", namespace="team", pod_name="x", node=NODE, parts=(part,)))
 
 
 async def test_racing_claims_never_overcommit_a_gpu(engine: AsyncEngine) -> None:

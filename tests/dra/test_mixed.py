@@ -1,5 +1,5 @@
 """Both paths in one cluster, end to end on the real 1.37.2 control plane: a device-plugin node (extender, device
-plugins) and a DRA node (kube-scheduler's allocator, the ledger's gate), one ledger, filled at the same time. No
+plugins) and a DRA node (kube-scheduler's allocator, the binder's record), one ledger, filled at the same time. No
 pod of one path lands on the other path's node (kube-scheduler's own count keeps aliyun.com/* pods off the DRA node,
 which advertises none), no GPU is ever overcommitted in the ledger or in the claims'
 `consumedCapacity` (sampled all along), and accounting shows the DRA shares like the extender's."""
@@ -83,6 +83,7 @@ async def test_device_plugin_and_dra_nodes_fill_at_once_without_sharing_a_gpu(st
         done.set()
         await watcher
     assert seen == []
+    await w.wait_recorded(api, namespace, [n for n in placed if n.startswith("dra")])
     for node in (dp_node, dra_node):
         assert [g["allocated_memory_mib"] for g in await helpers.gpu_rows(stack.database_url, node)] == [GPU_MIB]
     # the DRA node's GPU holds claim shares only, the device-plugin node's none

@@ -6,6 +6,7 @@ the health stream, and preparing a claim only once the ledger holds it."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import uuid
@@ -17,11 +18,11 @@ import pytest
 from kubernetes_asyncio import client
 from sqlalchemy import select
 
-from devstack.cluster.kubelet_dra import DraKubeletStandIn, DraPrepareError
+from devstack.cluster.kubelet_dra import DraKubeletStandIn, DraPrepareDeferred, DraPrepareError
 from devstack.cluster.nodes import create_gpu_node, delete_node
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.discovery import FakeBackend
-from shared.dra import DRIVER, UNHEALTHY_TAINT
+from shared.dra import CLAIM_ANNOTATION, DRIVER, UNHEALTHY_TAINT
 from shared.dra.cdi import spec_file_name
 from shared.dra.claims import LedgerGpu, read_claim
 from shared.dra.classes import device_class
@@ -57,6 +58,7 @@ class DraNodeHarness:
             dra_registration_dir=self.root / "registry",
             dra_plugin_dir=self.root / "plugin",
             cdi_dir=self.root / "cdi",
+            dra_ledger_wait_s=2.0,
         )
 
     async def start_agent(self) -> NodeAgent:
@@ -159,11 +161,15 @@ async def test_a_claim_is_prepared_only_once_the_ledger_holds_it_also_through_v1
     with pytest.raises(DraPrepareError, match="holds no live allocation"):
         await h.kubelet.prepare(pod_obj)
     assert not (h.root / "cdi" / spec_file_name(claim["metadata"]["uid"])).exists()
+    with pytest.raises(DraPrepareDeferred):  # kubelet asks again at the pod's next update or resync, not before
+        await h.kubelet.prepare(pod_obj)
+    assert [c[0] for c in h.kubelet.calls].count("NodePrepareResources") == 1
 
     gpus = {device_name(g.uuid): LedgerGpu(g.uuid, g.index, g.memory_mib) for g in h.agent.gpu_infos()}
     event = read_claim(claim, pod_obj, gpus, MemoryUnit.GIB).event(source="binder")
     await h.ledger.reserve_claim(event)
-    await h.kubelet.prepare(pod_obj)
+    pod_obj["metadata"].setdefault("annotations", {})[CLAIM_ANNOTATION] = claim["metadata"]["uid"]  # the binder's
+    await h.kubelet.prepare(pod_obj)  # the pod's update: kubelet asks again, and the ledger holds the claim now
     await h.kubelet.prepare(pod_obj)  # already prepared: not called again
     assert [c for c in h.kubelet.calls if c[0] == "NodePrepareResources"][-1][1] == [claim["metadata"]["uid"]]
     env = h.kubelet.container_env(pod_obj, pod_obj["spec"]["containers"][0])
@@ -176,6 +182,38 @@ async def test_a_claim_is_prepared_only_once_the_ledger_holds_it_also_through_v1
     await h.kubelet.unprepare(pod_obj)
     assert not (h.root / "cdi" / spec_file_name(claim["metadata"]["uid"])).exists()
     assert h.agent.dra.preparer.unprepare(claim["metadata"]["uid"]) is False  # again: idempotent
+    await client.CoreV1Api(h.api).delete_namespace(ns)
+
+
+async def test_a_prepare_that_comes_before_the_record_waits_for_it(dra_node: DraNodeHarness) -> None:
+    """Without the gate kubelet may ask as soon as the pod is bound, a moment before the binder's record reaches the
+    agent: the prepare waits for the ledger to hold the claim (the node's events) instead of refusing at once, and
+    how long it waited is observed."""
+    h = dra_node
+    agent = await h.start_agent()
+    h.kubelet = await DraKubeletStandIn(h.api, h.root / "registry", h.root / "cdi").start()
+    await h.kubelet.wait_registered(DRIVER)
+    ns = f"ns-{uuid.uuid4().hex[:6]}"
+    await client.CoreV1Api(h.api).create_namespace({"metadata": {"name": ns}})
+    pod = w.pod("q", [("main", "main")], template_name="t")
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": h.node}
+    await w.create(h.api, ns, w.template("t", [("main", "2Gi", None, 1)]), pod)
+    claim = await w.wait_claim_allocated(h.api, ns, "q")
+    pod_obj = await w.raw_pod(h.api, ns, "q")
+    pod_obj["spec"]["nodeName"] = h.node
+    gpus = {device_name(g.uuid): LedgerGpu(g.uuid, g.index, g.memory_mib) for g in agent.gpu_infos()}
+    event = read_claim(claim, pod_obj, gpus, MemoryUnit.GIB).event(source="binder")
+    registry, labels = agent.metrics.registry, {"node": h.node}
+    wait_sum = "gpushare_node_agent_dra_prepare_ledger_wait_seconds_sum"
+    before = registry.get_sample_value(wait_sum, labels) or 0.0
+    preparing = asyncio.create_task(h.kubelet.prepare(pod_obj))
+    await eventually(lambda: h.kubelet.calls, what="kubelet's NodePrepareResources call", within=10)
+    await asyncio.sleep(1.0)  # the agent has read the claim and waits for the ledger
+    assert not preparing.done()  # waiting, not refused
+    await h.ledger.reserve_claim(event)
+    await asyncio.wait_for(preparing, 10)
+    assert (registry.get_sample_value(wait_sum, labels) or 0.0) > before
+    assert not registry.get_sample_value("gpushare_node_agent_dra_prepares_total", {**labels, "outcome": "refused"})
     await client.CoreV1Api(h.api).delete_namespace(ns)
 
 

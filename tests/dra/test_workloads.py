@@ -59,6 +59,7 @@ async def test_a_two_container_pod_gets_a_share_per_container(stack, api, namesp
         w.pod("duo", [("a", "r-a"), ("b", "r-b")], template_name="two"),
     )
     await helpers.wait_bound(api, namespace, ["duo"])
+    await w.wait_recorded(api, namespace, ["duo"])
     parts = await _parts(api, namespace, "duo")
     assert [m for _, m, _, _ in parts["a"]] == [4096] and [m for _, m, _, _ in parts["b"]] == [2048]
     env_a = await helpers.container_env(stack, node, namespace, "duo", "a")
@@ -83,6 +84,7 @@ async def test_init_containers_and_sidecars_hold_their_shares_as_dra_charges_the
         ),
     )
     await helpers.wait_bound(api, namespace, ["sidecar"])
+    await w.wait_recorded(api, namespace, ["sidecar"])
     parts = await _parts(api, namespace, "sidecar")
     assert {c: [(m, i, s) for _, m, i, s in v] for c, v in parts.items()} == {
         "setup": [(1024, True, True)],  # held for the pod's life under DRA: charged beside the app (see claims.py)
@@ -106,6 +108,7 @@ async def test_a_count_two_request_gets_two_gpus(stack, api, namespace) -> None:
         w.pod("pair", [("main", "both")], template_name="pair"),
     )
     await helpers.wait_bound(api, namespace, ["pair"])
+    await w.wait_recorded(api, namespace, ["pair"])
     claim = await w.pod_claim(api, namespace, "pair")
     devices = [d for _, d, _, _ in w.consumed(claim)]
     assert len(set(devices)) == 2  # a request's devices are distinct

@@ -11,6 +11,7 @@ import asyncpg
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from shared.annotations import ALLOCATION
 from shared.dra import DEVICE_CLASS
 from shared.dra.slices import slice_name
 from shared.kube.raw import read_json
@@ -123,6 +124,14 @@ async def claims(api: client.ApiClient) -> list[dict[str, Any]]:
     return list(body.get("items") or [])
 
 
+async def claims_in(api: client.ApiClient, namespace: str) -> list[dict[str, Any]]:
+    """The claims of one namespace."""
+    body = await read_json(
+        await client.ResourceV1Api(api).list_namespaced_resource_claim(namespace, _preload_content=False)
+    )
+    return list(body.get("items") or [])
+
+
 async def resource_slice(api: client.ApiClient, node: str) -> dict[str, Any] | None:
     """The node's ResourceSlice (None while it has none)."""
     try:
@@ -153,6 +162,20 @@ async def wait_claim_allocated(
     return await eventually(
         allocated, what=f"the claim of {namespace}/{pod_name} to be allocated", within=within, interval=0.3
     )
+
+
+async def wait_recorded(api: client.ApiClient, namespace: str, names: list[str], within: float = 60) -> None:
+    """Until the binder recorded each pod's claim: it writes the pod's allocation annotation right after the ledger
+    record (without the gate, kube-scheduler may bind the pod a moment before that)."""
+
+    async def recorded() -> bool:
+        for name in names:
+            p = await raw_pod(api, namespace, name)
+            if ALLOCATION not in ((p or {}).get("metadata") or {}).get("annotations", {}):
+                return False
+        return True
+
+    await eventually(recorded, what=f"the claims of {names} recorded", within=within, interval=0.3)
 
 
 async def ledger_rows(database_url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
@@ -227,3 +250,50 @@ def consumed(claim_obj: dict[str, Any]) -> list[tuple[str, str, str, str | None]
 async def settle(seconds: float) -> None:
     """Let time pass on purpose (a pod that must stay Pending through several scheduling attempts)."""
     await asyncio.sleep(seconds)
+
+
+async def extender_share(api: client.ApiClient, ledger: Any, namespace: str, name: str, node: str, gpu: dict) -> Any:
+    """A share the extender path holds on `gpu` (a ledger row): a real pod no scheduler picks up (the binder binds
+    it, as after the extender's bind), so the share stays live until the pod is deleted. Returns the reservation."""
+    from shared.events.catalogue import AllocationPart
+    from shared.ledger.reservations import ReservationRequest
+    from tests.e2e import helpers
+
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "schedulerName": "gpushare-test-nobody",
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "c", "image": "busybox"}],
+        },
+    }
+    uid = (await helpers.create_pod(api, namespace, body)).metadata.uid
+    part = AllocationPart(
+        container="c", container_index=0, gpu_uuid=gpu["uuid"], gpu_index=gpu["index"], memory_mib=1024
+    )
+    reservation = await ledger.reserve(
+        ReservationRequest(pod_uid=uid, namespace=namespace, pod_name=name, node=node, parts=(part,))
+    )
+    await helpers.wait_bound(api, namespace, [name], timeout_s=30)
+    return reservation
+
+
+async def wait_quota_enforced(api: client.ApiClient, namespace: str, within: float = 30) -> None:
+    """Until gpushare's claim webhook enforces the namespace's quota (the extender hears of a quota from the event
+    stream, a moment after it is set): a dry-run claim larger than any quota is refused."""
+
+    async def refused() -> bool:
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "quota-probe"},
+            "spec": claim_spec([("probe", "1000000Gi", None, 1)]),
+        }
+        resp = await client.ResourceV1Api(api).create_namespaced_resource_claim(
+            namespace, body, dry_run="All", _preload_content=False
+        )
+        return int(resp.status) == 403
+
+    await eventually(refused, what=f"the quota of {namespace} enforced at claim creation", within=within, interval=0.2)

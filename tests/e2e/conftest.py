@@ -47,8 +47,9 @@ def control_plane(control_plane_binaries: Paths) -> Iterator[ControlPlane]:
 # over-use reported after 2 s), STACK_CONTROLLER_MANAGER for extra kube-controller-manager flags,
 # STACK_MONITORING to run Prometheus (scraping each second) and prometheus-adapter beside it, STACK_REPLICAS /
 # STACK_SCHEDULERS for replicated services and kube-schedulers, STACK_SCHEDULER_EXTRA for more kube-scheduler
-# configuration, STACK_DRA_NODES to make that many of the nodes (the last ones) DRA nodes (tests/dra), and
-# STACK_NODES_KIND = "real" for real kubelets and containerds instead of stand-ins (tests/realnode). The
+# configuration, STACK_BINDER for more binder flags, STACK_DRA_NODES to make that many of the nodes (the last ones)
+# DRA nodes (tests/dra; STACK_DRA_GATED_NODES of them, the last ones, a gated pool), and STACK_NODES_KIND = "real"
+# for real kubelets and containerds instead of stand-ins (tests/realnode). The
 # scheduler configuration is the shipped one's (k8s/scheduler/): kube-scheduler counts every aliyun.com/* resource
 # per node itself.
 
@@ -107,6 +108,8 @@ async def stack(
         monitoring=getattr(request.module, "STACK_MONITORING", False),
         dra_nodes=getattr(request.module, "STACK_DRA_NODES", 0),
         nodes_kind=getattr(request.module, "STACK_NODES_KIND", "stand-in"),
+        dra_gated_nodes=getattr(request.module, "STACK_DRA_GATED_NODES", 0),
+        binder_extra=list(getattr(request.module, "STACK_BINDER", [])),
         scrape_interval=1.0,
         progress=lambda m: logging.getLogger("e2e.stack").info(m),
         service_roles=True,  # each service as its own PostgreSQL role: least privilege, end to end

@@ -27,6 +27,7 @@ from shared.ledger import migrate
 BASELINE = "0007_service_roles"
 ADDITIVE_OPS = {"create_table", "create_index"}
 ADDITIVE_SQL = re.compile(r"^\s*(GRANT|CREATE|COMMENT\s+ON|INSERT\s+INTO|UPDATE)\b", re.IGNORECASE)
+GRANT_SQL = re.compile(r"^\s*GRANT\b", re.IGNORECASE)
 CONTRACTING_SQL = re.compile(
     r"\b(DROP|RENAME|REVOKE|TRUNCATE|DELETE|ALTER\s+COLUMN|SET\s+NOT\s+NULL|ADD\s+CONSTRAINT)\b", re.IGNORECASE
 )
@@ -88,6 +89,8 @@ def contractions(source: str) -> list[str]:
                 found.append(f"{where} of SQL this check cannot read")
                 continue
             for statement in _statements(sql):
+                if GRANT_SQL.match(statement):  # a privilege given (of any kind, DELETE included) takes nothing away
+                    continue
                 if CONTRACTING_SQL.search(statement) or not ADDITIVE_SQL.match(statement):
                     found.append(f"{where}: {' '.join(statement.split())[:120]}")
             continue

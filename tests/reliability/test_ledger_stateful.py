@@ -4,8 +4,8 @@ reserve / DRA claim / bind / assign / release / fail / exchange / inventory / he
 After every step: no GPU is over capacity, each GPU's counters equal the charges of the live parts on it
 (`gpu_charges`), a pod has at most one live allocation, and the database equals the pure model
 (`LedgerState`) fed the events the ledger staged in its outbox. Reservation outcomes are also predicted
-independently from the model (created / existing / quota exceeded / insufficient capacity; for a DRA claim also
-refused for its claim or pod, and a path conflict with an extender share)."""
+independently from the model (created / existing / quota exceeded / insufficient capacity; for a DRA claim, whose
+quota was taken at its creation, also refused for its claim or pod, and a path conflict with an extender share)."""
 
 from __future__ import annotations
 
@@ -103,13 +103,15 @@ class LedgerMachine(RuleBasedStateMachine):
     def _live(self) -> list[tuple[uuid.UUID, object]]:
         return [(a_id, a) for a_id, a in sorted(self.model.allocations.items(), key=lambda kv: str(kv[0]))]
 
-    def _predict_reserve(self, pod_uid: str, namespace: str, node: str, parts: list[AllocationPart]) -> str:
+    def _predict_reserve(
+        self, pod_uid: str, namespace: str, node: str, parts: list[AllocationPart], *, quota_checked: bool = True
+    ) -> str:
         if pod_uid in self.model.live_by_pod:
             return "existing"
         charges = gpu_charges(parts)
         memory = sum(m for m, _ in charges.values())
         compute = sum(c for _, c in charges.values())
-        quota = self.model.quotas.get(namespace)
+        quota = self.model.quotas.get(namespace) if quota_checked else None
         if quota is not None:
             used_m = sum(
                 a.memory_mib for a in self.model.allocations.values() if a.namespace == namespace and is_live(a.state)
@@ -142,7 +144,10 @@ class LedgerMachine(RuleBasedStateMachine):
             return "refused"
         if event.pod_uid in self.model.live_by_pod:
             return "refused"
-        outcome = self._predict_reserve(event.pod_uid, event.namespace, event.node, list(event.parts))
+        # a claim took its namespace's quota when it was created (gpushare admission): its record checks capacity
+        outcome = self._predict_reserve(
+            event.pod_uid, event.namespace, event.node, list(event.parts), quota_checked=False
+        )
         if outcome != "created":
             return outcome
         gpus = {p.gpu_uuid for p in event.parts}
