@@ -376,15 +376,17 @@ if __name__ == "__main__":
 async def sample_connections(
     database_url: str, samples: list[int], stop: asyncio.Event, *, interval: float = 0.25
 ) -> None:
-    """Append the database's connection count (other than this sampler's) to `samples` every `interval` seconds
-    until `stop` is set: how many connections the product holds under load."""
+    """Append the database's client connection count (other than this sampler's) to `samples` every `interval`
+    seconds until `stop` is set: how many connections the product holds under load. PostgreSQL's own processes
+    on the database (autovacuum workers, a parallel query's workers) are listed there too and are not counted."""
     import asyncpg
 
     conn = await asyncpg.connect(database_url)
     try:
         while not stop.is_set():
             count = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND backend_type = 'client backend'"
             )
             samples.append(int(count))
             await asyncio.sleep(interval)
