@@ -119,6 +119,16 @@ class RegisteredDraPlugin:
     health_task: asyncio.Task[Any] | None = None
 
 
+def _identity(socket: Path) -> tuple[int, int] | None:
+    """Which socket file is at a path (inode and change time; None once it is gone): a plugin that removed and
+    created its socket again gives another one, as kubelet's watcher sees another create event."""
+    try:
+        st = socket.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
 @dataclass
 class ClaimInfo:
     """kubelet's claim info cache entry (claiminfo.go `ClaimInfo`)."""
@@ -148,7 +158,7 @@ class DraKubeletStandIn:
         self.registration_dir = Path(registration_dir)
         self.cdi_dir = Path(cdi_dir)
         self.plugins: dict[str, RegisteredDraPlugin] = {}
-        self.sockets: dict[Path, str] = {}  # registration socket -> driver
+        self.sockets: dict[Path, tuple[str, tuple[int, int]]] = {}  # registration socket -> driver, its identity
         self.cache: dict[tuple[str, str], ClaimInfo] = {}  # (namespace, claim name) -> info
         self.health: dict[tuple[str, str, str], int] = {}  # (driver, pool, device) -> health status enum value
         self.registration_errors: list[str] = []
@@ -180,24 +190,36 @@ class DraKubeletStandIn:
         self.sockets.clear()
 
     async def _watch(self, interval_s: float) -> None:
+        """The watcher and the reconciler (pkg/kubelet/pluginmanager/reconciler/reconciler.go `reconcile`): a socket
+        gone is unregistered; a socket created again at the same path (a restarted plugin: a new create event, a new
+        UUID in the desired state) is unregistered first and then registered anew; a new socket is registered."""
         while True:
-            present = {p for p in self.registration_dir.iterdir() if not p.name.startswith(".") and p.is_socket()}
-            for socket in sorted(present - set(self.sockets)):
+            found = [p for p in self.registration_dir.iterdir() if not p.name.startswith(".") and p.is_socket()]
+            present = {p: identity for p in found if (identity := _identity(p)) is not None}
+            for socket in set(self.sockets) - set(present):
+                await self._unregister(socket)
+            for socket, identity in sorted(present.items()):
+                known = self.sockets.get(socket)
+                if known is not None and known[1] == identity:
+                    continue
+                if known is not None:
+                    await self._unregister(socket)
                 try:
-                    await self._register(socket)
+                    await self._register(socket, identity)
                 except Exception as exc:  # the watcher logs and goes on (it retries on the next create event)
                     self.registration_errors.append(str(exc))
                     log.warning("DRA plugin registration at %s failed: %s", socket, exc)
-            for socket in set(self.sockets) - present:
-                driver = self.sockets.pop(socket)
-                plugin = self.plugins.pop(driver, None)
-                if plugin is not None:
-                    await self._drop(plugin)
-                async with self._changed:
-                    self._changed.notify_all()
             await asyncio.sleep(interval_s)
 
-    async def _register(self, socket: Path) -> None:
+    async def _unregister(self, socket: Path) -> None:
+        driver, _ = self.sockets.pop(socket)
+        plugin = self.plugins.pop(driver, None)
+        if plugin is not None:
+            await self._drop(plugin)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _register(self, socket: Path, identity: tuple[int, int]) -> None:
         """`GenerateRegisterPluginFunc` with the DRA handler (`ValidatePlugin`, `RegisterPlugin`)."""
         reg_pb2, reg_grpc = self.pb["pluginregistration"]
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
@@ -234,7 +256,7 @@ class DraKubeletStandIn:
                 info.name, endpoint, chosen, health, grpc.aio.insecure_channel(f"unix://{endpoint}")
             )
             self.plugins[info.name] = plugin
-            self.sockets[socket] = info.name
+            self.sockets[socket] = (info.name, identity)
             await notify(True)
         if health:
             plugin.health_task = asyncio.create_task(self._watch_health(plugin))

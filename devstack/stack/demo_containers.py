@@ -101,6 +101,17 @@ def container_lines(pods: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def not_started(container: str, status: Any, warnings: list[tuple[str, str]]) -> str:
+    """What to show for a container that has not started (pure): its waiting reason and the pod's newest warning
+    event (`warnings` newest last, as (reason, message)), instead of the log API's refusal."""
+    waiting = status.state.waiting if status is not None and status.state is not None else None
+    why = (waiting.reason if waiting is not None else "") or "no container yet"
+    if warnings:
+        reason, message = warnings[-1]
+        why += f"; {reason}: {message}"
+    return f"(not started yet: {why})"
+
+
 async def running_pods(api: Any, want: int, timeout_s: float) -> list[Any]:
     """The live demo pods (any namespace), once `want` of them run (or what there is at `timeout_s`)."""
     from kubernetes_asyncio import client
@@ -130,7 +141,12 @@ async def collect(api: Any, accounting_url: str, pods: list[Any], main_namespace
             resp = await http.get(f"/v1/pods/{ns}/{name}")
             view = resp.json() if resp.status_code == 200 else None
             containers: dict[str, dict[str, str] | str] = {}
+            statuses = {st.name: st for st in pod.status.container_statuses or []}
             for c in pod.spec.containers:
+                started = statuses.get(c.name)
+                if started is None or started.state is None or started.state.waiting is not None:
+                    containers[c.name] = not_started(c.name, started, await _warnings(core, ns, name))
+                    continue
                 try:
                     log = await _printed(core, ns, name, c.name)
                     containers[c.name] = gpu_environment(log)
@@ -140,6 +156,13 @@ async def collect(api: Any, accounting_url: str, pods: list[Any], main_namespace
             shown = pod_label(ns, name, main_namespace)
             out.append({"pod": shown, "node": pod.spec.node_name, "ledger": record, "containers": containers})
     return out
+
+
+async def _warnings(core: Any, namespace: str, pod: str) -> list[tuple[str, str]]:
+    """The pod's warning events as (reason, message), oldest first."""
+    found = await core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={pod},type=Warning")
+    items = sorted(found.items, key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp))
+    return [(e.reason or "", e.message or "") for e in items]
 
 
 async def _printed(core: Any, namespace: str, pod: str, container: str, timeout_s: float = 10.0) -> str:

@@ -2,7 +2,10 @@
 
 The agent keeps discovery, inventory (now saying `allocator: dra`), health, usage and metrics. On top:
 
-* the ResourceSlice (`shared.dra.slices`) is published once the ledger holds the inventory, and written again on
+* the ResourceSlice (`shared.dra.slices`) is published once the ledger holds the inventory and kubelet registered
+  the DRA plugin (kube-scheduler allocates on a slice at once, and kubelet fails the preparation of a claim whose
+  driver it has not registered yet, trying again only at the pod's resync, about a minute later:
+  pkg/kubelet/cm/dra/manager.go `GetPlugin`, pkg/kubelet/pod_workers.go), and written again on
   every inventory or health change with the pool generation raised (an unhealthy GPU gets its taint); the slice is
   owned by the Node, so it goes with it. A node labelled `gpushare.io/dra-gate=ledger` (a gated pool) publishes
   the ledger's binding conditions on its devices; the label is read at every pass (a minute at most), so moving a
@@ -151,13 +154,24 @@ class DraNode:
         await self.server.stop()
 
     async def slice_loop(self, stop: asyncio.Event) -> None:
-        """Publish the slice once the ledger holds the inventory, then at every device change (and now and then,
-        to repair a slice edited by hand); an API error is retried with capped backoff."""
+        """Publish the slice once the ledger holds the inventory and kubelet registered the plugin, then at every
+        device change (and now and then, to repair a slice edited by hand); an API error is retried with capped
+        backoff."""
         attempt = 0
+        told_waiting = False
+        registered = self.server.kubelet_registered
         while not stop.is_set():
             changed = self.agent.changed()
             pause = self.republish_s
-            if self.agent.inventory_recorded():
+            if self.agent.inventory_recorded() and not registered.is_set():
+                if not told_waiting:
+                    log.info(
+                        "the ledger holds the GPUs; the ResourceSlice waits for kubelet to register the DRA plugin",
+                        extra={"node": self.agent.config.node},
+                    )
+                    told_waiting = True
+                pause = 0.5
+            elif self.agent.inventory_recorded():
                 try:
                     await self.slices.publish(
                         self.agent.gpu_infos(), driver_version=self.agent.driver, cuda_version=self.agent.cuda
@@ -172,7 +186,8 @@ class DraNode:
                     log.warning("ResourceSlice not published (%s); retrying in %.0fs", exc, pause)
             else:
                 pause = 0.5
-            waiters = [asyncio.create_task(e.wait()) for e in (changed, stop)]
+            wakers = (changed, stop) if registered.is_set() else (changed, stop, registered)
+            waiters = [asyncio.create_task(e.wait()) for e in wakers]
             try:
                 await asyncio.wait(waiters, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
             finally:

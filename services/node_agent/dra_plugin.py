@@ -62,6 +62,8 @@ class _Registration(reg_grpc.RegistrationServicer):  # type: ignore[name-defined
         self.plugin.registered = bool(request.plugin_registered)
         self.plugin.registration_error = request.error
         if request.plugin_registered:
+            self.plugin.kubelet_registered.set()
+        if request.plugin_registered:
             log.info("kubelet registered the DRA plugin %s", self.plugin.driver, extra={"driver": self.plugin.driver})
         else:
             log.error("kubelet refused the DRA plugin %s: %s", self.plugin.driver, request.error)
@@ -168,6 +170,8 @@ class DraPluginServer:
         self.registered = False
         self.registration_error = ""
         self.registrations = 0
+        # set once kubelet registered the plugin (it stays set: a restarted kubelet registers it again)
+        self.kubelet_registered = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
 
     async def start(self) -> None:

@@ -11,6 +11,7 @@ import re
 import subprocess
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +28,7 @@ from devstack.stack.demo_containers import (
     dra_demo_deployment,
     gpu_environment,
     ledger_record,
+    not_started,
     printing_environment,
 )
 from tests.realnode.helpers import BEGIN, END, parse_environment
@@ -111,6 +113,17 @@ def test_the_demo_on_real_nodes_prints_what_it_received_and_asks_the_same() -> N
     assert ledger_record(view) == "assigned on n1: c: GPU 1 2048 MiB (GPU-a)"
     lines = container_lines([{"pod": "p", "node": "n1", "ledger": "x", "containers": {"c": {"K": "v"}, "d": "(none)"}}])
     assert lines == ["  p on n1", "    ledger:    x", "    c got: K=v", "    d: (none)"]
+
+
+def test_a_demo_container_not_started_yet_says_why_not_what_the_log_api_refused() -> None:
+    """`make run` once printed "(no output: 400 Bad Request)" for a DRA pod whose claim kubelet could not prepare
+    yet: it now shows the container's waiting reason and the pod's newest warning."""
+    waiting = SimpleNamespace(state=SimpleNamespace(waiting=SimpleNamespace(reason="ContainerCreating")))
+    warnings = [("FailedScheduling", "0/2 nodes"), ("FailedPrepareDynamicResources", "driver not registered")]
+    assert not_started("c", waiting, warnings) == (
+        "(not started yet: ContainerCreating; FailedPrepareDynamicResources: driver not registered)"
+    )
+    assert not_started("c", None, []) == "(not started yet: no container yet)"
 
 
 def test_the_printed_environment_is_read_between_its_markers() -> None:
