@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ from shared.kube.raw import read_json
 from shared.settings import MemoryUnit
 
 log = logging.getLogger(__name__)
+
+# how long the slice waits for kubelet's registration before the agent warns (kubelet's plugin watcher registers a
+# socket within a second or two)
+REGISTRATION_PATIENCE_S = 30.0
 
 
 async def _read(call: Any, *args: Any) -> dict[str, Any] | None:
@@ -158,18 +163,32 @@ class DraNode:
         device change (and now and then, to repair a slice edited by hand); an API error is retried with capped
         backoff."""
         attempt = 0
-        told_waiting = False
+        waiting_since: float | None = None
+        warned = False
         registered = self.server.kubelet_registered
         while not stop.is_set():
             changed = self.agent.changed()
             pause = self.republish_s
             if self.agent.inventory_recorded() and not registered.is_set():
-                if not told_waiting:
+                now = time.monotonic()
+                if waiting_since is None:
+                    waiting_since = now
                     log.info(
                         "the ledger holds the GPUs; the ResourceSlice waits for kubelet to register the DRA plugin",
                         extra={"node": self.agent.config.node},
                     )
-                    told_waiting = True
+                elif now - waiting_since > REGISTRATION_PATIENCE_S and not warned:
+                    warned = True
+                    log.warning(
+                        "kubelet has not registered the DRA plugin after %.0fs, so no ResourceSlice is published: "
+                        "is %s kubelet's plugins_registry (--dra-registration-dir)?%s",
+                        REGISTRATION_PATIENCE_S,
+                        self.server.registration_dir,
+                        f" kubelet's last answer: {self.server.registration_error}"
+                        if self.server.registration_error
+                        else "",
+                        extra={"node": self.agent.config.node},
+                    )
                 pause = 0.5
             elif self.agent.inventory_recorded():
                 try:

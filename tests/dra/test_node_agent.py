@@ -20,6 +20,7 @@ from sqlalchemy import select
 
 from devstack.cluster.kubelet_dra import DraKubeletStandIn, DraPrepareDeferred, DraPrepareError
 from devstack.cluster.nodes import create_gpu_node, delete_node
+from services.node_agent import dra as dra_module
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.discovery import FakeBackend
 from shared.dra import CLAIM_ANNOTATION, DRIVER, UNHEALTHY_TAINT
@@ -138,13 +139,17 @@ async def test_registration_the_slice_and_health_follow_the_gpus(dra_node: DraNo
     assert (await w.resource_slice(h.api, h.node))["spec"]["pool"]["generation"] == generation + 2
 
 
-async def test_the_slice_waits_for_kubelet_to_register_the_plugin(dra_node: DraNodeHarness) -> None:
+async def test_the_slice_waits_for_kubelet_to_register_the_plugin(
+    dra_node: DraNodeHarness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """kube-scheduler allocates on a slice at once, and kubelet fails a claim's preparation while its driver is not
     registered ("DRA driver gpu.gpushare.io is not registered"), trying the pod again only at its resync, about a
     minute later (pkg/kubelet/cm/dra/manager.go, pod_workers.go; `make run` on real nodes saw the demo's DRA pods
     start 64 and 75 s after they were bound). So the agent publishes its slice, and says it is ready, only once
-    kubelet registered the plugin, however soon the ledger holds the GPUs."""
+    kubelet registered the plugin, however soon the ledger holds the GPUs; a wait past its patience is a warning
+    naming the registration folder."""
     h = dra_node
+    monkeypatch.setattr(dra_module, "REGISTRATION_PATIENCE_S", 1.0)
     agent = NodeAgent(h.config(), h.backend, bus=h.bus, kube_api=h.api)
     h.agent = agent
     await agent.start()
@@ -153,6 +158,13 @@ async def test_the_slice_waits_for_kubelet_to_register_the_plugin(dra_node: DraN
         await asyncio.sleep(0.25)
         assert await w.resource_slice(h.api, h.node) is None, "a slice published before kubelet registered the plugin"
         assert not agent.ready()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "has not registered" in r.msg]
+
+    await eventually(warnings, what="the warning that kubelet has not registered the plugin", within=30)
+    assert str(h.root / "registry") in warnings()[0], warnings()
+    assert await w.resource_slice(h.api, h.node) is None
     h.kubelet = await DraKubeletStandIn(h.api, h.root / "registry", h.root / "cdi").start()
     await h.kubelet.wait_registered(DRIVER)
     await wait_ready(agent)
