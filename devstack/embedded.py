@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,16 +32,94 @@ _HANDED_OUT: set[int] = set()
 """Ports this process has handed out: the kernel may give a port it just gave again once the probing socket is
 closed, before the first taker listens on it, so a stack's services could otherwise share one."""
 
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "gpushare-ports"
+"""One file per port handed out, holding the pid of the process that handed it out: the parallel test workers and
+`gpushare up`s on one machine never hand out the same port while its claimant lives."""
+
+FIRST_PORT = 20000
+"""The lowest port handed out: below it sit the well-known ports of Kubernetes' own components (10248-10259 ...)."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (`ip_local_port_range`)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def _candidate() -> int:
+    """A random port outside the kernel's ephemeral range: a port taken from inside it (a port-0 bind) can be given
+    to any process's outgoing connection between the pick and the server's listen (CI: a node agent could not listen
+    on the port it was handed: "address already in use")."""
+    low, high = _ephemeral_range()
+    ranges = [(a, b) for a, b in ((FIRST_PORT, low - 1), (high + 1, 65535)) if a <= b] or [(FIRST_PORT, 65535)]
+    sizes = [b - a + 1 for a, b in ranges]
+    n = random.randrange(sum(sizes))
+    for (a, _), size in zip(ranges, sizes, strict=True):
+        if n < size:
+            return a + n
+        n -= size
+    raise AssertionError("unreachable")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim(port: int) -> bool:
+    """Claim `port` for this process across processes (a file created exclusively); a claim whose process is gone
+    is taken over (renamed away first, so that one process only takes it)."""
+    PORT_CLAIMS.mkdir(parents=True, exist_ok=True)
+    path = PORT_CLAIMS / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or "0")
+            except (OSError, ValueError):
+                return False
+            if owner == 0 or (owner != os.getpid() and _alive(owner)):
+                return False  # being written, or its claimant lives
+            try:
+                path.rename(path.with_name(f"{port}.stale-{os.getpid()}"))
+            except FileNotFoundError:
+                return False  # another process took it over first
+            path.with_name(f"{port}.stale-{os.getpid()}").unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now, and that this process has not handed out before."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A TCP port nobody listens on right now, outside the kernel's range for outgoing connections, that this
+    process has not handed out before and that no other living process of this machine has claimed."""
+    for _ in range(10_000):
+        port = _candidate()
+        if port in _HANDED_OUT or not _bindable(host, port) or not _claim(port):
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port outside {_ephemeral_range()} from {FIRST_PORT} (see {PORT_CLAIMS})")
 
 
 def port_or_free(preferred: int, host: str = "127.0.0.1") -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from typing import Any
@@ -11,18 +10,12 @@ from typing import Any
 import httpx
 import uvicorn
 
+from devstack.embedded import free_port
 from services.accounting.api import create_app
 from services.accounting.metrics import AccountingMetrics
 from shared.ledger.db import make_engine
 from shared.ledger.ledger import Ledger
 from shared.settings import Settings
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class LiveServer:

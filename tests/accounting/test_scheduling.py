@@ -18,7 +18,10 @@ from shared.kube.watching import ADDED, DELETED, MODIFIED, SYNCED, WatchEvent
 
 from .conftest import Stack
 
-T0 = datetime(2026, 12, 6, 10, 0, 0, tzinfo=UTC)
+# The pods' times, a day after the run: the seeded ledger records its refusals at the real time, and the tests
+# order kube-scheduler's verdicts (at T0 + n s) after them. A fixed date turned into the past on that day at 10:00
+# UTC, and the order with it.
+T0 = datetime.now(UTC).replace(microsecond=0) + timedelta(days=1)
 
 
 def stamp(t: datetime) -> str:

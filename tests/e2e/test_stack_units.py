@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from devstack.stack import spec
@@ -199,7 +202,7 @@ class _ScriptedSocket:
         return None
 
 
-def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """CI once read `gpushare up` list the extender and accounting on one port: both picks bound port 0 and let
     it go, the kernel gave the same port twice, accounting could not listen, and its readiness probe got its
     answer from the extender. Ports handed out by this process are now never handed out again."""
@@ -207,13 +210,17 @@ def test_a_stack_never_hands_two_services_the_same_port(monkeypatch: pytest.Monk
     from devstack.embedded import port_or_free
 
     monkeypatch.setattr(embedded.socket, "socket", _ScriptedSocket)
-    _ScriptedSocket.script = [40423, 40423, 40425, 40425, 40427]
+    monkeypatch.setattr(embedded, "PORT_CLAIMS", tmp_path)
+    script = [40423, 40423, 40425, 40425, 40427]  # the same candidate may come twice
+    monkeypatch.setattr(embedded, "_candidate", lambda: script.pop(0))
     first, second = embedded.free_port(), port_or_free(0)
     assert first == 40423 and second == 40425
     assert port_or_free(40425) == 40427  # a preferred port this process already gave out is not given again
 
 
-def test_ports_for_servers_started_one_by_one_are_never_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ports_for_servers_started_one_by_one_are_never_the_same(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The test tiers start binders, extenders and control planes with a port each, one call at a time
     (`free_ports(1)`): each call used to bind port 0 and let it go, so two replicas could get one port and the second
     could not listen. They share the stack's record of the ports handed out."""
@@ -222,9 +229,54 @@ def test_ports_for_servers_started_one_by_one_are_never_the_same(monkeypatch: py
 
     monkeypatch.setattr(embedded, "_HANDED_OUT", set())
     monkeypatch.setattr(embedded.socket, "socket", _ScriptedSocket)
-    _ScriptedSocket.script = [41001, 41001, 41003, 41005, 41003, 41007]
+    monkeypatch.setattr(embedded, "PORT_CLAIMS", tmp_path)
+    script = [41001, 41001, 41003, 41005, 41003, 41007]
+    monkeypatch.setattr(embedded, "_candidate", lambda: script.pop(0))
     assert free_ports(1) == [41001] and free_ports(1) == [41003]
     assert free_ports(2) == [41005, 41007]
+
+
+def test_ports_are_handed_out_outside_the_kernels_range_for_outgoing_connections(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """CI: a node agent could not listen on the port it was handed ("address already in use"). Ports came from a
+    port-0 bind, inside the kernel's ephemeral range, where any process's outgoing connection (three test workers
+    make thousands) may take the port before the server listens. They now come from outside that range."""
+    import devstack.embedded as embedded
+
+    monkeypatch.setattr(embedded, "PORT_CLAIMS", tmp_path)
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [embedded.free_port() for _ in range(50)]
+    inside = [p for p in ports if low <= p <= high]
+    assert not inside, f"{len(inside)} of 50 ports in the ephemeral range {low}-{high}: {inside[:5]}"
+    assert all(p >= embedded.FIRST_PORT for p in ports) and len(set(ports)) == 50
+
+
+def test_a_port_another_living_process_claimed_is_not_handed_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The parallel test workers are processes of their own: a port one of them handed out is not handed out by
+    another while the first lives; the claim of a process that is gone is taken over."""
+    import subprocess
+
+    import devstack.embedded as embedded
+
+    monkeypatch.setattr(embedded, "PORT_CLAIMS", tmp_path)
+    monkeypatch.setattr(embedded.socket, "socket", _ScriptedSocket)
+    living = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        (tmp_path / "42001").write_text(str(living.pid))
+        (tmp_path / "42003").write_text(str(gone.pid))
+        script = [42001, 42003]
+        monkeypatch.setattr(embedded, "_candidate", lambda: script.pop(0))
+        assert embedded.free_port() == 42003
+        assert (tmp_path / "42003").read_text() == str(os.getpid())
+        assert (tmp_path / "42001").read_text() == str(living.pid)
+    finally:
+        living.kill()
+        living.wait()
 
 
 def test_gpushare_up_keeps_json_logs_in_its_log_file_and_plain_lines_on_the_terminal(
