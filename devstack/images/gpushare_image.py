@@ -134,6 +134,24 @@ def _timed(seconds: dict[str, float], step: str) -> Callable[[], None]:
     return done
 
 
+def _cached_or_built(
+    cache: ImageCache, key: str, root: Path, seconds: dict[str, float], step: str, build: Callable[[], Layer]
+) -> Layer:
+    """The layer of inputs `key`: the cached one unpacked into `root`, else `build()` (which writes into `root`)
+    remembered under `key`; the time goes to `step`, or to "unpack cached layers"."""
+    layer = cache.layer(key)
+    if layer is not None:
+        done = _timed(seconds, "unpack cached layers")
+        _extract(cache.blobs.path(layer.digest), root)
+        done()
+        return layer
+    done = _timed(seconds, step)
+    layer = build()
+    cache.remember_layer(key, layer)
+    done()
+    return layer
+
+
 def build_wheel(context: Path, out: Path, progress: Progress) -> Path:
     """The gpushare wheel of `context`, built as the Dockerfile builds it: pip in an isolated build environment
     whose setuptools and grpcio-tools are pinned by constraints.txt (`--build-constraint`); the build generates
@@ -418,40 +436,27 @@ def _build(
     context.mkdir()
     copy_context(source, context)
 
-    base = cache.layer(base_key)
-    if base is None:
-        done = _timed(seconds, "base")
+    def build_base() -> Layer:
         debs = debian.download(packages, cache.debs, progress)
         progress(f"unpacking {len(debs)} Debian packages and compiling the standard library")
         _base_rootfs(root, debs)
         comment = f"Debian 12 Python {PYTHON}: " + " ".join(p.pin for p in packages)
-        base = write_layer(root, cache.blobs, comment=comment)
-        cache.remember_layer(base_key, base)
-        done()
-    else:
-        done = _timed(seconds, "unpack cached layers")
-        _extract(cache.blobs.path(base.digest), root)
-        done()
+        return write_layer(root, cache.blobs, comment=comment)
 
-    deps = cache.layer(deps_key)
-    if deps is None:
-        done = _timed(seconds, "dependencies")
+    def build_deps() -> Layer:
         _venv(root)
         _install_dependencies(root, context, work / "wheelhouse", progress)
         _compile(root, [f"/{SITE}"])
         rootfs.require_libraries(root, (str(VENV),))
-        deps = write_layer(
+        return write_layer(
             root,
             cache.blobs,
             include=lambda p: p.parts[:2] == VENV.parts[:2],
             comment="the dependencies at constraints.txt's versions",
         )
-        cache.remember_layer(deps_key, deps)
-        done()
-    else:
-        done = _timed(seconds, "unpack cached layers")
-        _extract(cache.blobs.path(deps.digest), root)
-        done()
+
+    base = _cached_or_built(cache, base_key, root, seconds, "base", build_base)
+    deps = _cached_or_built(cache, deps_key, root, seconds, "dependencies", build_deps)
 
     done = _timed(seconds, "wheel")
     wheel = build_wheel(context, cache.wheel_dir(context_key), progress)

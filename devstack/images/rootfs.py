@@ -69,6 +69,13 @@ def layout(root: Path) -> None:
     (root / "etc").mkdir(exist_ok=True)
 
 
+def write_executable(path: Path, data: bytes) -> None:
+    """`data` as an executable file at `path` (its folders made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    path.chmod(0o755)
+
+
 def write_ca_bundle(root: Path) -> int:
     """/etc/ssl/certs/ca-certificates.crt from the certificates Debian's ca-certificates ships (its
     update-ca-certificates would write the same concatenation); returns how many it holds."""

@@ -182,10 +182,7 @@ def build_postgres_image(*, cache: ImageCache | None = None, progress: Progress 
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-        script = root / "usr/local/bin/postgres-entrypoint"
-        script.parent.mkdir(parents=True, exist_ok=True)
-        script.write_bytes(entrypoint)
-        script.chmod(0o755)
+        rootfs.write_executable(root / "usr/local/bin/postgres-entrypoint", entrypoint)
         for folder in ("var/lib/postgresql/data", "var/run/postgresql", "docker-entrypoint-initdb.d"):
             (root / folder).mkdir(parents=True, exist_ok=True)
         (root / "var/run/postgresql").chmod(0o2775)
@@ -244,10 +241,7 @@ def build_nats_image(*, cache: ImageCache | None = None, progress: Progress = st
     def make(root: Path) -> dict[str, str]:
         rootfs.layout(root)
         rootfs.write_accounts(root, [rootfs.Account("nats", NATS_UID)])
-        target = root / "usr/local/bin/nats-server"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        target.chmod(0o755)
+        rootfs.write_executable(root / "usr/local/bin/nats-server", data)
         for folder in ("data", "etc/nats", "var/run/nats"):
             (root / folder).mkdir(parents=True, exist_ok=True)
         res = rootfs.chroot_run(root, ["nats-server", "--version"], env={"PATH": "/usr/local/bin"}, user="1000:1000")
