@@ -6,6 +6,8 @@ record and brings the pod's annotations to it: gpushare's `ALIYUN_COM_GPU_MEM_ID
 project's `gpushare.io/allocation` (with the allocation's version) and the assigned flag. A patch never puts an
 older record over a newer one: it is skipped when the pod already carries the ledger's version or a later
 one, and it is conditional on the pod's resourceVersion, so two binders cannot interleave a read and a write.
+A DRA pod's annotations (with `gpushare.io/claim`) are first written here, in one patch with the assigned flag,
+once its node agent prepared the claim (services/binder/claims.py says when they are written earlier).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from services.binder import reads
 from services.binder.metrics import BinderMetrics
 from services.binder.reads import PodRecord
 from shared.annotations import ALLOCATION, GPU_MEM_ASSIGNED, GPU_MEM_ASSUME_TIME, record_annotations, record_version
+from shared.dra import CLAIM_ANNOTATION
 from shared.events.catalogue import AssignedEvent, Event, ExchangedEvent
 from shared.kube import pods
 from shared.kube.pod_index import PodIndex
@@ -45,6 +48,8 @@ def annotation_patch(record: PodRecord, current: dict[str, str], unit: MemoryUni
     wanted = record_annotations(
         record.allocation_id, record.node, record.parts, record.gpu_memory, unit, version=record.version
     )
+    if record.claim_uid:
+        wanted[CLAIM_ANNOTATION] = record.claim_uid  # a DRA pod's annotations are first written here
     if record.assigned and current.get(GPU_MEM_ASSIGNED) != "true":
         wanted[GPU_MEM_ASSIGNED] = "true"
         wanted[GPU_MEM_ASSUME_TIME] = str(now_ns)
@@ -118,8 +123,8 @@ class AnnotationSync:
         bring forward. Done (True): the pod carries the flag (now, or already); False: the pod is not watched, or it
         changed since the watch saw it (the patch conflicts), and `sync` reads ledger and pod."""
         pod = self.pods.by_uid(event.pod_uid) if self.pods is not None else None
-        if pod is None or not pods.metadata(pod).get("resourceVersion"):
-            return False
+        if pod is None or not pods.metadata(pod).get("resourceVersion") or ALLOCATION not in pods.annotations(pod):
+            return False  # not watched, or a DRA pod whose record is not written yet: `sync` writes all of it
         if pods.annotations(pod).get(GPU_MEM_ASSIGNED) == "true":
             self._count("up_to_date")
             return True

@@ -9,7 +9,12 @@ allocated on gpushare devices and reserved for a pod:
 2. records it with `Ledger.reserve_claim` (the reservation statements and CHECKs: capacity, no GPU of the
    device-plugin path; the namespace's GiB quota was taken when the claim was created, at admission), the
    `claim_reserved` event staged in the same transaction;
-3. writes the pod's annotations (gpushare's `ALIYUN_COM_GPU_MEM_*`, `gpushare.io/allocation`, `gpushare.io/claim`).
+3. remembers the pod, so that the pod watch marks it `bound` (the claim's pod is read from the binder's pod watch,
+   not from the API server). The pod's annotations (gpushare's `ALIYUN_COM_GPU_MEM_*`, `gpushare.io/allocation`,
+   `gpushare.io/claim`) are written once, with the assigned flag, when the node agent has prepared the claim
+   (services/binder/annotate.py): one pod update instead of two, each of which every pod watcher receives. They
+   are written at the record instead on a gated pool, and when the record comes `LATE_RECORD_S` or more after the
+   bind (kubelet may have been refused meanwhile; the pod's update makes it ask again).
 
 The pod may be bound before step 2 ends: the node agent prepares no claim the ledger does not hold on its node
 (services/node_agent/dra_prepare.py), so no container starts on an unrecorded share. A record the ledger refuses
@@ -74,6 +79,7 @@ from shared.events.bus import EventBus
 from shared.events.catalogue import EventDecodeError, QuotaEvent, decode_event
 from shared.kube import pods
 from shared.kube.events import event_body, post_pod_event
+from shared.kube.pod_index import PodIndex
 from shared.kube.pods import Pod
 from shared.kube.raw import read_json
 from shared.kube.retry import RetryPolicy, call_with_retry
@@ -99,6 +105,10 @@ HOLD_GRACE_S = 60.0  # a quota hold this old whose claim is not listed belongs t
 ALERT_AFTER_S = 5.0  # an unrecorded claim allocation that lasts this long is an alert (an event on its pod)
 RETRY_FIRST_S = 0.25  # then doubled at each refusal, up to RETRY_MAX_S
 RETRY_MAX_S = 30.0
+# A record this long after its pod's bind is late: a node agent may have refused to prepare the claim meanwhile
+# (it waits up to `--dra-ledger-wait`, 10 s by default, for the record), and kubelet asks again at the pod's next
+# update, so a late record's annotations are written at once. On time, they are written once the share is assigned.
+LATE_RECORD_S = 5.0
 
 
 CHECK = "check"  # a claim the gate must look up in the ledger (reconciliation found it there)
@@ -152,6 +162,24 @@ class Unrecorded:
     alerted: bool = False
 
 
+def recorded_late(pod: Pod, now: float) -> bool:
+    """True when the pod has been bound for LATE_RECORD_S or longer (by its PodScheduled condition, which the
+    Binding sets; a bound pod without one counts as bound long ago) (pure; `now`: epoch seconds).
+
+    Such a record comes after kubelet may have asked the node agent to prepare the claim and been refused: the
+    annotations are then written at once, because a pod update is what makes kubelet try again."""
+    if not pods.node_name(pod):
+        return False
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            try:
+                since = datetime.fromisoformat(str(condition.get("lastTransitionTime")).replace("Z", "+00:00"))
+            except ValueError:
+                return True
+            return now - since.timestamp() >= LATE_RECORD_S
+    return True
+
+
 def is_gated(results: list[dict[str, Any]]) -> bool:
     """Whether kube-scheduler waits for the ledger's verdict on this allocation: a result of a gated pool's device
     carries the binding condition `gpushare.io/LedgerReserved` (copied from the slice into the allocation)."""
@@ -181,8 +209,10 @@ class ClaimGate:
         metrics: BinderMetrics,
         retry: RetryPolicy = RetryPolicy(),
         concurrency: int = 16,
+        pods: PodIndex | None = None,
     ) -> None:
         self.ledger = ledger
+        self.pods = pods  # the binder's pod watch (pod summaries with their claim fields): no GET before a record
         self.api = api
         self.unit = unit
         self.metrics = metrics
@@ -196,7 +226,8 @@ class ClaimGate:
         self._latest: dict[str, tuple[str, dict[str, Any], int]] = {}  # claim UID -> (event type, claim, attempt)
         self._running: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._bound: dict[str, None] = {}
+        self._bound: dict[str, None] = {}  # pods marked bound (or being marked)
+        self._recorded: dict[str, tuple[uuid.UUID, str, str]] = {}  # pod UID -> (allocation, node, claim UID)
         self._held: dict[str, Held] = {}  # claim UID -> what the ledger holds for it (absent: seen without one)
         self._unrecorded: dict[str, Unrecorded] = {}  # claim UID -> an allocation the ledger refused (no gate)
         self._gated_pods: dict[str, bool] = {}  # pods recorded at a gated pool's gate, until bound (the node nudge)
@@ -317,7 +348,9 @@ class ClaimGate:
         expected = allocation_id(uid, [str(r.get("shareID") or "") for r in results])
         gate = is_gated(results)
         verdict = decided(claim, results) if gate else None
+        node = str(results[0].get("pool") or "")
         if self._held.get(uid) == expected and (verdict == RESERVED or not gate):  # recorded before, in this term
+            await self._follow(claim, expected, node)
             return self._count("reserved_already")
         if uid in self._fresh and uid not in self._held:
             live = None  # created in this term and never recorded: the ledger holds nothing of it
@@ -331,6 +364,7 @@ class ClaimGate:
             return self._count("refused_already")
         if live is not None and (verdict == RESERVED or not gate):
             self._unrecorded.pop(uid, None)
+            await self._follow(claim, live.id, node)
             return self._count("reserved_already")
         try:
             consumer = pod_consumer(claim)
@@ -338,20 +372,25 @@ class ClaimGate:
             return await self._refuse(claim, results, exc.reason, exc.message, gate=gate, lasting=True)
         if consumer is None:
             return self._count("waiting_for_pod")  # the scheduler writes allocation and reservation together
-        pod = await self._kube(
-            lambda: pods.get_pod(self.api, str(meta.get("namespace")), str(consumer.get("name"))), "GET pod"
-        )
-        if pod is None or pods.pod_uid(pod) != consumer.get("uid"):
-            return self._count("pod_gone")
-        node = str(results[0].get("pool") or "")
+        pod = self._watched_pod(str(meta.get("namespace")), consumer)
+        watched = pod is not None
+        if pod is None:
+            pod = await self._get_pod(str(meta.get("namespace")), consumer)
+            if pod is None:
+                return self._count("pod_gone")
         gpus_of_node = await self._gpus_of(node)
         try:
             try:
                 allocation = read_claim(claim, pod, gpus_of_node, self.unit)
             except ClaimRefused as exc:
-                if exc.reason != "UnknownDevice":
+                if exc.reason == "UnknownDevice":
+                    gpus_of_node = await self._gpus_of(node, fresh=True)  # the node's inventory changed meanwhile
+                elif watched:  # the watch's summary may trail the pod: read the pod itself
+                    pod = await self._get_pod(str(meta.get("namespace")), consumer)
+                    if pod is None:
+                        return self._count("pod_gone")
+                else:
                     raise
-                gpus_of_node = await self._gpus_of(node, fresh=True)  # the node's inventory changed meanwhile
                 allocation = read_claim(claim, pod, gpus_of_node, self.unit)
         except ClaimRefused as exc:
             return await self._refuse(claim, results, exc.reason, exc.message, gate=gate, lasting=True)
@@ -366,10 +405,13 @@ class ClaimGate:
             self._fresh.discard(uid)  # the next try asks the ledger what it holds
             return await self._refuse(claim, results, refusal_reason(exc), str(exc), gate=gate, lasting=False)
         earlier = self._unrecorded.pop(uid, None)
-        memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
-        annotations = binding_annotations(allocation.allocation_id, node, list(allocation.parts), memory, self.unit)
-        annotations[CLAIM_ANNOTATION] = uid
-        await self._annotate(pod, annotations)
+        now_pod = (self.pods.by_uid(allocation.pod_uid) if self.pods is not None else None) or pod
+        if gate or recorded_late(now_pod, time.time()):  # else written once, with the assigned flag (AnnotationSync)
+            memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
+            parts = list(allocation.parts)
+            annotations = binding_annotations(allocation.allocation_id, node, parts, memory, self.unit)
+            annotations[CLAIM_ANNOTATION] = uid
+            await self._annotate(now_pod, annotations)
         if gate and verdict != RESERVED:
             self._gated_pods[allocation.pod_uid] = True
             while len(self._gated_pods) > REMEMBERED_BOUND:
@@ -386,8 +428,9 @@ class ClaimGate:
             await self._apply_status(
                 claim, status_apply(claim, results, reserved=True, reason="Recorded", message=message, data=data)
             )
-        if pods.node_name(pod):  # bound before the record reached it (no gate), or adopted after a restart
-            await self.bound.submit((allocation.allocation_id, allocation.pod_uid, pods.node_name(pod)))
+        # bound before the record reached it (no gate), or adopted after a restart; else the pod watch marks it
+        self._remember_pod(allocation.pod_uid, allocation.allocation_id, node, uid)
+        await self._mark_if_bound(allocation.pod_uid, pod)
         self.metrics.bind_seconds.observe(time.monotonic() - started)
         log.info(
             "claim %s of %s/%s recorded on %s (%d MiB)%s%s",
@@ -611,6 +654,62 @@ class ClaimGate:
         await read_json(resp)
 
     # -- pods ---------------------------------------------------------------------------------------------------
+    def claim_of(self, pod_uid: str) -> str | None:
+        """The claim whose allocation this gate recorded for the pod (in this term), or None."""
+        recorded = self._recorded.get(pod_uid)
+        return recorded[2] if recorded is not None else None
+
+    def _remember_pod(self, pod_uid: str, allocation: uuid.UUID, node: str, claim_uid: str) -> None:
+        self._recorded[pod_uid] = (allocation, node, claim_uid)
+        while len(self._recorded) > REMEMBERED_BOUND:
+            self._recorded.pop(next(iter(self._recorded)))
+
+    async def _follow(self, claim: dict[str, Any], allocation: uuid.UUID, node: str) -> None:
+        """A claim the ledger holds: remember its pod, and mark it bound if the pod watch shows it bound (after a
+        restart the pod may have bound while nobody watched)."""
+        consumer = None
+        with contextlib.suppress(ClaimRefused):
+            consumer = pod_consumer(claim)
+        if consumer is None:
+            return
+        pod_uid = str(consumer.get("uid") or "")
+        if pod_uid in self._bound:
+            return
+        self._remember_pod(pod_uid, allocation, node, str((claim.get("metadata") or {}).get("uid") or ""))
+        await self._mark_if_bound(pod_uid, None)
+
+    async def _mark_if_bound(self, pod_uid: str, pod: Pod | None) -> None:
+        """Mark the pod's recorded allocation bound when the pod (as the watch shows it now, else `pod`) is bound
+        on the allocation's node. Called right after `_remember_pod`, with no await between: the pod watch's
+        `on_pod` marks any later bind."""
+        watched = self.pods.by_uid(pod_uid) if self.pods is not None else None
+        current = watched if watched is not None else pod
+        recorded = self._recorded.get(pod_uid)
+        if current is None or recorded is None or pod_uid in self._bound or pods.node_name(current) != recorded[1]:
+            return
+        await self._mark_bound(pod_uid, recorded[0], recorded[1])
+
+    async def _mark_bound(self, pod_uid: str, allocation: uuid.UUID, node: str) -> bool:
+        self._bound[pod_uid] = None
+        while len(self._bound) > REMEMBERED_BOUND:
+            self._bound.pop(next(iter(self._bound)))
+        marked = await self.bound.submit((allocation, pod_uid, node))
+        if marked and self.nudge is not None and self._gated_pods.pop(pod_uid, False):
+            self.nudge(node)
+        return marked
+
+    def _watched_pod(self, namespace: str, consumer: dict[str, Any]) -> Pod | None:
+        """The claim's pod as the binder's pod watch last showed it (with its claim fields), or None."""
+        pod = self.pods.get(namespace, str(consumer.get("name") or "")) if self.pods is not None else None
+        if pod is None or pods.pod_uid(pod) != consumer.get("uid") or "resourceClaims" not in (pod.get("spec") or {}):
+            return None
+        return pod
+
+    async def _get_pod(self, namespace: str, consumer: dict[str, Any]) -> Pod | None:
+        """The claim's pod read from the API server; None when it is gone (or another pod of that name)."""
+        pod = await self._kube(lambda: pods.get_pod(self.api, namespace, str(consumer.get("name") or "")), "GET pod")
+        return pod if pod is not None and pods.pod_uid(pod) == consumer.get("uid") else None
+
     async def on_pod(self, event_type: str, pod: Pod) -> bool:
         """The pod watch's hook: a DRA pod that kube-scheduler bound is `bound` in the ledger (True when marked).
 
@@ -622,21 +721,20 @@ class ClaimGate:
         ann = pods.annotations(pod)
         uid = pods.pod_uid(pod)
         node = pods.node_name(pod)
-        if CLAIM_ANNOTATION not in ann or not node or event_type == DELETED or uid in self._bound:
+        if not node or event_type == DELETED or uid in self._bound:
             return False
-        try:
-            allocation, annotated_node, _ = parse_allocation(ann.get(ALLOCATION, ""))
-        except ValueError:
+        if CLAIM_ANNOTATION in ann:
+            try:
+                allocation, recorded_node, _ = parse_allocation(ann.get(ALLOCATION, ""))
+            except ValueError:
+                return False
+        elif uid in self._recorded:  # recorded by this gate, not annotated yet
+            allocation, recorded_node, _ = self._recorded[uid]
+        else:
             return False
-        if annotated_node != node:
+        if recorded_node != node:
             return False
-        self._bound[uid] = None
-        while len(self._bound) > REMEMBERED_BOUND:
-            self._bound.pop(next(iter(self._bound)))
-        marked = await self.bound.submit((allocation, uid, node))
-        if marked and self.nudge is not None and self._gated_pods.pop(uid, False):
-            self.nudge(node)
-        return marked
+        return await self._mark_bound(uid, allocation, node)
 
     # -- reconciliation -----------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, interval_s: float) -> None:

@@ -6,7 +6,9 @@ stuck Terminating), and kube-scheduler keeps counting it too. Its allocation is 
 (`Ledger.mark_terminating`), so that inspect and the pending views can say who holds a GPU on the way out.
 
 Only pods that can hold GPU shares matter (they carry `gpushare.io/allocation` or gpushare's
-`ALIYUN_COM_GPU_MEM_IDX`, or request an `aliyun.com/` resource); all others are dropped before any I/O.
+`ALIYUN_COM_GPU_MEM_IDX`, or request an `aliyun.com/` resource); all others are dropped before any I/O, but for
+pods with DRA claims not annotated yet: those go to the claim gate (which marks them bound), and their shares end
+with their claims until their annotations come (services/binder/claims.py).
 A release is a no-op in the ledger when the pod has no live allocation, so a repeated event is harmless;
 a small memory of recently released (and marked) UIDs spares the database the repeats of a pod's updates.
 """
@@ -23,7 +25,7 @@ from kubernetes_asyncio import client
 from services.binder import reads
 from services.binder.metrics import BinderMetrics
 from services.binder.nudge import CapacityNudger
-from services.binder.pod_index import PodIndex, binder_index
+from services.binder.pod_index import PodIndex, binder_index, has_claims
 from shared.annotations import ALLOCATION, GPU_MEM_IDX
 from shared.dra import CLAIM_ANNOTATION
 from shared.kube import pods
@@ -107,13 +109,19 @@ class Lifecycle:
             await self.dra_pending.on_pod(event.type, pod)
         if self.templates is not None:
             await self.templates.on_pod(event.type, pod)
-        if not is_gpu_pod(pod):
+        annotated = is_gpu_pod(pod)
+        if not annotated and (self.claims is None or not has_claims(pod)):
             return 0
         self.index.update(event.type, pod)
+        uid = pods.pod_uid(pod)
+        claim_uid = pods.annotations(pod).get(CLAIM_ANNOTATION)
         if self.claims is not None:
             await self.claims.on_pod(event.type, pod)
+            if not annotated:  # a DRA pod before its annotations: only one whose claim the gate recorded
+                claim_uid = self.claims.claim_of(uid)
+                if claim_uid is None:
+                    return 0
         reason = release_reason(event.type, pod)
-        uid = pods.pod_uid(pod)
         if not uid or uid in self._released:
             return 0
         if reason is None:
@@ -122,7 +130,6 @@ class Lifecycle:
             return 0
         released = await self.ledger.release_pod(uid, reason)
         self._remember(self._released, uid)
-        claim_uid = pods.annotations(pod).get(CLAIM_ANNOTATION)
         if claim_uid and self.claims is not None:
             self.claims.released_with_pod(claim_uid)
         if released and not claim_uid:  # kube-scheduler requeues DRA pods itself when a claim is deallocated

@@ -162,6 +162,7 @@ class PodRecord:
     parts: list[AllocationPart]
     assigned: bool  # a container has been handed its GPU
     gpu_memory: dict[str, int]  # schedulable MiB of the allocation's GPUs
+    claim_uid: str | None = None  # the DRA claim it was recorded from (None: the device-plugin path)
 
 
 async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord | None:
@@ -184,6 +185,7 @@ async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord
         parts=[part_from_row(r) for r in rows],
         assigned=any(r.assigned_at is not None for r in rows),
         gpu_memory={r.uuid: int(r.memory_mib) for r in memory},
+        claim_uid=row.claim_uid,
     )
 
 

@@ -106,7 +106,7 @@ class Binder:
         )
         self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
         # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
-        self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry)
+        self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods)
         self.lifecycle.claims = self.claims
         self.dra_pending = DraPending(bus)  # kube-scheduler's reasons for rewritten DRA pods, for /v1/pending
         self.lifecycle.dra_pending = self.dra_pending

@@ -114,6 +114,7 @@ async def watch_objects(
             resp = await list_fn(
                 watch=True,
                 resource_version=version,
+                **params,  # the list's selectors hold for the watch too
                 allow_watch_bookmarks=True,
                 timeout_seconds=timeout_s,
                 _preload_content=False,

@@ -73,8 +73,8 @@ async def _templates(api, namespace: str) -> list[dict[str, Any]]:  # type: igno
 
 
 async def _parts(api, namespace: str, pod: str) -> dict[str, list[tuple[int, int, int]]]:  # type: ignore[no-untyped-def]
-    """container -> [(GPU index, MiB, compute)] from the pod's allocation record (written by the gate)."""
-    raw = await w.raw_pod(api, namespace, pod)
+    """container -> [(GPU index, MiB, compute)] from the pod's allocation record (once written)."""
+    raw = await w.annotated_pod(api, namespace, pod)
     _, _, parts = parse_allocation(raw["metadata"]["annotations"][ALLOCATION])
     out: dict[str, list[tuple[int, int, int]]] = {}
     for p in parts:

@@ -16,13 +16,15 @@ import os
 import signal
 import statistics
 import time
+from datetime import datetime
 from typing import Any
 
 import httpx
 import pytest
 from kubernetes_asyncio import client
 
-from shared.annotations import ALLOCATION, parse_allocation
+from services.binder.claims import LATE_RECORD_S
+from shared.annotations import ALLOCATION, GPU_MEM_ASSIGNED, GPU_MEM_IDX, parse_allocation
 from shared.dra import CLAIM_ANNOTATION, DRIVER
 from shared.dra.quantity import parse_quantity
 from shared.kube.watching import DELETED, SYNCED, watch_objects
@@ -90,7 +92,7 @@ async def test_a_pod_binds_without_waiting_and_starts_once_the_ledger_holds_its_
     env = await helpers.container_env(stack, node, namespace, "one", "main")
     allocs = await w.claim_allocations(stack.database_url, namespace)
     assert allocs["one"]["claim_uid"] == claim["metadata"]["uid"] and allocs["one"]["memory_mib"] == 4096
-    pod = await w.raw_pod(api, namespace, "one")
+    pod = await eventually(lambda: _annotated(api, namespace, "one"), what="the pod's annotations", within=30)
     allocation_id, annotated_node, _ = parse_allocation(pod["metadata"]["annotations"][ALLOCATION])
     assert (allocation_id, annotated_node) == (allocs["one"]["id"], node)
     assert pod["metadata"]["annotations"][CLAIM_ANNOTATION] == claim["metadata"]["uid"]
@@ -108,6 +110,74 @@ async def test_a_pod_binds_without_waiting_and_starts_once_the_ledger_holds_its_
     assert waits >= 1  # every prepare observes how long it waited for the ledger
     await helpers.delete_pod(api, namespace, "one")
     await helpers.wait_released(stack.database_url, namespace, "one")
+
+
+async def _annotated(api: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    pod = await w.raw_pod(api, namespace, name)
+    return pod if pod is not None and ALLOCATION in (pod["metadata"].get("annotations") or {}) else None
+
+
+async def test_a_dra_pods_annotations_are_written_once_with_the_assigned_flag(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
+    """The binder writes a DRA pod's gpushare annotations in one update, once the node agent has prepared the
+    claim (the `assigned` event), not at the record and again at the assignment: every pod update reaches every
+    pod watcher (kube-scheduler, kube-controller-manager, kubelet, the binder...). The pod watch still marks the
+    allocation `bound` before that, from the gate's record (services/binder/claims.py)."""
+    states: list[dict[str, str]] = []  # each new state of the pod's gpushare annotations, as the watch saw them
+    stop, synced = asyncio.Event(), asyncio.Event()
+    keys = {ALLOCATION, CLAIM_ANNOTATION, GPU_MEM_IDX, GPU_MEM_ASSIGNED}
+
+    async def follow() -> None:
+        core = client.CoreV1Api(api)
+        async for event in watch_objects(core.list_namespaced_pod, namespace=namespace, what="pods", stop=stop):
+            if event.type == SYNCED:
+                synced.set()
+                continue
+            if event.object["metadata"]["name"] != "once":
+                continue
+            ann = event.object["metadata"].get("annotations") or {}
+            now = {k: v for k, v in ann.items() if k in keys}
+            if now and (not states or states[-1] != now):
+                states.append(now)
+
+    follower = asyncio.create_task(follow())
+    try:
+        await asyncio.wait_for(synced.wait(), 30)
+        await w.create(
+            api,
+            namespace,
+            w.template("gpu-3", [("main", "3Gi", None, 1)]),
+            w.pod("once", [("main", "main")], template_name="gpu-3"),
+        )
+        await helpers.container_env(stack, stack.node_names[0], namespace, "once", "main", timeout_s=60)
+        await eventually(
+            lambda: states and states[-1].get(GPU_MEM_ASSIGNED) == "true",
+            what="the assigned flag on the pod",
+            within=30,
+        )
+        allocation = (await w.claim_allocations(stack.database_url, namespace))["once"]
+        (row,) = await w.ledger_rows(
+            stack.database_url,
+            "SELECT bound_at, assigned_at, extract(epoch FROM reserved_at) AS reserved FROM allocations WHERE id = $1",
+            allocation["id"],
+        )
+        pod = await w.raw_pod(api, namespace, "once")
+    finally:
+        stop.set()
+        follower.cancel()
+        with contextlib.suppress(BaseException):
+            await follower
+    (scheduled,) = [c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled"]
+    if float(row["reserved"]) - datetime.fromisoformat(scheduled["lastTransitionTime"]).timestamp() >= LATE_RECORD_S:
+        # recorded late (a loaded machine): written at the record too, so that kubelet would ask again
+        assert len(states) == 2 and states[0][GPU_MEM_ASSIGNED] == "false", states
+        states = states[1:]
+    assert len(states) == 1, states  # one update: before this change, the record's (assigned "false"), then this
+    (only,) = states
+    assert only[CLAIM_ANNOTATION] == allocation["claim_uid"] and only[GPU_MEM_IDX] in ("0", "1")
+    assert parse_allocation(only[ALLOCATION])[0] == allocation["id"]
+    assert row["bound_at"] is not None and row["assigned_at"] is not None  # marked bound from the record
+    await helpers.delete_pod(api, namespace, "once")
+    await helpers.wait_released(stack.database_url, namespace, "once")
 
 
 async def _assigned(database_url: str, allocation_id: Any) -> bool:

@@ -24,7 +24,7 @@ STACK_GPUS = "2x16GiB:Tesla-T4"
 
 async def _parts(api, namespace: str, pod: str) -> dict[str, list[tuple[int, int, bool, bool]]]:  # type: ignore[no-untyped-def]
     """container -> [(GPU index, MiB, init, sidecar)] from the pod's allocation record."""
-    raw = await w.raw_pod(api, namespace, pod)
+    raw = await w.annotated_pod(api, namespace, pod)
     _, _, parts = parse_allocation(raw["metadata"]["annotations"][ALLOCATION])
     out: dict[str, list[tuple[int, int, bool, bool]]] = {}
     for p in parts:

@@ -178,6 +178,18 @@ async def wait_recorded(api: client.ApiClient, namespace: str, names: list[str],
     await eventually(recorded, what=f"the claims of {names} recorded", within=within, interval=0.3)
 
 
+async def annotated_pod(api: client.ApiClient, namespace: str, name: str, within: float = 60) -> dict[str, Any]:
+    """The pod once the binder wrote its gpushare annotations (on the default pool: when the node agent has
+    prepared its claim, with the assigned flag; services/binder/claims.py)."""
+
+    async def check() -> dict[str, Any] | None:
+        pod = await raw_pod(api, namespace, name)
+        return pod if pod is not None and ALLOCATION in (pod["metadata"].get("annotations") or {}) else None
+
+    pod: dict[str, Any] = await eventually(check, what=f"the gpushare annotations of {namespace}/{name}", within=within)
+    return pod
+
+
 async def ledger_rows(database_url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
     """Rows of a read-only query on the ledger."""
     conn = await asyncpg.connect(database_url)

@@ -124,3 +124,54 @@ async def test_token_and_client_certificate_kubeconfigs_both_work(control_plane:
     assert "client-certificate" in json.loads(control_plane.cert_kubeconfig_path.read_text())["users"][0]["user"]
     async with control_plane.api_client() as admin:
         await delete_node(admin, node_name)
+
+
+async def test_a_watch_keeps_the_selector_of_its_list(control_plane: ControlPlane) -> None:
+    """`watch_objects(..., field_selector=...)` passes its parameters to the watch as well as to the list: the
+    extender's watch of unbound pods (`spec.nodeName=`) must not receive every pod update of the cluster after its
+    first list (it did: the parameters went to the list only). Real kube-apiserver: a pod that becomes bound leaves
+    the selection, which a watch reports as DELETED, and the bound pod's later updates are not sent at all."""
+    import asyncio
+    import contextlib
+
+    from shared.kube.watching import DELETED, SYNCED, watch_objects
+
+    node_name = f"sel-node-{uuid.uuid4().hex[:6]}"
+    ns, pod_name = "default", f"sel-{uuid.uuid4().hex[:6]}"
+    seen: list[tuple[str, str]] = []  # (event type, the pod's nodeName)
+    async with control_plane.api_client() as api:
+        core = client.CoreV1Api(api)
+        await create_gpu_node(api, node_name, gpus=[(16, "Tesla-V100")])
+        stop, synced, left = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def follow() -> None:
+            async for event in watch_objects(
+                core.list_pod_for_all_namespaces, what="unbound pods", stop=stop, field_selector="spec.nodeName="
+            ):
+                if event.type == SYNCED:
+                    synced.set()
+                elif event.object["metadata"]["name"] == pod_name:
+                    seen.append((event.type, str(event.object["spec"].get("nodeName") or "")))
+                    if event.type == DELETED:
+                        left.set()
+
+        follower = asyncio.create_task(follow())
+        try:
+            await asyncio.wait_for(synced.wait(), 30)
+            await core.create_namespaced_pod(
+                ns, {"metadata": {"name": pod_name}, "spec": {"containers": [_container()]}}
+            )
+            assert await wait_for_pod_node(api, ns, pod_name, BIND_TIMEOUT) == node_name
+            await core.patch_namespaced_pod(pod_name, ns, {"metadata": {"labels": {"touched": "yes"}}})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(left.wait(), 10)
+            await asyncio.sleep(1.0)  # the label patch's event would come by now, had the watch no selector
+        finally:
+            stop.set()
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await core.delete_namespaced_pod(pod_name, ns, grace_period_seconds=0)
+            await delete_node(api, node_name)
+    assert seen[0] == ("ADDED", ""), seen
+    assert all(node == "" for kind, node in seen if kind != DELETED), seen  # no update of the bound pod
+    assert seen[-1][0] == DELETED, seen  # the bind took it out of the selection (the event shows it as it matched)
