@@ -98,11 +98,17 @@ class AnnotationSync:
             patch = annotation_patch(record, pods.annotations(pod), self.unit, time.time_ns())
             if not patch:
                 return self._count("up_to_date")
+            # a claim's record has one version and is never exchanged: its first write needs no resourceVersion
+            # (that conflicted with every other change of the pod around its start), only the pod's UID
+            first_claim_write = bool(record.claim_uid) and ALLOCATION not in pods.annotations(pod)
             try:
-                await self._kube(lambda pod=pod, patch=patch: self._patch(pod, patch), "PATCH pod annotations")
+                await self._kube(
+                    lambda pod=pod, patch=patch, fixed=not first_claim_write: self._patch(pod, patch, versioned=fixed),
+                    "PATCH pod annotations",
+                )
             except ApiException as exc:
-                if exc.status == 409:  # the pod changed since the GET: read again, compare again
-                    continue
+                if exc.status == 409 or (exc.status == 422 and first_claim_write):
+                    continue  # the pod changed since it was read (or is another pod of that name): read, compare
                 if exc.status == 404:
                     return self._count("skipped_pod_gone")
                 raise
@@ -148,9 +154,12 @@ class AnnotationSync:
             return None
         return pod
 
-    async def _patch(self, pod: Pod, patch: dict[str, str]) -> None:
+    async def _patch(self, pod: Pod, patch: dict[str, str], *, versioned: bool = True) -> None:
+        """Merge `patch` into the pod's annotations, on the resourceVersion seen (`versioned`) or on its UID only
+        (a pod of that name with another UID refuses it: UID is immutable)."""
         meta = pods.metadata(pod)
-        body = {"metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": patch}}
+        guard = {"resourceVersion": meta.get("resourceVersion")} if versioned else {"uid": meta.get("uid")}
+        body = {"metadata": {**guard, "annotations": patch}}
         # raw JSON back: building the client's models of the whole pod cost more than the request itself
         await read_json(
             await client.CoreV1Api(self.api).patch_namespaced_pod(

@@ -430,7 +430,7 @@ class ClaimGate:
             )
         # bound before the record reached it (no gate), or adopted after a restart; else the pod watch marks it
         self._remember_pod(allocation.pod_uid, allocation.allocation_id, node, uid)
-        await self._mark_if_bound(allocation.pod_uid, pod)
+        await self._mark_if_bound(allocation.pod_uid, pod, recorded_now=True)
         self.metrics.bind_seconds.observe(time.monotonic() - started)
         log.info(
             "claim %s of %s/%s recorded on %s (%d MiB)%s%s",
@@ -678,14 +678,18 @@ class ClaimGate:
         self._remember_pod(pod_uid, allocation, node, str((claim.get("metadata") or {}).get("uid") or ""))
         await self._mark_if_bound(pod_uid, None)
 
-    async def _mark_if_bound(self, pod_uid: str, pod: Pod | None) -> None:
+    async def _mark_if_bound(self, pod_uid: str, pod: Pod | None, *, recorded_now: bool = False) -> None:
         """Mark the pod's recorded allocation bound when the pod (as the watch shows it now, else `pod`) is bound
         on the allocation's node. Called right after `_remember_pod`, with no await between: the pod watch's
-        `on_pod` marks any later bind."""
+        `on_pod` marks any later bind. Once marked (or tried) it is not tried again, but right after a record
+        (`recorded_now`): the pod watch may have tried before the ledger held the allocation (after a restart, an
+        annotated pod whose allocation the ledger had lost)."""
         watched = self.pods.by_uid(pod_uid) if self.pods is not None else None
         current = watched if watched is not None else pod
         recorded = self._recorded.get(pod_uid)
-        if current is None or recorded is None or pod_uid in self._bound or pods.node_name(current) != recorded[1]:
+        if current is None or recorded is None or pods.node_name(current) != recorded[1]:
+            return
+        if pod_uid in self._bound and not recorded_now:
             return
         await self._mark_bound(pod_uid, recorded[0], recorded[1])
 

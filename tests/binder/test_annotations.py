@@ -11,6 +11,7 @@ import json
 import uuid
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.binder.annotate import AnnotationSync, annotation_patch
 from services.binder.metrics import BinderMetrics
@@ -255,3 +256,37 @@ async def test_an_assigned_event_sets_the_flag_from_the_pod_watch_without_readin
     await sync(events[1][0])  # not watched: ledger and pod are read
     assert calls == ["ledger", "GET"] and await _assigned(cluster, events[1][1])
     assert metrics.value("gpushare_binder_annotation_syncs_total", reason="up_to_date") == 1
+
+
+async def test_a_claims_first_annotations_go_on_the_pods_uid_not_its_resource_version(cluster, kube) -> None:  # type: ignore[no-untyped-def]
+    """A DRA pod's first record (a claim's: one version, never exchanged) is patched on the pod's UID: a pod that
+    changed since the binder's watch saw it (kubelet reporting its start, say) takes it without a conflict and a
+    GET; a pod of that name with another UID (deleted and created again meanwhile) refuses it."""
+    from services.binder.pod_index import binder_index
+    from shared.kube.pods import get_pod
+
+    sync = AnnotationSync(None, kube, unit=MemoryUnit.GIB, metrics=BinderMetrics())
+    first = await cluster.pod(gib=2)
+    index = binder_index()
+    index.synced()
+    index.update("ADDED", await get_pod(kube, cluster.namespace, first.metadata.name))
+    seen = index.get(cluster.namespace, first.metadata.name)
+    name = first.metadata.name
+    await cluster.core.patch_namespaced_pod(name, cluster.namespace, {"metadata": {"labels": {"x": "y"}}})
+    with pytest.raises(ApiException) as conflict:
+        await sync._patch(seen, {GPU_MEM_IDX: "0"})  # on the resourceVersion seen: conflicts
+    assert conflict.value.status == 409
+    await sync._patch(seen, {GPU_MEM_IDX: "0"}, versioned=False)
+    assert (await _annotations(cluster, first.metadata.name))[GPU_MEM_IDX] == "0"
+
+    await cluster.delete_pod(first.metadata.name)
+    await eventually(lambda: _gone(cluster, first.metadata.name), what="the first pod gone", within=30)
+    await cluster.pod(gib=2, name=first.metadata.name)  # the same name, another UID
+    with pytest.raises(ApiException) as refused:
+        await sync._patch(seen, {GPU_MEM_IDX: "1"}, versioned=False)
+    assert refused.value.status in (409, 422), refused.value  # what AnnotationSync.sync reads the pod again on
+    assert GPU_MEM_IDX not in await _annotations(cluster, first.metadata.name)
+
+
+async def _gone(cluster, name: str) -> bool:  # type: ignore[no-untyped-def]
+    return await cluster.read(name) is None
