@@ -37,7 +37,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.kube import pods
-from shared.kube.pods import Pod
+from shared.kube.pods import Pod, parse_time, scheduled_at
 from shared.kube.watching import DELETED, SYNCED, WatchEvent, watch_objects
 from shared.ledger.models import applied_events
 
@@ -53,30 +53,9 @@ LINGER_S = 0.25
 MAX_BACKLOG = 100_000
 
 
-def parse_time(text: Any) -> datetime | None:
-    """A Kubernetes timestamp (`2026-12-06T10:00:00Z`) as an aware datetime; None when absent or unreadable."""
-    if not text:
-        return None
-    try:
-        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
 def created_at(pod: Pod) -> datetime | None:
     """The pod's `metadata.creationTimestamp`."""
     return parse_time(pods.metadata(pod).get("creationTimestamp"))
-
-
-def scheduled_at(pod: Pod) -> datetime | None:
-    """When the pod was bound: its PodScheduled condition's lastTransitionTime once True with a node set."""
-    if not pods.node_name(pod):
-        return None
-    for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "True":
-            return parse_time(cond.get("lastTransitionTime"))
-    return None
 
 
 MAX_MESSAGE = 4096

@@ -12,6 +12,7 @@ once its node agent prepared the claim (services/binder/claims.py says when they
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -103,8 +104,7 @@ class AnnotationSync:
             first_claim_write = bool(record.claim_uid) and ALLOCATION not in pods.annotations(pod)
             try:
                 await self._kube(
-                    lambda pod=pod, patch=patch, fixed=not first_claim_write: self._patch(pod, patch, versioned=fixed),
-                    "PATCH pod annotations",
+                    functools.partial(self._patch, pod, patch, versioned=not first_claim_write), "PATCH pod annotations"
                 )
             except ApiException as exc:
                 if exc.status == 409 or (exc.status == 422 and first_claim_write):

@@ -170,14 +170,14 @@ def recorded_late(pod: Pod, now: float) -> bool:
     annotations are then written at once, because a pod update is what makes kubelet try again."""
     if not pods.node_name(pod):
         return False
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
-            try:
-                since = datetime.fromisoformat(str(condition.get("lastTransitionTime")).replace("Z", "+00:00"))
-            except ValueError:
-                return True
-            return now - since.timestamp() >= LATE_RECORD_S
-    return True
+    since = pods.scheduled_at(pod)
+    return since is None or now - since.timestamp() >= LATE_RECORD_S
+
+
+def _bounded(memory: dict[str, Any]) -> None:
+    """Forget the oldest entries of a memory past REMEMBERED_BOUND (dicts keep insertion order)."""
+    while len(memory) > REMEMBERED_BOUND:
+        memory.pop(next(iter(memory)))
 
 
 def is_gated(results: list[dict[str, Any]]) -> bool:
@@ -414,8 +414,7 @@ class ClaimGate:
             await self._annotate(now_pod, annotations)
         if gate and verdict != RESERVED:
             self._gated_pods[allocation.pod_uid] = True
-            while len(self._gated_pods) > REMEMBERED_BOUND:
-                self._gated_pods.pop(next(iter(self._gated_pods)))
+            _bounded(self._gated_pods)
             data = {
                 s.device: {
                     "gpuUUID": s.gpu_uuid,
@@ -661,8 +660,7 @@ class ClaimGate:
 
     def _remember_pod(self, pod_uid: str, allocation: uuid.UUID, node: str, claim_uid: str) -> None:
         self._recorded[pod_uid] = (allocation, node, claim_uid)
-        while len(self._recorded) > REMEMBERED_BOUND:
-            self._recorded.pop(next(iter(self._recorded)))
+        _bounded(self._recorded)
 
     async def _follow(self, claim: dict[str, Any], allocation: uuid.UUID, node: str) -> None:
         """A claim the ledger holds: remember its pod, and mark it bound if the pod watch shows it bound (after a
@@ -695,8 +693,7 @@ class ClaimGate:
 
     async def _mark_bound(self, pod_uid: str, allocation: uuid.UUID, node: str) -> bool:
         self._bound[pod_uid] = None
-        while len(self._bound) > REMEMBERED_BOUND:
-            self._bound.pop(next(iter(self._bound)))
+        _bounded(self._bound)
         marked = await self.bound.submit((allocation, pod_uid, node))
         if marked and self.nudge is not None and self._gated_pods.pop(pod_uid, False):
             self.nudge(node)

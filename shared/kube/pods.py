@@ -4,6 +4,7 @@ Every helper takes the pod as a dict with the API's camelCase keys, e.g. from `r
 event's object, or `api_client.sanitize_for_serialization(v1_pod)` for a model object.
 """
 
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from kubernetes_asyncio import client
@@ -59,6 +60,29 @@ def is_terminating(pod: Pod) -> bool:
     grace period, or for ever when the pod is stuck Terminating.
     """
     return bool(metadata(pod).get("deletionTimestamp"))
+
+
+def parse_time(text: Any) -> datetime | None:
+    """A Kubernetes timestamp (`2026-12-06T10:00:00Z`) as an aware datetime; None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def scheduled_at(pod: Pod) -> datetime | None:
+    """When the pod was bound: its PodScheduled condition's lastTransitionTime once True with a node set. The
+    Binding sets that condition True with the time of the bind (`BindingREST.setPodNodeAndMetadata`,
+    pkg/registry/core/pod/storage/storage.go, through `UpdatePodCondition`, pkg/api/pod/util.go, v1.37.2)."""
+    if not node_name(pod):
+        return None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            return parse_time(condition.get("lastTransitionTime"))
+    return None
 
 
 UNPLACED_REASONS = ("Unschedulable", "SchedulerError")  # v1.PodReasonUnschedulable, v1.PodReasonSchedulerError
