@@ -88,6 +88,9 @@ def _processes() -> dict[int, Proc]:
         fields = stat[stat.rfind(")") + 2 :].split()
         cpu = sum(int(f) for f in fields[11:15]) / ticks  # utime, stime, cutime, cstime
         pid = int(entry.name)
+        # a process that exited and is not reaped yet (a zombie) has no command line: its name in stat still says
+        # what it was (CI: a PostgreSQL backend just closed, its CPU counted as "other")
+        command = command.strip() or stat[stat.find("(") + 1 : stat.rfind(")")]
         out[pid] = Proc(pid, int(fields[1]), command, cpu)
     return out
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 import asyncpg
 
 from bench.common import Context
-from bench.cpu import CpuWindow, background_ms_per_item, listener_pids
+from bench.cpu import CpuWindow, _processes, background_ms_per_item, group_of, listener_pids
 from tests.conftest import _run
 
 
@@ -41,3 +43,20 @@ def test_background_cpu_is_spread_over_the_phase_and_its_pods() -> None:
         "pipeline_background_cpu_ms_per_pod_total": 6.0,
     }
     assert set(background_ms_per_item(idle, 0.0, 4.0, 200, "raw").values()) == {0.0}
+
+
+def test_a_process_that_exited_unreaped_keeps_its_group() -> None:
+    """A process that exited and whose parent has not reaped it yet has an empty command line; its CPU must still
+    go to its group (the postgres test above once saw a closed backend's CPU under "other", its postmaster not
+    having reaped it when the window closed)."""
+    child = subprocess.Popen(["sleep", "0"])  # not waited for: a zombie once it exits
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Path(f"/proc/{child.pid}/cmdline").read_bytes() == b""  # exited, not reaped
+        seen = _processes()[child.pid]
+        assert seen.command == "sleep" and group_of(seen.command, seen.pid) == "other"
+        assert group_of("postgres", 1) == "postgres"  # how a zombie postgres backend is named
+    finally:
+        child.wait()
