@@ -179,8 +179,16 @@ async def test_kube_scheduler_binds_through_mutual_tls(
                 row = (await conn.execute(select(allocations.c.node).where(allocations.c.pod_uid == uid))).first()
             return row is not None and row.node == node
 
-        # eventually() raises TimeoutError, naming what never came, when the condition stays false
-        assert await eventually(reserved, within=60, what=f"a reservation by kube-scheduler's bind:\n{tail(extender)}")
+        # eventually() raises TimeoutError, naming what never came, when the condition stays false; the logs are
+        # read when it does (an f-string in `what` would show them as they were before the wait)
+        try:
+            assert await eventually(reserved, within=60, what="a reservation by kube-scheduler's bind")
+        except TimeoutError as exc:
+            pod_now = await client.CoreV1Api(api).read_namespaced_pod("through-mtls", "default")
+            raise TimeoutError(
+                f"{exc}\npod status: {pod_now.status.conditions}\nextender log:\n{tail(extender)}\n"
+                f"kube-scheduler log:\n{control_plane.log_tail('kube-scheduler')}"
+            ) from None
         assert await eventually(lambda: [e.pod_uid for e in binder.seen] == [uid], what="the reserved event")
         await client.CoreV1Api(api).delete_namespaced_pod("through-mtls", "default", grace_period_seconds=0)
     finally:
