@@ -20,15 +20,18 @@ def test_postgres_found_by_its_unix_socket_and_its_cpu_counted(pg_server_url: st
     pids = listener_pids(listeners)
     assert len(pids) >= 2, (listeners, pids)
 
-    async def work() -> None:
+    # the connection is open before the window and closed after it: its backend is alive (not exited, not waiting
+    # to be reaped) at both readings, so the query's CPU is read from the backend itself
+    async def work() -> CpuWindow:
         conn = await asyncpg.connect(pg_server_url)
         try:
-            await conn.execute("SELECT count(*) FROM generate_series(1, 3000000)")
+            with CpuWindow(listeners) as window:
+                await conn.execute("SELECT count(*) FROM generate_series(1, 3000000)")
         finally:
             await conn.close()
+        return window
 
-    with CpuWindow(listeners) as window:
-        _run(work())
+    window = _run(work())
     assert window.spent().get("postgres", 0.0) > 0.05, window.spent()
 
 
