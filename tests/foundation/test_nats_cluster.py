@@ -295,3 +295,28 @@ async def test_the_shipped_nats_users_raise_the_streams_they_manage() -> None:
     finally:
         await asyncio.to_thread(cluster.stop)
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_consumers_backlog_is_read_through_its_leaders_election(whole: NatsCluster, ha_bus: EventBus) -> None:
+    """The tests' backlog reading (`tests.reliability.test_crash.consumer_backlog`) right after the durable
+    consumer's leader was killed: the cluster answers 503 ("JetStream system temporarily unavailable") or nothing
+    while it elects a new one. The reading waits that out and returns the backlog; before, it raised, and CI's
+    failover test failed on a fault it had survived (the 503 came from its accounting check after the fault)."""
+    from tests.reliability.test_crash import consumer_backlog
+
+    await _until_ok(lambda: ha_bus.publish(QuotaEvent(namespace="backlog", memory_mib=1)))
+    durable = "backlog-test"
+    await ha_bus.js.add_consumer(
+        ha_bus.names.stream, durable_name=durable, filter_subject=f"{ha_bus.names.prefix}.>", ack_policy="explicit"
+    )
+    info = await ha_bus.js.consumer_info(ha_bus.names.stream, durable)
+    assert info.cluster is not None and info.cluster.leader
+    killed = whole.servers[whole.index_of(info.cluster.leader)]
+    killed.kill9()
+    assert await consumer_backlog(whole.url, ha_bus.names.stream, durable) == (1, 0)
+    # made whole (as the failover test does between faults): the consumer is led and current on every server
+    await asyncio.to_thread(killed.start)
+    await whole.wait_consumers_current(ha_bus.names.stream)
+    info = await ha_bus.js.consumer_info(ha_bus.names.stream, durable)
+    assert info.cluster is not None and info.cluster.leader
+    assert len(info.cluster.replicas or []) == 2 and all(r.current for r in info.cluster.replicas or [])

@@ -193,16 +193,29 @@ async def _restart_node_agent(stack, node: str) -> None:  # type: ignore[no-unty
         await standin.wait_registered([resource], timeout_s=60, min_count=count + 1)
 
 
-async def consumer_backlog(nats_url: str, stream: str, durable: str) -> tuple[int, int]:
-    """(num_pending, num_ack_pending) of a JetStream durable consumer (`nats_url`: one server or several)."""
+async def consumer_backlog(nats_url: str, stream: str, durable: str, within_s: float = 60) -> tuple[int, int]:
+    """(num_pending, num_ack_pending) of a JetStream durable consumer (`nats_url`: one server or several).
+
+    A clustered consumer whose leader is gone answers nothing, or 503 ("JetStream system temporarily
+    unavailable"), until a new one is elected: such passing bus failures are retried for `within_s`."""
     import nats
 
     from shared.events.bus import nats_servers
+    from shared.transient import BUS_TRANSIENT
 
+    deadline = time.monotonic() + within_s
     nc = await nats.connect(nats_servers(nats_url))
     try:
-        info = await nc.jetstream().consumer_info(stream, durable)
-        return info.num_pending, info.num_ack_pending
+        while True:
+            try:
+                info = await nc.jetstream().consumer_info(stream, durable)
+                return info.num_pending, info.num_ack_pending
+            except BUS_TRANSIENT as exc:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"consumer {durable} of {stream}: no answer for {within_s:g}s: {exc!r}"
+                    ) from exc
+                await asyncio.sleep(0.5)
     finally:
         await nc.close()
 
