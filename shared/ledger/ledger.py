@@ -215,11 +215,21 @@ class Ledger:
 
     async def mark_failed(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
         """Binding failed: give the capacity back."""
-        return bool(
-            await self.record(
-                FailedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
-            )
+        return await self._end(
+            FailedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
         )
+
+    async def _end(self, event: ReleasedEvent | FailedEvent) -> bool:
+        """Apply an ending event and stage it, in one transaction, unless it wrote nothing: two watchers that both
+        saw the allocation live (the pod's and its claim's, a pass of reconciliation) end it once, and the second
+        one's copy, a no-op for the ledger and for a replay, is not sent to every consumer."""
+        async with self._begin() as conn:
+            done = await transitions.transition(conn, event)
+            if done.wrote:
+                await outbox.stage(conn, self.prefix, event)
+        if done.wrote:
+            self._committed()
+        return done.changed
 
     async def mark_assigned(
         self, allocation_id: uuid.UUID, pod_uid: str, node: str, container: str, gpu_uuids: list[str]
@@ -249,13 +259,9 @@ class Ledger:
         return answers
 
     async def release(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
-        """End an allocation and give its capacity back (no-op if already ended)."""
-        return bool(
-            await self.record(
-                ReleasedEvent(
-                    allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source
-                )
-            )
+        """End an allocation and give its capacity back (no-op, and no event, if already ended)."""
+        return await self._end(
+            ReleasedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
         )
 
     async def exchange(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import and_, func, select, update
@@ -41,6 +42,21 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
     changed. An unknown allocation is a no-op (returns False). An event that may end the allocation locks
     its GPUs before its row (the ledger's lock order, `locks`).
     """
+    return (await transition(conn, event)).changed
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What a life-cycle event did: `changed` the allocation's state, `wrote` anything at all (a state, a
+    timestamp, a container's assignment). An event that wrote nothing is one the ledger had already applied, or
+    one for an allocation it does not hold: a replay without it ends in the same tables."""
+
+    changed: bool
+    wrote: bool
+
+
+async def transition(conn: AsyncConnection, event: TransitionEvent) -> Transition:
+    """`apply_transition`, saying whether the event wrote anything."""
     new_state = AllocationState(event.kind)  # a life-cycle event's kind names the state it moves to
     stamp = STAMPS[new_state]
     if not is_live(new_state):
@@ -53,7 +69,7 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
         )
     ).first()
     if row is None:
-        return False
+        return Transition(changed=False, wrote=False)
     values: dict[str, object] = {}
     if row.stamp is None:
         values[stamp] = event.occurred_at
@@ -64,8 +80,9 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
             values["reason"] = event.reason
         if is_live(row.state) and not is_live(new_state):
             await _give_back(conn, event.allocation_id, event.occurred_at)
+    wrote = bool(values)
     if isinstance(event, AssignedEvent):
-        await conn.execute(
+        parts = await conn.execute(
             update(allocation_parts)
             .where(
                 and_(
@@ -76,9 +93,10 @@ async def apply_transition(conn: AsyncConnection, event: TransitionEvent) -> boo
             )
             .values(assigned_at=event.occurred_at)
         )
+        wrote = wrote or bool(parts.rowcount)
     if values:
         await conn.execute(update(allocations).where(allocations.c.id == event.allocation_id).values(**values))
-    return changed
+    return Transition(changed=changed, wrote=wrote)
 
 
 # on asyncpg directly (`driver`): it runs for every batch of bindings

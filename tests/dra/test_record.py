@@ -442,3 +442,42 @@ async def test_a_higher_priority_dra_pod_on_a_full_gpu_and_preemption(stack, api
 async def _exact_after(stack):  # type: ignore[no-untyped-def]
     yield
     assert await w.ledger_exact(stack.database_url) == []
+
+
+async def test_a_dra_pods_allocation_ends_with_one_event(stack, api, namespace) -> None:  # type: ignore[no-untyped-def]
+    """A deleted DRA pod's allocation is ended by whichever of the binder's two watches sees it first: the pod
+    watch (the pod is gone) or the claim watch (kube-controller-manager took the pod off the claim, deallocated it
+    and deleted it). The other one finds nothing left to end and writes nothing. Before, both read the allocation
+    live and both recorded a `released` event: the second one changed no row, but went through the stream to
+    accounting and every node agent (benchmark 12 measured it in the binder's, PostgreSQL's and accounting's CPU)."""
+    from shared.events.bus import BusNames, EventBus
+    from tests.waiting import stream_events
+
+    names = [f"end-{i}" for i in range(6)]
+    await w.create(
+        api,
+        namespace,
+        w.template("gpu-2", [("main", "2Gi", None, 1)]),
+        *[w.pod(n, [("main", "main")], template_name="gpu-2") for n in names],
+    )
+    for n in names:
+        await helpers.container_env(stack, stack.node_names[0], namespace, n, "main", timeout_s=60)
+    ids = {r["id"] for r in (await w.claim_allocations(stack.database_url, namespace)).values()}
+    assert len(ids) == len(names)
+    await helpers.delete_all_pods(api, namespace)
+    for n in names:
+        await helpers.wait_released(stack.database_url, namespace, n)
+    resource = client.ResourceV1Api(api)
+
+    async def claims_gone() -> bool:
+        return not (await resource.list_namespaced_resource_claim(namespace)).items
+
+    await eventually(claims_gone, what="the pods' claims deleted", within=60)
+    await asyncio.sleep(3)  # the later of the two watches has seen its event by now (and the outbox relayed it)
+    bus = await EventBus.connect(stack.nats_url, BusNames(stack.config.stream_name, stack.config.subject_prefix))
+    try:
+        ended = [e for kind in ("released", "failed") for e in await stream_events(bus, kind) if e.allocation_id in ids]
+    finally:
+        await bus.close()
+    per_allocation = {i: sum(e.allocation_id == i for e in ended) for i in ids}
+    assert all(n == 1 for n in per_allocation.values()), per_allocation
