@@ -3,7 +3,8 @@
 `GroupCommit` alone (pure asyncio), then `Ledger.reserve_many` on real PostgreSQL: the regular batch in one
 transaction with one staged event per pod, and the irregular ones (a GPU without room for everyone, a pod that
 already holds a reservation, a pod twice, a namespace quota) answered pod by pod; `Ledger.mark_bound_many` and
-`Ledger.mark_assigned_many` against `apply_transition` from every state.
+`Ledger.mark_assigned_many` against `apply_transition` from every state; an allocation ended by racing callers is
+one event.
 """
 
 from __future__ import annotations
@@ -392,3 +393,24 @@ async def test_a_batch_of_assigned_commands_is_one_transaction_staging_each_even
     assert await _staged(engine) == 2
     for r in (r1, r2):
         assert await _assigned_row(engine, r.allocation_id) == ("assigned", True, [True])
+
+
+# ---- ending an allocation -----------------------------------------------------------------------------------
+
+
+async def test_an_allocation_ended_by_racing_callers_is_one_event(engine: AsyncEngine) -> None:
+    """Several callers end the same allocation at once (the binder's pod watch, its claim watch, a reconciliation
+    pass; a release and a failure): one of them ends it, gives its capacity back once and stages one event; the
+    others write nothing and stage nothing. Ending an allocation the ledger does not hold stages nothing either."""
+    ledger = await _ledger(engine)
+    r = await ledger.reserve(_request(4))
+    async with engine.begin() as conn:
+        await conn.execute(outbox.delete())
+    enders = [ledger.release(r.allocation_id, r.pod_uid, NODE, f"caller {i}") for i in range(8)]
+    enders.append(ledger.mark_failed(r.allocation_id, r.pod_uid, NODE, "binding failed"))
+    changed = await asyncio.gather(*enders)
+    assert sum(changed) == 1
+    assert await _staged(engine) == 1
+    assert (await _allocated(engine))["GPU-g0"] == 0
+    assert not await ledger.release(uuid.uuid4(), "nobody", NODE, "unknown allocation")
+    assert await _staged(engine) == 1
