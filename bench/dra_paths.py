@@ -433,7 +433,7 @@ async def run_phase(
         bodies = [pod_body(f"p-{i}", gpu_gib=0 if path == "plain" else 1) for i in range(pods)]
     calls_before = await extender_calls.read_calls(stack.extender_url)
     waits_before = await prepare_wait.read(agents) if path == "dra" else None
-    readings = [(await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url))]
+    readings = [await _counts(api, stack)]
     with CpuWindow(listeners) as start, phase_profiles(f"dra-{path}-c{level}-start"):
         flight = await closed_loop(api, ns, bodies, level, timeout_s)
     ended = time.monotonic()
@@ -445,20 +445,20 @@ async def run_phase(
         extra.update(
             latency_summary(f"{p}_recorded_after_bound", await recorded_after_bound(stack.database_url, ns, flight))
         )
-    readings.append((await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url)))
+    readings.append(await _counts(api, stack))
     with CpuWindow(listeners) as held:
         await asyncio.sleep(hold_s)
-    readings.append((await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url)))
+    readings.append(await _counts(api, stack))
     with CpuWindow(listeners) as end, phase_profiles(f"dra-{path}-c{level}-end"):
         torn_down = await teardown(api, ns, stack.database_url, timeout_s)
     calls_after = await extender_calls.read_calls(stack.extender_url)
-    readings.append((await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url)))
+    readings.append(await _counts(api, stack))
     await client.CoreV1Api(api).delete_namespace(ns, _preload_content=False)
     done = max(1, len(flight.bound))
     spent = Counter(start.spent())
     spent.update(end.spent())
     seconds = start.seconds + end.seconds
-    (api0, db0), (api1, db1), (api2, db2), (api3, db3) = readings
+    (api0, db0, ev0), (api1, db1, ev1), (api2, db2, ev2), (api3, db3, ev3) = readings
     api_after = Counter({k: api1[k] + api3[k] - api2[k] for k in api3})  # the held window left out
     db_after = {k: db1.get(k, 0) + db3[k] - db2.get(k, 0) for k in db3}
     return PhaseResult(
@@ -475,6 +475,8 @@ async def run_phase(
             **db_counts.per_pod(db0, db_after, done, p),
             # reads end in a rollback (SQLAlchemy gives back a connection that wrote nothing that way)
             f"{p}_db_rolled_back_per_pod": round((db_after["xact_rollback"] - db0["xact_rollback"]) / done, 2),
+            # what the ledger sent to accounting and the node agents (the held window left out)
+            f"{p}_ledger_events_per_pod": round((ev1 - ev0 + ev3 - ev2) / done, 2),
         },
         ledger=ledger,
         torn_down=torn_down,
@@ -483,6 +485,21 @@ async def run_phase(
         presence_s=sum(ended - t for t in flight.created.values()),
         extra=extra,
     )
+
+
+async def _counts(api: Any, stack: Any) -> tuple[Counter[str], dict[str, int], int]:
+    """kube-apiserver's request counts, PostgreSQL's for the ledger's database, and the ledger stream's last
+    sequence (every event the ledger staged and its relay published), read together."""
+    import nats
+
+    from shared.events.bus import nats_servers
+
+    nc = await nats.connect(nats_servers(stack.nats_url))
+    try:
+        last = int((await nc.jetstream().stream_info(stack.config.stream_name)).state.last_seq)
+    finally:
+        await nc.close()
+    return await api_requests.read_counts(api), await db_counts.read_counts(stack.database_url), last
 
 
 def ratios(m: dict[str, float], level: int) -> dict[str, float]:
@@ -589,5 +606,9 @@ async def run(ctx: Context) -> BenchResult:
         "histogram (wait for the ledger's record; *_le_ms: the upper bound of the bucket holding the quantile, -1 "
         "past 30 s); dra_c<L>_recorded_after_bound_*: the ledger's reserved_at minus the moment the benchmark saw the "
         "pod bound (negative: recorded first)"
+    )
+    result.notes.append(
+        "<path>_c<L>_ledger_events_per_pod: events the ledger stream gained over the start and end windows (what the "
+        "ledger sent to accounting and the node agents), per pod"
     )
     return result
