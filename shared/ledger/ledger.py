@@ -215,11 +215,11 @@ class Ledger:
 
     async def mark_failed(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
         """Binding failed: give the capacity back."""
-        return await self._end(
+        return await self._record_ending(
             FailedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
         )
 
-    async def _end(self, event: ReleasedEvent | FailedEvent) -> bool:
+    async def _record_ending(self, event: ReleasedEvent | FailedEvent) -> bool:
         """Apply an ending event and stage it, in one transaction, unless it wrote nothing: two watchers that both
         saw the allocation live (the pod's and its claim's, a pass of reconciliation) end it once, and the second
         one's copy, a no-op for the ledger and for a replay, is not sent to every consumer."""
@@ -260,7 +260,7 @@ class Ledger:
 
     async def release(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
         """End an allocation and give its capacity back (no-op, and no event, if already ended)."""
-        return await self._end(
+        return await self._record_ending(
             ReleasedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
         )
 
