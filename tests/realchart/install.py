@@ -23,6 +23,7 @@ from kubernetes_asyncio import client
 from devstack.cluster.helm import ensure_helm
 from devstack.images import BuiltImage, build_gpushare_image
 from devstack.images.gpushare_image import ROOT, copy_context
+from shared.kube.watching import SYNCED, watch_objects
 from shared.ledger.migrate import head_revision
 
 CHART = ROOT / "charts" / "gpushare"
@@ -147,6 +148,17 @@ class Helm:
         return proc
 
 
+def _sighting(kind: str, namespace: str, obj: dict[str, Any]) -> Sighting:
+    """A pod or Job (as the API server sent it) as a sighting now; times as the API server writes them."""
+    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    name, uid, created = f"{namespace}/{meta.get('name')}", str(meta.get("uid")), str(meta.get("creationTimestamp"))
+    if kind == "Pod":
+        image = str(((spec.get("containers") or [{}])[0]).get("image") or "")
+        return Sighting(time.time(), kind, name, uid, created, str(status.get("phase") or ""), image)
+    done = str(status.get("completionTime") or "")
+    return Sighting(time.time(), kind, name, uid, created, "Complete" if done else "Running", "", done)
+
+
 def helm_errors(stderr: str) -> str:
     """helm's stderr without its notes about the chart's symbolic links and server-side warnings."""
     noise = ("found symbolic link in path", "would violate PodSecurity")
@@ -168,50 +180,41 @@ class Sighting:
 
 
 class Recorder:
-    """Lists the namespace's pods and Jobs every `interval_s` while it runs: what existed, from when, in what
-    phase (a hook Job that Helm deletes once the upgrade is over is still seen)."""
+    """Watches the namespaces' pods and Jobs while it runs: every state each one passed through, from when, in
+    what phase. A watch reports every change, so a hook Job that Helm deletes a moment after it completed is seen
+    complete (a list every 0.5 s, as before, could miss those moments on a loaded machine: CI saw the upgrade's
+    migration Job only running)."""
 
-    def __init__(self, api: client.ApiClient, namespaces: Sequence[str], interval_s: float = 0.5) -> None:
-        self.core = client.CoreV1Api(api)
-        self.batch = client.BatchV1Api(api)
-        self.namespaces = list(namespaces)
-        self.interval_s = interval_s
+    def __init__(self, api: client.ApiClient, namespaces: Sequence[str]) -> None:
+        core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+        self.sources = [
+            (kind, fn, ns)
+            for ns in namespaces
+            for kind, fn in (("Pod", core.list_namespaced_pod), ("Job", batch.list_namespaced_job))
+        ]
         self.sightings: list[Sighting] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
-    async def _look(self) -> None:
-        now = time.time()
-        for ns in self.namespaces:
-            for p in (await self.core.list_namespaced_pod(ns)).items:
-                image = p.spec.containers[0].image if p.spec.containers else ""
-                created = p.metadata.creation_timestamp.isoformat()
-                self.sightings.append(
-                    Sighting(now, "Pod", f"{ns}/{p.metadata.name}", p.metadata.uid, created, p.status.phase, image)
-                )
-            for j in (await self.batch.list_namespaced_job(ns)).items:
-                done = j.status.completion_time.isoformat() if j.status.completion_time else ""
-                phase = "Complete" if done else "Running"
-                created = j.metadata.creation_timestamp.isoformat()
-                self.sightings.append(
-                    Sighting(now, "Job", f"{ns}/{j.metadata.name}", j.metadata.uid, created, phase, "", done)
-                )
+    async def _follow(self, kind: str, list_fn: Any, namespace: str, listed: asyncio.Event) -> None:
+        async for event in watch_objects(list_fn, namespace=namespace, what=f"{kind}s of {namespace}"):
+            if event.type == SYNCED:
+                listed.set()
+            else:
+                self.sightings.append(_sighting(kind, namespace, event.object))
 
-    async def _run(self) -> None:
-        while True:
-            await self._look()
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+    async def start(self, timeout_s: float = 60) -> None:
+        """Start watching; returns once every namespace's pods and Jobs were listed."""
+        listed = [asyncio.Event() for _ in self.sources]
+        self._tasks = [
+            asyncio.create_task(self._follow(kind, fn, ns, done))
+            for (kind, fn, ns), done in zip(self.sources, listed, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in listed)), timeout_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        await self._look()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def latest(self) -> dict[str, Sighting]:
         """The last sighting of every object (by uid)."""

@@ -269,7 +269,7 @@ async def _run(s: Scenario, cp: ControlPlane, node: RealNode, api: client.ApiCli
     await asyncio.to_thread(node.containerd.ctr, "images", "import", "--local", str(s.images["next"].archive))
     s.seconds["import next"] = time.monotonic() - started
     recorder = i.Recorder(api, [i.NAMESPACE, WORK])
-    recorder.start()
+    await recorder.start()
     try:
         s.upgrade = await helm(
             "upgrade to all-ready", "upgrade", i.RELEASE, str(i.CHART), *common, *i.image_values(s.images["next"])
