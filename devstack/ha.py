@@ -500,12 +500,21 @@ class NatsCluster:
 
         return await self._poll(leader, f"stream {stream} has no leader", timeout_s)
 
+    async def stream_names(self, timeout_s: float = 60.0) -> list[str]:
+        """Every stream's name (the services' streams and the object store's and key-value buckets' own)."""
+
+        async def names(js: Any) -> list[str]:
+            return [info.config.name for info in await js.streams_info()]
+
+        return await self._poll(names, "the streams could not be listed", timeout_s)
+
     async def wait_current(self, stream: str, timeout_s: float = 60.0) -> None:
         """Until `stream` has a leader and every replica is current (a restarted server has caught up)."""
 
         async def current(js: Any) -> bool | None:
-            cluster = (await js.stream_info(stream)).cluster
-            if cluster is None or len(cluster.replicas or []) != len(self.servers) - 1 or not _led_and_current(cluster):
+            info = await js.stream_info(stream)
+            cluster, copies = info.cluster, info.config.num_replicas or 1
+            if cluster is None or len(cluster.replicas or []) != copies - 1 or not _led_and_current(cluster):
                 raise LookupError(f"not yet: {cluster}")
             return True
 

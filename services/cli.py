@@ -116,11 +116,28 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """A command-line duration in seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds is 0 or more, not {text}")
+    return value
+
+
 def _cmd_ledger(args: argparse.Namespace, settings: Settings) -> int:
     from services.ledger_tool import rebuild
 
     return asyncio.run(
-        rebuild(settings, apply=args.apply, verify=not args.apply or args.verify, from_start=args.from_start)
+        rebuild(
+            settings,
+            apply=args.apply,
+            verify=not args.apply or args.verify,
+            from_start=args.from_start,
+            wait_s=args.wait,
+        )
     )
 
 
@@ -168,12 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start from the newest ledger snapshot and replay the ledger stream's events after it. By "
         "default compare the result with the live ledger and rebuild accounting's projections; with --apply "
         "also replace the ledger tables with the replayed state (disaster recovery). Exit 1: the ledgers "
-        "differ; exit 3: the stream lost events no snapshot covers.",
+        "differ; exit 3: the stream lost events no snapshot covers; exit 4: NATS or PostgreSQL did not answer "
+        "within --wait.",
     )
     r.add_argument("--apply", action="store_true", help="replace the ledger tables with the replayed state")
     r.add_argument("--verify", action="store_true", help="with --apply, compare before replacing")
     r.add_argument(
         "--from-start", action="store_true", help="ignore snapshots and replay from the stream's first event"
+    )
+    r.add_argument(
+        "--wait",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="wait this long for NATS and PostgreSQL while they do not answer, or while a stream or the snapshot "
+        "store elects a leader after a server was lost (default 60)",
     )
     r.set_defaults(func=_cmd_ledger)
     r = lsub.add_parser(

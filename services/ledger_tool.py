@@ -3,17 +3,25 @@ compare with (or replace) the live ledger; fold the stream into a new snapshot a
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import make_engine
 from shared.ledger.replay import differences, load_state, write_state
 from shared.ledger.snapshots import SnapshotStore, StreamGap, replay_tail, snapshot_from_database, take_snapshot
+from shared.ledger.state import LedgerState
 from shared.optional import optional_module
 from shared.settings import Settings
+from shared.transient import is_transient_failure
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +30,31 @@ log = logging.getLogger(__name__)
 PROJECTION_MODULES = ("services.accounting.projections",)
 
 GAP_EXIT = 3  # the stream lost events no snapshot covers
+UNAVAILABLE_EXIT = 4  # NATS or PostgreSQL did not answer within --wait
+WAIT_S = 60.0  # how long a passing failure is waited out (a stream electing a leader after a server was lost)
+
+T = TypeVar("T")
+
+
+class Unavailable(Exception):
+    """NATS or PostgreSQL kept failing in a way that passes (no answer, no leader yet) for the whole wait."""
+
+
+async def patiently(what: str, call: Callable[[], Awaitable[T]], wait_s: float) -> T:
+    """`call()`, again every second while it fails in a way that passes (`is_transient_failure`: a timeout, a
+    JetStream 503 while a stream or its object store elects a leader, a database restarting), for `wait_s`; then
+    `Unavailable` naming `what` and the last failure. Any other failure is raised at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not is_transient_failure(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"{what}: no answer for {wait_s:g}s ({exc!r})") from exc
+            log.warning("%s: %r; trying again", what, exc)
+            await asyncio.sleep(1.0)
 
 
 def _progress(label: str):  # type: ignore[no-untyped-def]
@@ -51,15 +84,30 @@ async def _connect(settings: Settings, name: str) -> EventBus:
     )
 
 
-async def rebuild(settings: Settings, *, apply: bool, verify: bool, from_start: bool = False) -> int:
+async def rebuild(
+    settings: Settings, *, apply: bool, verify: bool, from_start: bool = False, wait_s: float = WAIT_S
+) -> int:
     """Replay the ledger stream from the newest snapshot (or from its first event); returns a process exit code
-    (1 when verification finds differences, 3 when the stream lost events no snapshot covers)."""
-    engine = make_engine(settings.require_database_url(), pool_size=2)
-    bus = await _connect(settings, "gpushare-rebuild")
+    (1 when verification finds differences, 3 when the stream lost events no snapshot covers, 4 when NATS or
+    PostgreSQL did not answer within `wait_s`)."""
     try:
-        base = None if from_start else await SnapshotStore(bus).newest()
+        return await _rebuild(settings, apply=apply, verify=verify, from_start=from_start, wait_s=wait_s)
+    except Unavailable as exc:
+        print(f"cannot rebuild: {exc}", file=sys.stderr)
+        return UNAVAILABLE_EXIT
+
+
+async def _rebuild(settings: Settings, *, apply: bool, verify: bool, from_start: bool, wait_s: float) -> int:
+    engine = make_engine(settings.require_database_url(), pool_size=2)
+    bus = await patiently("connecting to NATS", lambda: _connect(settings, "gpushare-rebuild"), wait_s)
+    try:
+        base = None if from_start else await patiently("the newest snapshot", SnapshotStore(bus).newest, wait_s)
         try:
-            replayed, stats = await replay_tail(bus, base, progress=_progress("replaying ledger events"))
+            replayed, stats = await patiently(
+                "replaying the ledger stream",
+                lambda: replay_tail(bus, base, progress=_progress("replaying ledger events")),
+                wait_s,
+            )
         except StreamGap as exc:
             print(f"cannot rebuild: {exc}", file=sys.stderr)
             return GAP_EXIT
@@ -73,8 +121,7 @@ async def rebuild(settings: Settings, *, apply: bool, verify: bool, from_start: 
         )
         code = 0
         if verify:
-            async with engine.connect() as conn:
-                live = await load_state(conn)
+            live = await patiently("reading the live ledger", functools.partial(_live, engine), wait_s)
             diffs = differences(live, replayed)
             if diffs:
                 code = 1
@@ -101,6 +148,11 @@ async def rebuild(settings: Settings, *, apply: bool, verify: bool, from_start: 
     finally:
         await bus.close()
         await engine.dispose()
+
+
+async def _live(engine: AsyncEngine) -> LedgerState:
+    async with engine.connect() as conn:
+        return await load_state(conn)
 
 
 async def snapshot(settings: Settings, *, from_database: bool, trim: bool) -> int:

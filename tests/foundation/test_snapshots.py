@@ -7,14 +7,16 @@ import asyncio
 import uuid
 import zlib
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devstack.embedded import EmbeddedNats
 from services.cli import main as gpushare
-from services.ledger_tool import GAP_EXIT
-from shared.events.bus import EventBus
+from services.ledger_tool import GAP_EXIT, UNAVAILABLE_EXIT
+from shared.events.bus import BusNames, EventBus
 from shared.events.catalogue import AllocationPart, BoundEvent, GpuInfo, InventoryEvent, ReservedEvent
 from shared.ledger.replay import differences, load_state
 from shared.ledger.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot
@@ -157,3 +159,37 @@ async def test_a_gap_stops_the_snapshot_and_a_base_from_the_database_restarts_th
     await _busy_ledger(engine, bus, seed=12)
     code = await asyncio.to_thread(gpushare, _cli_args("rebuild", database_url, nats_url, bus))
     assert code == 0, capsys.readouterr().err
+
+
+async def test_rebuild_waits_out_a_nats_server_that_does_not_answer(
+    engine: AsyncEngine, bus_names: BusNames, database_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpushare ledger rebuild` run while NATS does not answer (here: its server frozen; in CI, the snapshot
+    store's stream electing a leader after a server was killed) tries again until `--wait` ends, and then says so
+    in one line with exit 4. Before, the first timeout ended it with a traceback."""
+    server = EmbeddedNats(tmp_path / "nats")
+    await asyncio.to_thread(server.start)
+    try:
+        bus = await EventBus.connect(server.url, bus_names, name="gpushare-test")
+        try:
+            await _busy_ledger(engine, bus, seed=7)
+            assert (await take_snapshot(bus, trim=False)).written
+        finally:
+            await bus.close()
+        args = _cli_args("rebuild", database_url, server.url, bus)
+        server.pause()
+        rebuilding = asyncio.create_task(asyncio.to_thread(gpushare, [*args, "--wait", "60"]))
+        await asyncio.sleep(3)  # the command meets the frozen server first
+        assert not rebuilding.done()
+        server.resume()
+        code = await asyncio.wait_for(rebuilding, 90)
+        err = capsys.readouterr().err
+        assert code == 0 and "ledger verified" in err, err
+        server.pause()
+        code = await asyncio.to_thread(gpushare, [*args, "--wait", "2"])
+        err = capsys.readouterr().err
+        assert code == UNAVAILABLE_EXIT, err
+        assert "cannot rebuild: connecting to NATS: no answer for 2s" in err and "Traceback" not in err, err
+    finally:
+        server.resume()
+        await asyncio.to_thread(server.stop)

@@ -181,14 +181,15 @@ def _client_connections(cluster: NatsCluster, index: int) -> int:
 
 async def make_whole(servers: Servers, stack: Any) -> None:
     """Every server back: the lost primary rebuilt as the new primary's synchronous standby, every NATS server
-    running (restarted on its data, or resumed), every stream current on it and every durable consumer led."""
+    running (restarted on its data, or resumed), every stream current on it (the snapshot object store's too) and every
+    durable consumer led."""
     await servers.pg.rejoin()
     for server in servers.nats.servers:
         server.resume()
         if server.pid is None:
             await asyncio.to_thread(server.start)
     await asyncio.to_thread(servers.nats.wait_meta_leader)
-    for stream in (stack.config.stream_name, f"{stack.config.stream_name}_SAMPLES"):
+    for stream in await servers.nats.stream_names():  # the snapshot store's own stream too (`ledger rebuild`)
         await servers.nats.wait_current(stream, timeout_s=120)
     await servers.nats.wait_consumers_current(stack.config.stream_name, timeout_s=120)
 
