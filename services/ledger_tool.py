@@ -3,7 +3,6 @@ compare with (or replace) the live ledger; fold the stream into a new snapshot a
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import sys
@@ -15,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
-from shared.ledger.db import make_engine
+from shared.ledger.db import LedgerUnavailable, make_engine, retry_transient
 from shared.ledger.replay import differences, load_state, write_state
 from shared.ledger.snapshots import SnapshotStore, StreamGap, replay_tail, snapshot_from_database, take_snapshot
 from shared.ledger.state import LedgerState
@@ -41,20 +40,13 @@ class Unavailable(Exception):
 
 
 async def patiently(what: str, call: Callable[[], Awaitable[T]], wait_s: float) -> T:
-    """`call()`, again every second while it fails in a way that passes (`is_transient_failure`: a timeout, a
-    JetStream 503 while a stream or its object store elects a leader, a database restarting), for `wait_s`; then
-    `Unavailable` naming `what` and the last failure. Any other failure is raised at once."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return await call()
-        except Exception as exc:
-            if not is_transient_failure(exc):
-                raise
-            if time.monotonic() >= deadline:
-                raise Unavailable(f"{what}: no answer for {wait_s:g}s ({exc!r})") from exc
-            log.warning("%s: %r; trying again", what, exc)
-            await asyncio.sleep(1.0)
+    """`call()`, retried while it fails in a way that passes (`is_transient_failure`: a timeout, a JetStream 503
+    while a stream or its object store elects a leader, a database restarting) for `wait_s` (`retry_transient`);
+    then `Unavailable` naming `what` and the last failure. Any other failure is raised at once."""
+    try:
+        return await retry_transient(call, budget_s=wait_s, what=what, transient=is_transient_failure)
+    except LedgerUnavailable as exc:
+        raise Unavailable(f"{what}: no answer for {wait_s:g}s ({exc.__cause__!r})") from exc
 
 
 def _progress(label: str):  # type: ignore[no-untyped-def]

@@ -99,18 +99,25 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-async def retry_transient(fn: Callable[[], Awaitable[T]], *, budget_s: float, what: str) -> T:
-    """Await `fn()`, retrying transient database failures with capped exponential backoff for `budget_s`
-    seconds; then raise `LedgerUnavailable` saying why (`unavailable_reason`), at once while the ledger's COMMITs
-    are known to be held (`CommitsRefused`: the commit watch's probe, not this caller, sees when they pass). Other
-    errors are raised at once."""
+async def retry_transient(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    budget_s: float,
+    what: str,
+    transient: Callable[[BaseException], bool] = is_transient,
+) -> T:
+    """Await `fn()`, retrying transient database failures (or what `transient` says passes: NATS's too, with
+    `shared.transient.is_transient_failure`) with capped exponential backoff for `budget_s` seconds; then raise
+    `LedgerUnavailable` saying why (`unavailable_reason`), at once while the ledger's COMMITs are known to be held
+    (`CommitsRefused`: the commit watch's probe, not this caller, sees when they pass). Other errors are raised at
+    once."""
     started = time.monotonic()
     attempt = 0
     while True:
         try:
             return await fn()
         except Exception as exc:
-            if not is_transient(exc):
+            if not transient(exc):
                 raise
             if isinstance(exc, CommitsRefused):  # known to be held: waiting out the budget would only delay the answer
                 log.info("%s: %s", what, exc)
@@ -120,7 +127,7 @@ async def retry_transient(fn: Callable[[], Awaitable[T]], *, budget_s: float, wh
             if time.monotonic() - started + delay > budget_s:
                 log.warning("%s: the database stayed unavailable for %.1fs: %r", what, budget_s, exc)
                 raise LedgerUnavailable(unavailable_reason(exc)) from exc
-            log.info("%s: transient database error, retrying in %.2fs: %r", what, delay, exc)
+            log.info("%s: transient error, retrying in %.2fs: %r", what, delay, exc)
             await asyncio.sleep(delay)
 
 
