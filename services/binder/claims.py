@@ -86,6 +86,7 @@ from shared.kube.retry import RetryPolicy, call_with_retry
 from shared.kube.watching import ADDED, DELETED, SYNCED, watch_objects
 from shared.ledger.claim_holds import end_holds, holds_older_than, quota_namespaces
 from shared.ledger.claims import ClaimAllocationEnded, PathConflict
+from shared.ledger.db import reading
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations, gpus
@@ -139,7 +140,7 @@ async def live_claim_allocations(engine: AsyncEngine, claim_uid: str | None = No
     ).where(and_(allocations.c.claim_uid.is_not(None), allocations.c.state.in_(LIVE_STATE_VALUES)))
     if claim_uid is not None:
         query = query.where(allocations.c.claim_uid == claim_uid)
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return [LiveClaim(*r) for r in (await conn.execute(query)).all()]
 
 
@@ -148,7 +149,7 @@ async def node_gpus(engine: AsyncEngine, node: str) -> dict[str, LedgerGpu]:
     query = select(gpus.c.uuid, gpus.c.index, gpus.c.memory_mib, gpus.c.compute_units).where(
         and_(gpus.c.node == node, gpus.c.retired_at.is_(None))
     )
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = (await conn.execute(query)).all()
     return {device_name(r.uuid): LedgerGpu(r.uuid, int(r.index), int(r.memory_mib), int(r.compute_units)) for r in rows}
 

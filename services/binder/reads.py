@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.events.agent_rpc import ContainerRecord, NodeSnapshot, ShareRecord
 from shared.events.catalogue import AllocationPart
 from shared.ledger import driver
+from shared.ledger.db import reading
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row
 from shared.ledger.rules import LIVE_STATE_VALUES
 
@@ -37,7 +38,7 @@ class LiveAllocation:
 
 async def allocation_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> str | None:
     """The allocation's current state, or None when the ledger has no such allocation."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return (await conn.execute(select(allocations.c.state).where(allocations.c.id == allocation_id))).scalar()
 
 
@@ -54,7 +55,7 @@ async def bind_facts_many(engine: AsyncEngine, asks: list[tuple[uuid.UUID, list[
     them for the reservations it handles together, as it commits their `bound` writes together)."""
     ids = [a for a, _ in asks]
     uuids = sorted({u for _, us in asks for u in us})
-    async with engine.connect() as conn:  # on asyncpg directly: it runs for every batch of bindings
+    async with reading(engine) as conn:  # on asyncpg directly: it runs for every batch of bindings
         states = {r["id"]: r["state"] for r in await driver.fetch(conn, _STATES, ids)}
         memory = {r["uuid"]: int(r["memory_mib"]) for r in await driver.fetch(conn, _MEMORY, uuids)} if uuids else {}
     out = []
@@ -82,14 +83,14 @@ async def allocation_exists(engine: AsyncEngine, allocation_id: uuid.UUID) -> bo
 
 async def gpu_memory(engine: AsyncEngine, uuids: list[str]) -> dict[str, int]:
     """Schedulable memory (MiB) of each GPU named."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = (await conn.execute(_memory_of(), {"uuids": list(uuids)})).all()
     return {r.uuid: int(r.memory_mib) for r in rows}
 
 
 async def gpus_by_index(engine: AsyncEngine, node: str) -> dict[int, tuple[str, int]]:
     """The node's current (not retired) GPUs: index -> (UUID, schedulable MiB)."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = (
             await conn.execute(
                 select(gpus.c.uuid, gpus.c.index, gpus.c.memory_mib).where(
@@ -102,7 +103,7 @@ async def gpus_by_index(engine: AsyncEngine, node: str) -> dict[int, tuple[str, 
 
 async def live_allocations(engine: AsyncEngine) -> list[LiveAllocation]:
     """Every live allocation."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = (
             await conn.execute(
                 select(
@@ -124,7 +125,7 @@ async def live_allocations(engine: AsyncEngine) -> list[LiveAllocation]:
 
 async def active_node(engine: AsyncEngine, name: str) -> bool:
     """True when the ledger knows the node and has not retired it."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         row = (
             await conn.execute(select(nodes.c.name).where(and_(nodes.c.name == name, nodes.c.retired_at.is_(None))))
         ).first()
@@ -143,7 +144,7 @@ async def _part_rows(conn: Any, allocation_id: uuid.UUID) -> list[Any]:
 
 async def reservation_parts(engine: AsyncEngine, allocation_id: uuid.UUID) -> list[AllocationPart]:
     """The parts of one allocation, in container order."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = await _part_rows(conn, allocation_id)
     return [part_from_row(r) for r in rows]
 
@@ -166,8 +167,8 @@ class PodRecord:
 
 
 async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord | None:
-    """The allocation's current record (None when the ledger has no such allocation), read in one transaction."""
-    async with engine.connect() as conn:
+    """The allocation's current record (None when the ledger has no such allocation), read on one connection."""
+    async with reading(engine) as conn:
         row = (await conn.execute(select(allocations).where(allocations.c.id == allocation_id))).first()
         if row is None:
             return None
@@ -225,7 +226,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
             allocations.c.ended_at >= now - ENDED_MEMORY,
         )
     )
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = (await conn.execute(query)).all()
         ended = [r.id for r in (await conn.execute(ended_query)).all()]
     grouped: dict[tuple[uuid.UUID, str, int, bool, bool], list[Any]] = {}
@@ -258,7 +259,7 @@ async def node_snapshot(engine: AsyncEngine, node: str, stream_seq: int, *, now:
 
 async def allocation_node_state(engine: AsyncEngine, allocation_id: uuid.UUID) -> tuple[str, str] | None:
     """(node, state) of an allocation, or None when the ledger has no such allocation."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         row = (
             await conn.execute(select(allocations.c.node, allocations.c.state).where(allocations.c.id == allocation_id))
         ).first()

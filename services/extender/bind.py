@@ -13,7 +13,7 @@ from services.extender.pods import PodCache, PodUnavailable
 from services.extender.resync import ViewSync
 from services.extender.view import DRA_NODE, NO_INVENTORY, ClusterView
 from services.extender.wire import BindingArgs
-from shared.ledger.db import LedgerUnavailable, retry_transient
+from shared.ledger.db import LedgerUnavailable, reading, retry_transient
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import (
@@ -179,7 +179,7 @@ class Bind:
 
     async def _existing(self, pod_uid: str) -> Reservation | None:
         async def read() -> Reservation | None:
-            async with self.engine.connect() as conn:
+            async with reading(self.engine) as conn:
                 return await live_reservation(conn, pod_uid)
 
         return await retry_transient(read, budget_s=LEDGER_BUDGET_S, what="read the pod's reservation")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from shared.ledger.db import reading
 from shared.ledger.models import allocations
 from shared.ledger.rules import AllocationState
 
@@ -49,7 +50,7 @@ class OutcomeWaiter:
     async def state(self, allocation_id: uuid.UUID) -> Outcome | None:
         """The allocation's outcome from the ledger, or None while it is still only reserved."""
         self.reads += 1
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             row = (
                 await conn.execute(
                     select(allocations.c.state, allocations.c.bound_at, allocations.c.reason).where(

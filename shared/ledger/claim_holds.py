@@ -28,6 +28,7 @@ from sqlalchemy import and_, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from shared.ledger.db import reading
 from shared.ledger.models import claim_holds, gpus, nodes, quotas
 from shared.ledger.quotas import Usage, lock_quota, namespace_usage
 from shared.ledger.reservations import QuotaExceeded
@@ -157,7 +158,7 @@ async def holds_older_than(engine: AsyncEngine, age_s: float) -> dict[str, tuple
     query = select(claim_holds.c.claim_uid, claim_holds.c.namespace, claim_holds.c.claim_name).where(
         claim_holds.c.admitted_at < func.now() - timedelta(seconds=age_s)
     )
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return {r.claim_uid: (r.namespace, r.claim_name) for r in (await conn.execute(query)).all()}
 
 
@@ -169,7 +170,7 @@ async def largest_dra_gpu_mib(engine: AsyncEngine) -> int:
         .select_from(gpus.join(nodes, nodes.c.name == gpus.c.node))
         .where(and_(nodes.c.allocator == "dra", gpus.c.retired_at.is_(None)))
     )
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return int((await conn.execute(query)).scalar_one())
 
 
@@ -178,12 +179,12 @@ async def has_quota(engine: AsyncEngine, namespace: str) -> bool:
     query = select(quotas.c.namespace).where(
         and_(quotas.c.namespace == namespace, (quotas.c.memory_mib.is_not(None)) | (quotas.c.compute.is_not(None)))
     )
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return (await conn.execute(query)).first() is not None
 
 
 async def quota_namespaces(engine: AsyncEngine) -> set[str]:
     """The namespaces with a GPU quota (the only ones whose claims take holds)."""
     query = select(quotas.c.namespace).where((quotas.c.memory_mib.is_not(None)) | (quotas.c.compute.is_not(None)))
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return {r.namespace for r in (await conn.execute(query)).all()}

@@ -124,6 +124,10 @@ class CommitWatch:
         self._engine = weakref.ref(engine.sync_engine)
         _WATCHES[engine.sync_engine] = self
 
+    def attach_reader(self, reader: AsyncEngine) -> None:
+        """The engine's autocommit face for reads (`db.reading`, the same pool) answers to this watch too."""
+        _WATCHES[reader.sync_engine] = self
+
     # ---- state -------------------------------------------------------------------------------------------
     @property
     def can_commit(self) -> bool:

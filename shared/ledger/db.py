@@ -14,7 +14,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine, ExceptionContext
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from shared.ledger.commit_watch import CommitWatch, watch_of
 from shared.ledger.deadlines import CommitsRefused, CommitUnconfirmed, Deadlines, LedgerCannotCommit
@@ -224,7 +224,31 @@ def make_engine(
     )
     watch.attach(engine)
     event.listen(engine.sync_engine, "handle_error", _explain)
+    watch.attach_reader(_reader(engine))
     return engine
+
+
+def reading(engine: AsyncEngine) -> AsyncConnection:
+    """A connection of `engine`'s pool for reads alone (`async with reading(engine) as conn:`), in autocommit.
+
+    Through `engine.connect()` SQLAlchemy's asyncpg adapter sends BEGIN before the first statement and ROLLBACK
+    when the connection goes back to the pool: three round trips for a one-statement read (0.55 ms of the
+    caller's CPU against 0.34 in a loop of one-row reads). Under READ COMMITTED, the ledger's level, each
+    statement takes its own snapshot inside a transaction or not, so a read loses nothing. Never write through
+    it (each statement would commit on its own), nor lock rows (a row lock ends with its statement); a read that
+    needs one view of several statements needs a REPEATABLE READ transaction, which READ COMMITTED never gave.
+    """
+    return _reader(engine).connect()
+
+
+def _reader(engine: AsyncEngine) -> AsyncEngine:
+    """`engine` in autocommit (the same pool), made once per engine."""
+    sync = engine.sync_engine
+    reader: AsyncEngine | None = sync.__dict__.get("_gpushare_reader")
+    if reader is None:
+        reader = engine.execution_options(isolation_level="AUTOCOMMIT")
+        sync.__dict__["_gpushare_reader"] = reader
+    return reader
 
 
 def _explain(context: ExceptionContext) -> BaseException | None:

@@ -40,6 +40,7 @@ from shared.ledger import (
     transitions,
 )
 from shared.ledger.commit_watch import watch_of
+from shared.ledger.db import reading
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ class Ledger:
 
     async def release_pod(self, pod_uid: str, reason: str) -> int:
         """Release every live allocation of a pod; returns how many ended."""
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = await transitions.live_allocation_ids(conn, pod_uid=pod_uid)
         return sum([await self.release(r.id, r.pod_uid, r.node, reason) for r in rows])
 
@@ -299,7 +300,7 @@ class Ledger:
 
         A pod marked before is not marked again (no event), so repeated pod updates cost one read.
         """
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = await transitions.live_allocation_ids(conn, pod_uid=pod_uid)
         events = [
             TerminatingEvent(allocation_id=r.id, pod_uid=r.pod_uid, node=r.node, source=self.source)
@@ -310,7 +311,7 @@ class Ledger:
 
     async def retire_node(self, node: str, reason: str = "node deleted") -> int:
         """Release a node's allocations and retire its GPUs; returns how many allocations ended."""
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = await transitions.live_allocation_ids(conn, node=node)
         released = sum([await self.release(r.id, r.pod_uid, r.node, reason) for r in rows])
         await self.record(NodeRetiredEvent(node=node, source=self.source))
