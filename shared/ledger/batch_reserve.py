@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import ReservedEvent
 from shared.ledger import driver, locks
-from shared.ledger.models import LIVE_SQL
+from shared.ledger.models import LIVE_SQL, part_arrays
 from shared.ledger.reservations import Reservation
 from shared.ledger.rules import AllocationState, gpu_charges
 
@@ -128,14 +128,7 @@ async def reserve_fast(conn: AsyncConnection, events: list[ReservedEvent]) -> li
             conn,
             _INSERT_PARTS,
             [a for a, _ in parts],
-            [p.container for _, p in parts],
-            [p.container_index for _, p in parts],
-            [p.init for _, p in parts],
-            [p.sidecar for _, p in parts],
-            [p.gpu_uuid for _, p in parts],
-            [p.gpu_index for _, p in parts],
-            [p.memory_mib for _, p in parts],
-            [p.compute for _, p in parts],
+            *part_arrays([p for _, p in parts]),
         )
     return [
         Reservation(e.allocation_id, e.pod_uid, e.node, AllocationState.RESERVED, tuple(e.parts), created=True)

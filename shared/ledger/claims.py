@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from shared.events.catalogue import ClaimReservedEvent
 from shared.ledger import driver, locks
-from shared.ledger.models import LIVE_SQL
+from shared.ledger.models import LIVE_SQL, part_arrays
 from shared.ledger.reservations import (
     InsufficientCapacity,
     Reservation,
@@ -50,27 +50,27 @@ _CHECKS = (
     " JOIN allocations AS a ON a.id = p.allocation_id"
     f" WHERE p.gpu_uuid = ANY($4::text[]) AND {_LIVE} AND a.claim_uid IS NULL AND a.id <> $2 LIMIT 1) AS taken"
 )
-_INSERT_CLAIM_ALLOCATION = (
-    "INSERT INTO allocations (id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, state, memory_mib,"
-    " compute, reserved_at, pod_created_at)"
-    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
-    f" ON CONFLICT (pod_uid) WHERE {LIVE_SQL} DO NOTHING RETURNING id"
-)
-_CHARGE_GPUS = (
-    "UPDATE gpus AS g SET allocated_memory_mib = g.allocated_memory_mib + w.memory,"
-    " allocated_compute = g.allocated_compute + w.compute, updated_at = $1 "
-    "FROM unnest($2::text[], $3::integer[], $4::integer[]) AS w(uuid, memory, compute) "
-    "WHERE g.uuid = w.uuid AND g.node = $5 AND g.healthy AND g.retired_at IS NULL"
+# the allocation (with the claim's UID and name), the counters (the conditional UPDATE the CHECK constraints back)
+# and the parts, in one statement: nothing is charged or added when the pod holds a live allocation already (no id
+# comes back); a GPU that is not charged (short of room, unhealthy, retired) is missing from `charged`, and the
+# caller then raises, which rolls the whole transaction back. The parts' foreign key is checked at the statement's
+# end, when the allocation row is there.
+_RECORD_CLAIM_ALLOCATION = (
+    "WITH ins AS (INSERT INTO allocations (id, pod_uid, namespace, pod_name, owner_kind, owner_name, node, state,"
+    " memory_mib, compute, reserved_at, pod_created_at, claim_uid, claim_name)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+    f" ON CONFLICT (pod_uid) WHERE {LIVE_SQL} DO NOTHING RETURNING id), "
+    "charged AS (UPDATE gpus AS g SET allocated_memory_mib = g.allocated_memory_mib + w.memory,"
+    " allocated_compute = g.allocated_compute + w.compute, updated_at = $11 "
+    "FROM unnest($15::text[], $16::integer[], $17::integer[]) AS w(uuid, memory, compute) "
+    "WHERE EXISTS (SELECT 1 FROM ins) AND g.uuid = w.uuid AND g.node = $7 AND g.healthy AND g.retired_at IS NULL"
     " AND g.allocated_memory_mib + w.memory <= g.memory_mib AND g.allocated_compute + w.compute <= g.compute_units "
-    "RETURNING g.uuid"
-)
-# the parts, and the claim the allocation records (the columns the previous release set in a statement of their own)
-_INSERT_PARTS_AND_CLAIM = (
-    "WITH parts AS (INSERT INTO allocation_parts (allocation_id, container, container_index, init, sidecar, gpu_uuid,"
+    "RETURNING g.uuid), "
+    "parts AS (INSERT INTO allocation_parts (allocation_id, container, container_index, init, sidecar, gpu_uuid,"
     " gpu_index, memory_mib, compute) "
-    "SELECT $1, * FROM unnest($2::text[], $3::integer[], $4::boolean[], $5::boolean[], $6::text[],"
-    " $7::integer[], $8::integer[], $9::integer[])) "
-    "UPDATE allocations SET claim_uid = $10, claim_name = $11 WHERE id = $1"
+    "SELECT ins.id, p.* FROM ins, unnest($18::text[], $19::integer[], $20::boolean[], $21::boolean[], $22::text[],"
+    " $23::integer[], $24::integer[], $25::integer[]) AS p) "
+    "SELECT (SELECT id FROM ins) AS id, ARRAY(SELECT uuid FROM charged) AS charged"
 )
 
 
@@ -81,7 +81,8 @@ async def reserve_claim(conn: AsyncConnection, event: ClaimReservedEvent) -> Res
     `PathConflict`, `ClaimAllocationEnded` or `ReservationError`; the caller rolls back. The statements go to
     asyncpg directly (`driver`), as the extender's batch reservations do: the claim's GPUs locked in UUID order,
     the checks in one round trip, then the allocation, the counters (the conditional UPDATE the CHECK constraints
-    back), the parts and the claim's UID and name, written as `reservations.reserve` writes them: five statements.
+    back), the parts and the claim's UID and name, written as `reservations.reserve` writes them, in one statement:
+    three statements in all.
     """
     charges = gpu_charges(event.parts)
     uuids = sorted(charges)
@@ -106,10 +107,10 @@ async def reserve_claim(conn: AsyncConnection, event: ClaimReservedEvent) -> Res
             f"({'unknown' if found['allocator'] is None else 'its agent serves the device plugins'}): its GPUs are "
             "placed by the scheduler extender"
         )
-    at = event.occurred_at
-    inserted = await driver.fetch(
+    parts = list(event.parts)
+    (written,) = await driver.fetch(
         conn,
-        _INSERT_CLAIM_ALLOCATION,
+        _RECORD_CLAIM_ALLOCATION,
         event.allocation_id,
         event.pod_uid,
         event.namespace,
@@ -120,49 +121,29 @@ async def reserve_claim(conn: AsyncConnection, event: ClaimReservedEvent) -> Res
         AllocationState.RESERVED.value,
         sum(m for m, _ in charges.values()),
         sum(c for _, c in charges.values()),
-        at,
+        event.occurred_at,
         event.pod_created_at,
+        event.claim_uid,
+        event.claim_name,
+        uuids,
+        [charges[u][0] for u in uuids],
+        [charges[u][1] for u in uuids],
+        *part_arrays(parts),
     )
-    if not inserted:
+    if written["id"] is None:
         held = await live_reservation(conn, event.pod_uid)
         raise ReservationError(
             f"pod {event.namespace}/{event.pod_name} holds allocation {held.allocation_id if held else '?'} "
             f"already; claim {event.claim_name} cannot add another"
         )
-    if uuids:
-        charged = await driver.fetch(
-            conn,
-            _CHARGE_GPUS,
-            at,
-            uuids,
-            [charges[u][0] for u in uuids],
-            [charges[u][1] for u in uuids],
-            event.node,
-        )
-        short = sorted(set(uuids) - {r["uuid"] for r in charged})
-        if short:
-            memory, compute = charges[short[0]]
-            raise InsufficientCapacity(short[0], await explain_refusal(conn, event.node, short[0], memory, compute))
+    short = sorted(set(uuids) - set(written["charged"]))
+    if short:
+        memory, compute = charges[short[0]]
+        raise InsufficientCapacity(short[0], await explain_refusal(conn, event.node, short[0], memory, compute))
     if found["taken"] is not None:  # read after the GPUs were locked: an extender share that committed first
         who, _, gpu_uuid = str(found["taken"]).rpartition(" ")
         raise PathConflict(
             f"GPU {gpu_uuid} holds a share the scheduler extender placed (pod {who}); a GPU is served by one path: "
             "the DRA path takes none of it until those pods end"
         )
-    parts = list(event.parts)
-    await driver.fetch(
-        conn,
-        _INSERT_PARTS_AND_CLAIM,
-        event.allocation_id,
-        [p.container for p in parts],
-        [p.container_index for p in parts],
-        [p.init for p in parts],
-        [p.sidecar for p in parts],
-        [p.gpu_uuid for p in parts],
-        [p.gpu_index for p in parts],
-        [p.memory_mib for p in parts],
-        [p.compute for p in parts],
-        event.claim_uid,
-        event.claim_name,
-    )
     return Reservation(event.allocation_id, event.pod_uid, event.node, AllocationState.RESERVED, tuple(parts), True)
