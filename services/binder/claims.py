@@ -229,6 +229,7 @@ class ClaimGate:
         self._tasks: set[asyncio.Task[None]] = set()
         self._bound: dict[str, None] = {}  # pods marked bound (or being marked)
         self._recorded: dict[str, tuple[uuid.UUID, str, str]] = {}  # pod UID -> (allocation, node, claim UID)
+        self._ended: dict[str, None] = {}  # pods whose allocation this gate ended with its claim (and none since)
         self._held: dict[str, Held] = {}  # claim UID -> what the ledger holds for it (absent: seen without one)
         self._unrecorded: dict[str, Unrecorded] = {}  # claim UID -> an allocation the ledger refused (no gate)
         self._gated_pods: dict[str, bool] = {}  # pods recorded at a gated pool's gate, until bound (the node nudge)
@@ -598,6 +599,8 @@ class ClaimGate:
             changed = await self.ledger.release(live.id, live.pod_uid, live.node, reason)
             if changed:
                 self.metrics.released.labels(reason=reason.replace(" ", "_")).inc()
+        self._ended[live.pod_uid] = None  # ended now, or by someone else before: the pod holds nothing live
+        _bounded(self._ended)
         if changed:
             log.info(
                 "allocation %s of claim %s ended: %s",
@@ -659,7 +662,14 @@ class ClaimGate:
         recorded = self._recorded.get(pod_uid)
         return recorded[2] if recorded is not None else None
 
+    def ended_with_claim(self, pod_uid: str) -> bool:
+        """Whether this gate ended the pod's allocation with its claim and recorded none for it since: the pod then
+        holds nothing live (a pod holds at most one live allocation), and the pod watch's release at the pod's end
+        needs no query. A gate whose memory does not reach back that far says False (the query then runs)."""
+        return pod_uid in self._ended
+
     def _remember_pod(self, pod_uid: str, allocation: uuid.UUID, node: str, claim_uid: str) -> None:
+        self._ended.pop(pod_uid, None)
         self._recorded[pod_uid] = (allocation, node, claim_uid)
         _bounded(self._recorded)
 

@@ -128,6 +128,9 @@ class Lifecycle:
             if pods.is_terminating(pod) and uid not in self._marked:
                 await self._mark_terminating(pod, uid)
             return 0
+        if self.claims is not None and self.claims.ended_with_claim(uid):
+            self._remember(self._released, uid)  # its claim's deallocation ended its allocation: nothing to read
+            return 0
         released = await self.ledger.release_pod(uid, reason)
         self._remember(self._released, uid)
         if claim_uid and self.claims is not None:

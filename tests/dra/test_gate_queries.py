@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -16,11 +17,13 @@ from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.binder.claims import ClaimGate, live_claim_allocations
+from services.binder.lifecycle import Lifecycle
 from services.binder.metrics import BinderMetrics
+from services.binder.pod_index import binder_index
 from shared.dra.claims import our_results, read_claim
 from shared.dra.conditions import status_apply
 from shared.events.catalogue import InventoryEvent
-from shared.kube.watching import ADDED, DELETED, MODIFIED
+from shared.kube.watching import ADDED, DELETED, MODIFIED, WatchEvent
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations
 from shared.settings import MemoryUnit
@@ -145,3 +148,74 @@ async def test_a_claim_released_with_its_pod_costs_no_query_when_it_is_deallocat
     gate.released_with_pod(reserved["metadata"]["uid"])
     await _handled(gate, (MODIFIED, _deallocated(reserved)), (DELETED, _deallocated(reserved)))
     assert lookups == [] and await _state(engine, allocation_id) == "released"
+
+
+def _pod_lookups(engine: AsyncEngine) -> list[str]:
+    """Every ledger lookup of a pod's live allocations the engine runs from now on (`Ledger.release_pod`'s read)."""
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "allocations.pod_uid =" in statement:
+            seen.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", before)
+    return seen
+
+
+def _lifecycle(gate: ClaimGate) -> Lifecycle:
+    """The binder's pod watch, handing DRA pods to `gate` as the binder wires them."""
+    watch = Lifecycle(gate.ledger, gate.api, metrics=BinderMetrics())
+    watch.claims = gate
+    return watch
+
+
+def _pod_of(c: dict[str, Any]) -> dict[str, Any]:
+    """The (bound) pod the claim is reserved for, as the pod watch shows it."""
+    consumer = c["status"]["reservedFor"][0]
+    p = pod(consumer["name"], [("main", "r")], namespace=c["metadata"]["namespace"])
+    p["metadata"]["uid"] = consumer["uid"]
+    p["spec"]["nodeName"] = NODE
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # bound just now: the record is on time, no API write
+    p.setdefault("status", {})["conditions"] = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]
+    return p
+
+
+async def test_a_pod_whose_claim_ended_its_allocation_costs_no_query_when_it_is_deleted(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """The other order: the resourceclaim controller deallocated the claim before the pod watch saw the pod go. The
+    gate ended the allocation, so the pod's deletion needs no lookup (before: one `release_pod` read per pod)."""
+    reserved, allocation_id = await _recorded(gate.ledger, "p4")
+    await _handled(gate, (MODIFIED, reserved))
+    await _handled(gate, (MODIFIED, _deallocated(reserved)))
+    assert await _state(engine, allocation_id) == "failed"
+    lookups = _pod_lookups(engine)
+    assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, _pod_of(reserved))) == 0
+    assert lookups == []
+
+
+async def test_a_pod_recorded_again_after_its_claim_ended_is_released_when_it_is_deleted(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """What the gate remembers of an ended allocation is forgotten when it records the pod's claim anew: the pod's
+    deletion then reads the ledger and ends the new allocation (no share is left held by a pod that is gone)."""
+    reserved, first = await _recorded(gate.ledger, "p5")
+    await _handled(gate, (MODIFIED, reserved))
+    await _handled(gate, (MODIFIED, _deallocated(reserved)))
+    again = copy.deepcopy(reserved)  # allocated anew on the same GPU (a new share id: a new allocation), no gate
+    (result,) = again["status"]["allocation"]["devices"]["results"]
+    result["shareID"] = str(uuid.uuid4())
+    result.pop("bindingConditions")
+    result.pop("bindingFailureConditions")
+    again["status"].pop("devices", None)
+    p5 = _pod_of(reserved)
+    gate.pods = binder_index()  # the binder's pod watch, listed: the gate reads the pod from it
+    gate.pods.update(MODIFIED, p5)
+    gate.pods.synced()
+    await _handled(gate, (MODIFIED, again))
+    (live,) = await live_claim_allocations(engine)
+    assert live.id != first and live.pod_uid == p5["metadata"]["uid"]
+    lookups = _pod_lookups(engine)
+    assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, p5)) == 1
+    assert len(lookups) == 1 and await _state(engine, live.id) in ("released", "failed")
+    assert await live_claim_allocations(engine) == []
