@@ -10,14 +10,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from shared.events.auth import NatsAuth
 from shared.events.bus import BusNames, EventBus
 from shared.ledger.db import LedgerUnavailable, make_engine, retry_transient
-from shared.ledger.replay import differences, load_state, write_state
+from shared.ledger.replay import differences, read_live_state, write_state
 from shared.ledger.snapshots import SnapshotStore, StreamGap, replay_tail, snapshot_from_database, take_snapshot
-from shared.ledger.state import LedgerState
 from shared.optional import optional_module
 from shared.settings import Settings
 from shared.transient import is_transient_failure
@@ -113,7 +110,7 @@ async def _rebuild(settings: Settings, *, apply: bool, verify: bool, from_start:
         )
         code = 0
         if verify:
-            live = await patiently("reading the live ledger", functools.partial(_live, engine), wait_s)
+            live = await patiently("reading the live ledger", functools.partial(read_live_state, engine), wait_s)
             diffs = differences(live, replayed)
             if diffs:
                 code = 1
@@ -140,11 +137,6 @@ async def _rebuild(settings: Settings, *, apply: bool, verify: bool, from_start:
     finally:
         await bus.close()
         await engine.dispose()
-
-
-async def _live(engine: AsyncEngine) -> LedgerState:
-    async with engine.connect() as conn:
-        return await load_state(conn)
 
 
 async def snapshot(settings: Settings, *, from_database: bool, trim: bool) -> int:

@@ -135,8 +135,19 @@ async def replay_state(bus: EventBus, *, progress: Progress | None = None) -> tu
     return state, stats
 
 
+async def read_live_state(engine: AsyncEngine) -> LedgerState:
+    """The live ledger tables as of one moment: `load_state` in one read-only REPEATABLE READ transaction. Under READ
+    COMMITTED each table is read as of its own statement, and a change that commits between two of them is half in
+    (a reservation's allocation without its GPU's charge)."""
+    async with engine.connect() as conn:
+        await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        async with conn.begin():
+            return await load_state(conn)
+
+
 async def load_state(conn: AsyncConnection) -> LedgerState:
-    """The live ledger tables as a `LedgerState`, for comparison with a replay."""
+    """The live ledger tables as a `LedgerState`, for comparison with a replay (`read_live_state` reads them as of
+    one moment)."""
     state = LedgerState()
     for r in (await conn.execute(select(nodes))).all():
         state.nodes[r.name] = NodeRow(

@@ -26,7 +26,7 @@ from nats.js.object_store import ObjectStore
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.events.bus import EventBus
-from shared.ledger.replay import Progress, ReplayStats, load_state, read_events
+from shared.ledger.replay import Progress, ReplayStats, read_events, read_live_state
 from shared.ledger.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, snapshot_name
 from shared.ledger.state import LedgerState
 
@@ -196,8 +196,7 @@ async def snapshot_from_database(
     health and quota set values that later events in the tail set again) or new.
     """
     info = (await bus.js.stream_info(bus.names.stream)).state
-    async with engine.connect() as conn:
-        state = await load_state(conn)
+    state = await read_live_state(engine)
     snapshot = Snapshot(state, bus.names.stream, int(info.last_seq), now or datetime.now(UTC))
     store = SnapshotStore(bus)
     size = await store.put(snapshot)

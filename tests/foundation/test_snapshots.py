@@ -4,10 +4,12 @@ only behind what a snapshot covers and every durable consumer read, and a clear 
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -18,7 +20,9 @@ from services.cli import main as gpushare
 from services.ledger_tool import GAP_EXIT, UNAVAILABLE_EXIT
 from shared.events.bus import BusNames, EventBus
 from shared.events.catalogue import AllocationPart, BoundEvent, GpuInfo, InventoryEvent, ReservedEvent
+from shared.ledger import replay, snapshots
 from shared.ledger.replay import differences, load_state
+from shared.ledger.reservations import ReservationRequest
 from shared.ledger.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot
 from shared.ledger.snapshots import SnapshotStore, StreamGap, replay_tail, take_snapshot
 from shared.ledger.state import LedgerState
@@ -193,3 +197,52 @@ async def test_rebuild_waits_out_a_nats_server_that_does_not_answer(
     finally:
         server.resume()
         await asyncio.to_thread(server.stop)
+
+
+async def test_a_snapshot_from_the_database_is_one_moment_of_the_ledger(
+    engine: AsyncEngine, bus: EventBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`snapshot --from-database` reads the tables one after another. Under READ COMMITTED each read saw the commits
+    made before it, so a reservation that committed between the GPUs' read and the allocations' read was in the
+    snapshot without its GPU's charge: a ledger rebuilt from it held a share its GPU did not count (and the tail's
+    copy of the reservation, found recorded, charged nothing either). The tables are now read in one REPEATABLE
+    READ transaction: the snapshot is the ledger before that commit, or after it, never a mixture."""
+    ledger = await _busy_ledger(engine, bus, seed=21)
+    request = ReservationRequest(
+        pod_uid=str(uuid.uuid4()),
+        namespace="team-b",
+        pod_name="between",
+        node="node-0",
+        owner_kind="Deployment",
+        owner_name="bert",
+        parts=(AllocationPart(container="main", container_index=0, gpu_uuid="GPU-0-0", gpu_index=0, memory_mib=1024),),
+    )
+    taken: list[LedgerState] = []
+    real_load_state = replay.load_state
+
+    class CommitBeforeAllocations:
+        """The snapshot's connection: the reservation commits elsewhere right before the allocations are read."""
+
+        def __init__(self, conn: Any) -> None:
+            self.conn, self.fired = conn, False
+
+        async def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.fired and re.search(r"\bFROM allocations\b", str(statement)):
+                self.fired = True
+                await ledger.reserve(request)
+            return await self.conn.execute(statement, *args, **kwargs)
+
+    async def racing_load_state(conn: Any) -> LedgerState:
+        racing = CommitBeforeAllocations(conn)
+        taken.append(await real_load_state(racing))  # type: ignore[arg-type]
+        assert racing.fired
+        return taken[-1]
+
+    before = await _live(engine)
+    monkeypatch.setattr(replay, "load_state", racing_load_state)
+    monkeypatch.setattr(snapshots, "load_state", racing_load_state, raising=False)  # where it was called before
+    await snapshots.snapshot_from_database(bus, engine)
+    after = await _live(engine)
+    assert differences(before, after), "the reservation committed meanwhile"
+    (snapshot,) = taken
+    assert not differences(before, snapshot) or not differences(after, snapshot), differences(before, snapshot)
