@@ -82,7 +82,7 @@ from shared.kube.events import event_body, post_pod_event
 from shared.kube.pod_index import PodIndex
 from shared.kube.pods import Pod
 from shared.kube.raw import read_json
-from shared.kube.retry import RetryPolicy, call_with_retry
+from shared.kube.retry import RetryPolicy, call_with_retry, describe_failure, is_retryable
 from shared.kube.watching import ADDED, DELETED, SYNCED, watch_objects
 from shared.ledger.claim_holds import end_holds, holds_older_than, quota_namespaces
 from shared.ledger.claims import ClaimAllocationEnded, PathConflict
@@ -110,6 +110,7 @@ RETRY_MAX_S = 30.0
 # (it waits up to `--dra-ledger-wait`, 10 s by default, for the record), and kubelet asks again at the pod's next
 # update, so a late record's annotations are written at once. On time, they are written once the share is assigned.
 LATE_RECORD_S = 5.0
+ASK_AGAIN_S = 5.0  # a throttled or unreachable API server is asked again this often whether it serves DRA
 
 
 CHECK = "check"  # a claim the gate must look up in the ledger (reconciliation found it there)
@@ -251,7 +252,9 @@ class ClaimGate:
         self._held.clear()  # a new term: another leader may have recorded or ended allocations meanwhile
         self._unrecorded.clear()
         self._fresh.clear()
-        self.served = await self._kube(self._resource_api_served, "GET /apis/resource.k8s.io/v1")
+        self.served = await self._ask_served(stop)
+        if self.served is None:
+            return  # stopped before the API server answered
         if not self.served:
             log.info(
                 "the API server does not serve resource.k8s.io/v1: no DRA claims to gate (device-plugin path only)"
@@ -278,6 +281,26 @@ class ClaimGate:
             elif event.type == ADDED and self.synced.is_set():
                 self._fresh.add(uid)  # created in this term: the ledger holds nothing of it but what it is told here
             self.submit(event.type, claim)
+
+    async def _ask_served(self, stop: asyncio.Event) -> bool | None:
+        """Whether there are claims to gate, asked until the API server answers (None: `stop` came first). A
+        throttled or unreachable API server (429, 5xx, connection failures, past their retries) is asked again
+        every ASK_AGAIN_S: it must not end the binder's term, and with it the binder (before: six 429s in a row at
+        the start of a term stopped the binder)."""
+        while not stop.is_set():
+            try:
+                return await self._kube(self._resource_api_served, "GET /apis/resource.k8s.io/v1")
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                log.warning(
+                    "cannot tell yet whether the API server serves resource.k8s.io/v1 (%s); asking again in %.0fs",
+                    describe_failure(exc),
+                    ASK_AGAIN_S,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ASK_AGAIN_S)
+        return None
 
     async def _resource_api_served(self) -> bool:
         """Whether there are claims to gate: resource.k8s.io/v1 served, and the binder allowed to list claims (a

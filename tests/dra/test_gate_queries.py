@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
 from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from services.binder import claims as claims_module
 from services.binder.claims import ClaimGate, live_claim_allocations
 from services.binder.lifecycle import Lifecycle
 from services.binder.metrics import BinderMetrics
@@ -23,6 +25,7 @@ from services.binder.pod_index import binder_index
 from shared.dra.claims import our_results, read_claim
 from shared.dra.conditions import status_apply
 from shared.events.catalogue import InventoryEvent
+from shared.kube.retry import RetryPolicy
 from shared.kube.watching import ADDED, DELETED, MODIFIED, WatchEvent
 from shared.ledger.ledger import Ledger
 from shared.ledger.models import allocations
@@ -219,3 +222,33 @@ async def test_a_pod_recorded_again_after_its_claim_ended_is_released_when_it_is
     assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, p5)) == 1
     assert len(lookups) == 1 and await _state(engine, live.id) in ("released", "failed")
     assert await live_claim_allocations(engine) == []
+
+
+async def test_a_throttled_api_server_does_not_end_the_term_at_its_dra_question(
+    gate: ClaimGate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the start of each term the gate asks whether the API server serves resource.k8s.io/v1. Throttled past the
+    retries (kube-apiserver's 429 with Retry-After, as tests/reliability/test_slow_apiserver.py's proxy answers), the
+    question raised and ended the binder's term, and the binder with it. Now it is asked again until answered."""
+    answers: list[BaseException | bool] = [ApiException(status=429, reason="Too Many Requests")] * 3 + [True]
+
+    async def served() -> bool:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(gate, "_resource_api_served", served)
+    monkeypatch.setattr(gate, "retry", RetryPolicy(attempts=1))  # no retry inside: each 429 reaches the gate
+    monkeypatch.setattr(claims_module, "ASK_AGAIN_S", 0.01)
+    assert await gate._ask_served(asyncio.Event()) is True and answers == []
+    stopped = asyncio.Event()
+    stopped.set()
+    assert await gate._ask_served(stopped) is None  # the term ended before an answer: nothing is raised
+
+    async def refused() -> bool:
+        raise ApiException(status=403, reason="Forbidden")
+
+    monkeypatch.setattr(gate, "_resource_api_served", refused)
+    with pytest.raises(ApiException):  # not a passing failure: raised at once, as before
+        await gate._ask_served(asyncio.Event())
