@@ -36,12 +36,13 @@ NODE = "dra-node"
 GPUS = [gpu(NODE, 0)]
 
 
-def _lookups(engine: AsyncEngine) -> list[str]:
-    """Every ledger lookup of a claim's allocations the engine runs from now on (the statements, as sent)."""
+def _lookups(engine: AsyncEngine, marker: str = "allocations.claim_uid") -> list[str]:
+    """Every ledger lookup whose text holds `marker` the engine runs from now on (the statements, as sent): by
+    default the lookups of a claim's allocations."""
     seen: list[str] = []
 
     def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "allocations.claim_uid" in statement:
+        if statement.lstrip().upper().startswith("SELECT") and marker in statement:
             seen.append(statement)
 
     event.listen(engine.sync_engine, "before_cursor_execute", before)
@@ -154,15 +155,8 @@ async def test_a_claim_released_with_its_pod_costs_no_query_when_it_is_deallocat
 
 
 def _pod_lookups(engine: AsyncEngine) -> list[str]:
-    """Every ledger lookup of a pod's live allocations the engine runs from now on (`Ledger.release_pod`'s read)."""
-    seen: list[str] = []
-
-    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "allocations.pod_uid =" in statement:
-            seen.append(statement)
-
-    event.listen(engine.sync_engine, "before_cursor_execute", before)
-    return seen
+    """Every ledger lookup of a pod's live allocations from now on (`Ledger.release_pod`'s read)."""
+    return _lookups(engine, "allocations.pod_uid =")
 
 
 def _lifecycle(gate: ClaimGate) -> Lifecycle:
