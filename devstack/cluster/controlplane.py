@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import datetime
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -41,26 +43,58 @@ KUBECONFIG_NAME = "kubeconfig"  # the admin kubeconfig, in the work directory
 
 # What kube-apiserver logs when its storage is inconsistent (the sources of k8s.io/apiserver v0.37.2):
 # - "Too large resource version": `storage.NewTooLargeResourceVersionError` (pkg/storage/errors.go), returned when
-#   the watch cache lags the revision etcd reported and does not catch up (cacher `waitUntilFreshAndBlock`), logged
-#   e.g. by `resourceSizeEstimator.cleanKeysIfNeeded` (pkg/storage/etcd3/stats.go: "Error getting keys"); on
-#   Debian's etcd 3.4.23 the cache of a resource never learns etcd's revision, so it is logged again and again;
+#   a watch cache is not as fresh as etcd's revision within `blockTimeout` (3 s; pkg/storage/cacher/watch_cache.go
+#   `waitUntilFreshAndBlock`), logged e.g. by `resourceSizeEstimator.cleanKeysIfNeeded` (pkg/storage/etcd3/
+#   stats.go: "Error getting keys"), which asks each resource's cache once every `sizerRefreshInterval` (1 min,
+#   jittered up to 1.5). On Debian's etcd 3.4.23 a cache never learns etcd's revision: it reports the same
+#   `current` revision again and again. On a loaded machine a healthy cache may lag past the 3 s and catch up
+#   (the client is told to retry): such a report names a `current` revision that no report a refresh later names
+#   again, and is no error (`stuck_cache_reports`);
 # - "Cache consistency check failed" / "Cache consistency check error": `Checker.check`
 #   (pkg/storage/cacher/consistency/checker.go), the watch cache's digest differs from etcd's, or cannot be
 #   compared (an error while the server stops, "context canceled", is not one).
-STORAGE_CONSISTENCY_MARKERS = (
-    "Too large resource version",
-    "Cache consistency check failed",
-    "Cache consistency check error",
-)
+TOO_LARGE_RESOURCE_VERSION = "Too large resource version"
+CACHE_CHECK_MARKERS = ("Cache consistency check failed", "Cache consistency check error")
+STUCK_AFTER_S = 60.0  # `sizerRefreshInterval`: a cache that reports one revision again this much later did not move
+_KLOG_TIME = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2}(?:\.\d+)?)")
+_CURRENT = re.compile(r"current: (\d+)")
 
 
 def storage_consistency_errors(log_text: str) -> list[str]:
-    """The lines of a kube-apiserver log that report storage consistency errors (pure)."""
-    return [
-        line
-        for line in log_text.splitlines()
-        if any(marker in line for marker in STORAGE_CONSISTENCY_MARKERS) and "context canceled" not in line
-    ]
+    """The lines of a kube-apiserver log that report storage consistency errors (pure): failed cache consistency
+    checks, and the reports of watch caches stuck behind etcd (`stuck_cache_reports`)."""
+    lines = log_text.splitlines()
+    checks = [line for line in lines if any(m in line for m in CACHE_CHECK_MARKERS) and "context canceled" not in line]
+    stuck = set(stuck_cache_reports([line for line in lines if TOO_LARGE_RESOURCE_VERSION in line]))
+    return [line for line in lines if line in stuck or line in checks]
+
+
+def stuck_cache_reports(reports: Sequence[str]) -> list[str]:
+    """Of kube-apiserver's "Too large resource version" lines, those of a cache that did not move: its `current`
+    revision is reported again at least `STUCK_AFTER_S` apart. A line without a klog time or a `current` revision
+    is kept (nothing shows that the cache caught up)."""
+    by_current: dict[str, list[tuple[float, str]]] = {}
+    kept: list[str] = []
+    for line in reports:
+        when, current = _klog_seconds(line), _CURRENT.search(line)
+        if when is None or current is None:
+            kept.append(line)
+        else:
+            by_current.setdefault(current.group(1), []).append((when, line))
+    for seen in by_current.values():
+        times = [when for when, _ in seen]
+        if max(times) - min(times) >= STUCK_AFTER_S:
+            kept.extend(line for _, line in seen)
+    return [line for line in reports if line in kept]
+
+
+def _klog_seconds(line: str) -> float | None:
+    """Seconds since the start of the year of a klog line's header (`I1206 22:18:32.515988 ...`), or None."""
+    m = _KLOG_TIME.match(line)
+    if m is None:
+        return None
+    day = datetime.date(2000, int(m[1]), int(m[2])).timetuple().tm_yday  # a leap year: 29 February parses
+    return ((day * 24 + int(m[3])) * 60 + int(m[4])) * 60 + float(m[5])
 
 
 @dataclass

@@ -1,4 +1,8 @@
-"""A reserver process for the race test: hammers the ledger and reports what it was told."""
+"""A reserver process for the race test: hammers the ledger and reports what it was told.
+
+Failures that pass (a lock PostgreSQL gave up waiting for after `lock_timeout`, on a loaded machine) are retried as
+the extender's bind retries them (`retry_transient`, services/extender/bind.py); an answer is what the retries end
+with."""
 
 from __future__ import annotations
 
@@ -6,14 +10,28 @@ import asyncio
 import random
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from shared.events.catalogue import AllocationPart
-from shared.ledger.db import make_engine
+from shared.ledger.db import gave_up_waiting, make_engine, retry_transient
+from shared.ledger.deadlines import Deadlines
 from shared.ledger.group_commit import GroupCommit
 from shared.ledger.ledger import Ledger
 from shared.ledger.reservations import InsufficientCapacity, QuotaExceeded, Reservation, ReservationRequest
 
+T = TypeVar("T")
 Reserve = Callable[[ReservationRequest], Awaitable[Reservation]]
+PATIENCE_S = 60.0  # how long an actor retries a failure that passes; past it the failure ends the test
+
+
+async def _counting_lock_timeouts(call: Callable[[], Awaitable[T]], out: dict) -> T:
+    """`call()`, counting in `out["lock_timeouts"]` the statements PostgreSQL ended at their lock deadline."""
+    try:
+        return await call()
+    except Exception as exc:
+        if gave_up_waiting(exc):
+            out["lock_timeouts"] += 1
+        raise
 
 
 async def _actor(
@@ -23,7 +41,14 @@ async def _actor(
     for _ in range(attempts):
         if held and rng.random() < 0.25:
             allocation_id, pod_uid = held.pop(rng.randrange(len(held)))
-            if await ledger.release(allocation_id, pod_uid, "node-r", "race test release"):
+            released = await retry_transient(
+                lambda a=allocation_id, p=pod_uid: _counting_lock_timeouts(  # type: ignore[misc]
+                    lambda: ledger.release(a, p, "node-r", "race test release"), out
+                ),
+                budget_s=PATIENCE_S,
+                what="race release",
+            )
+            if released:
                 out["released"].append(str(allocation_id))
             continue
         chosen = rng.sample(gpus, k=rng.choice([1, 1, 1, 2]))
@@ -44,7 +69,11 @@ async def _actor(
             pod_uid=pod_uid, namespace=rng.choice(["a", "b"]), pod_name=pod_uid, node="node-r", parts=parts
         )
         try:
-            result = await reserve(request)
+            result = await retry_transient(
+                lambda r=request: _counting_lock_timeouts(lambda: reserve(r), out),  # type: ignore[misc]
+                budget_s=PATIENCE_S,
+                what="race reserve",
+            )
         except (InsufficientCapacity, QuotaExceeded):
             out["refused"].append(str(request.allocation_id))
         else:
@@ -54,14 +83,21 @@ async def _actor(
 
 
 async def _main(
-    database_url: str, seed: int, actors: int, attempts: int, gpus: list[tuple[str, int]], grouped: bool
+    database_url: str,
+    seed: int,
+    actors: int,
+    attempts: int,
+    gpus: list[tuple[str, int]],
+    grouped: bool,
+    lock_s: float | None,
 ) -> dict:
-    engine = make_engine(database_url, pool_size=actors, max_overflow=0)
+    deadlines = Deadlines() if lock_s is None else Deadlines(lock_s=lock_s)
+    engine = make_engine(database_url, pool_size=actors, max_overflow=0, deadlines=deadlines)
     ledger = Ledger(engine, prefix="race", source=f"race-{seed}")
     # grouped: the process's actors reserve through one group commit, as the extender's binds do
     group = GroupCommit(ledger.reserve_many, what="race")
     reserve: Reserve = group.submit if grouped else ledger.reserve
-    out: dict = {"reserved": [], "refused": [], "released": []}
+    out: dict = {"reserved": [], "refused": [], "released": [], "lock_timeouts": 0}
     try:
         await asyncio.gather(
             *(_actor(ledger, reserve, gpus, random.Random(seed * 1000 + i), attempts, out) for i in range(actors))
@@ -73,7 +109,13 @@ async def _main(
 
 
 def run(
-    database_url: str, seed: int, actors: int, attempts: int, gpus: list[tuple[str, int]], grouped: bool = False
+    database_url: str,
+    seed: int,
+    actors: int,
+    attempts: int,
+    gpus: list[tuple[str, int]],
+    grouped: bool = False,
+    lock_s: float | None = None,
 ) -> dict:
-    """Process entry point."""
-    return asyncio.run(_main(database_url, seed, actors, attempts, gpus, grouped))
+    """Process entry point; `lock_s` shortens PostgreSQL's `lock_timeout` (None: the services' default)."""
+    return asyncio.run(_main(database_url, seed, actors, attempts, gpus, grouped, lock_s))
