@@ -64,28 +64,30 @@ def storage_consistency_errors(log_text: str) -> list[str]:
     """The lines of a kube-apiserver log that report storage consistency errors (pure): failed cache consistency
     checks, and the reports of watch caches stuck behind etcd (`stuck_cache_reports`)."""
     lines = log_text.splitlines()
-    checks = [line for line in lines if any(m in line for m in CACHE_CHECK_MARKERS) and "context canceled" not in line]
-    stuck = set(stuck_cache_reports([line for line in lines if TOO_LARGE_RESOURCE_VERSION in line]))
-    return [line for line in lines if line in stuck or line in checks]
+    stuck = stuck_cache_reports([line for line in lines if TOO_LARGE_RESOURCE_VERSION in line])
+    return [line for line in lines if line in stuck or _failed_cache_check(line)]
 
 
-def stuck_cache_reports(reports: Sequence[str]) -> list[str]:
+def _failed_cache_check(line: str) -> bool:
+    return any(m in line for m in CACHE_CHECK_MARKERS) and "context canceled" not in line
+
+
+def stuck_cache_reports(reports: Sequence[str]) -> set[str]:
     """Of kube-apiserver's "Too large resource version" lines, those of a cache that did not move: its `current`
     revision is reported again at least `STUCK_AFTER_S` apart. A line without a klog time or a `current` revision
     is kept (nothing shows that the cache caught up)."""
+    stuck: set[str] = set()
     by_current: dict[str, list[tuple[float, str]]] = {}
-    kept: list[str] = []
     for line in reports:
         when, current = _klog_seconds(line), _CURRENT.search(line)
         if when is None or current is None:
-            kept.append(line)
+            stuck.add(line)
         else:
-            by_current.setdefault(current.group(1), []).append((when, line))
+            by_current.setdefault(current[1], []).append((when, line))
     for seen in by_current.values():
-        times = [when for when, _ in seen]
-        if max(times) - min(times) >= STUCK_AFTER_S:
-            kept.extend(line for _, line in seen)
-    return [line for line in reports if line in kept]
+        if max(seen)[0] - min(seen)[0] >= STUCK_AFTER_S:
+            stuck.update(line for _, line in seen)
+    return stuck
 
 
 def _klog_seconds(line: str) -> float | None:

@@ -7,6 +7,7 @@ with."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,14 +25,19 @@ Reserve = Callable[[ReservationRequest], Awaitable[Reservation]]
 PATIENCE_S = 60.0  # how long an actor retries a failure that passes; past it the failure ends the test
 
 
-async def _counting_lock_timeouts(call: Callable[[], Awaitable[T]], out: dict) -> T:
-    """`call()`, counting in `out["lock_timeouts"]` the statements PostgreSQL ended at their lock deadline."""
-    try:
-        return await call()
-    except Exception as exc:
-        if gave_up_waiting(exc):
-            out["lock_timeouts"] += 1
-        raise
+async def _answer(call: Callable[[], Awaitable[T]], out: dict, what: str) -> T:
+    """What `call()` ends with, retried as the extender's bind retries (`retry_transient`); the statements
+    PostgreSQL ended at their lock deadline on the way are counted in `out["lock_timeouts"]`."""
+
+    async def counted() -> T:
+        try:
+            return await call()
+        except Exception as exc:
+            if gave_up_waiting(exc):
+                out["lock_timeouts"] += 1
+            raise
+
+    return await retry_transient(counted, budget_s=PATIENCE_S, what=what)
 
 
 async def _actor(
@@ -41,14 +47,8 @@ async def _actor(
     for _ in range(attempts):
         if held and rng.random() < 0.25:
             allocation_id, pod_uid = held.pop(rng.randrange(len(held)))
-            released = await retry_transient(
-                lambda a=allocation_id, p=pod_uid: _counting_lock_timeouts(  # type: ignore[misc]
-                    lambda: ledger.release(a, p, "node-r", "race test release"), out
-                ),
-                budget_s=PATIENCE_S,
-                what="race release",
-            )
-            if released:
+            release = functools.partial(ledger.release, allocation_id, pod_uid, "node-r", "race test release")
+            if await _answer(release, out, "race release"):
                 out["released"].append(str(allocation_id))
             continue
         chosen = rng.sample(gpus, k=rng.choice([1, 1, 1, 2]))
@@ -69,11 +69,7 @@ async def _actor(
             pod_uid=pod_uid, namespace=rng.choice(["a", "b"]), pod_name=pod_uid, node="node-r", parts=parts
         )
         try:
-            result = await retry_transient(
-                lambda r=request: _counting_lock_timeouts(lambda: reserve(r), out),  # type: ignore[misc]
-                budget_s=PATIENCE_S,
-                what="race reserve",
-            )
+            result = await _answer(functools.partial(reserve, request), out, "race reserve")
         except (InsufficientCapacity, QuotaExceeded):
             out["refused"].append(str(request.allocation_id))
         else:
