@@ -1,4 +1,5 @@
-"""`python -m bench [--full | --profile tiny|quick|full] [--only NAME,...] [--out bench/results]`."""
+"""`python -m bench [--full | --profile tiny|quick|full] [--only NAME,...] [--out bench/results]
+[--control-plane-cpus LIST]`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PROFILES, BenchResult, Context, machine_info, servers
+from bench.pinning import CpuListError, control_plane_pinned, parse_cpus, rest_of
 
 # In the order they run (cheap and pure first). Module per benchmark, each with NAME, TITLE and run(ctx).
 MODULES = {
@@ -62,8 +65,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the seed's extender built with its client's rate limit raised (QPS/burst 1,000), for benchmark 1",
     )
+    p.add_argument(
+        "--control-plane-cpus",
+        metavar="LIST",
+        default=None,
+        help="run kube-apiserver, etcd, kube-scheduler and kube-controller-manager on these CPUs (taskset's list: "
+        "0, 0,2, 0-1) and everything else (gpushare, PostgreSQL, NATS, node agents, kubelet stand-ins, this "
+        "process) on the others, as on separate machines; default: all share every CPU",
+    )
     args = p.parse_args(argv)
     args.profile = args.profile or ("full" if args.full else "quick")
+    args.pinned = None
+    if args.control_plane_cpus is not None:
+        try:
+            args.pinned = parse_cpus(args.control_plane_cpus, os.sched_getaffinity(0))
+        except CpuListError as exc:
+            p.error(f"--control-plane-cpus: {exc}")
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(MODULES)
     unknown = [n for n in names if n not in MODULES]
     if unknown:
@@ -140,7 +157,7 @@ async def run_all(args: argparse.Namespace, work_dir: Path) -> list[BenchResult]
             v: p for v, p in (("as_shipped", args.peer_extender), ("raised", args.peer_extender_raised)) if p
         }
         results = []
-        async with ctx.resources:
+        async with ctx.resources, control_plane_pinned(args.pinned):
             for name in args.names:
                 print(f"running {name} ({args.profile}) ...", file=sys.stderr, flush=True)
                 results.append(await run_one(name, ctx))
@@ -166,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     machine = machine_info()
+    if args.pinned:  # before any server, thread or process starts: they all inherit the rest of the CPUs
+        os.sched_setaffinity(0, rest_of(args.pinned))
+        machine["control_plane_cpus"] = sorted(args.pinned)
+        machine["other_cpus"] = sorted(os.sched_getaffinity(0))
     # reconnect chatter when closing, kubelet stand-ins refusing benchmark pods: quiet while the benchmarks run
     # (and only then: `main` is also called in-process, by the benchmark smoke test)
     with quieter("shared.events.bus", "devstack.stack"), tempfile.TemporaryDirectory(prefix="gpushare-bench-") as tmp:
@@ -178,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"machine: {machine['cpu_model']}, {machine['nproc']} CPUs, {machine['memory_gib']} GiB, "
         f"load {machine['load_average']} -> {machine['load_average_after']}"
+        + (
+            f"; control plane on CPU(s) {machine['control_plane_cpus']}, the rest on {machine['other_cpus']}"
+            if args.pinned
+            else ""
+        )
     )
     print(table(results))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,17 @@ as gpushare's, `shared.dra.slices`, under the driver name `baseline.bench.gpusha
 conditions), a DeviceClass for it, and pods that carry the very claim gpushare admission writes for an
 `aliyun.com/gpu-mem: 1` pod (a ResourceClaimTemplate with one request `main` of `memory: 1Gi`) in a namespace that
 did not opt in. No webhook, no gate, no ledger, no node agent: kube-apiserver, the resourceclaim controller and
-kube-scheduler's DynamicResources plugin, what Kubernetes' DRA costs by itself here. The pool's kubelet stand-ins
-admit the pods bound to them; they prepare nothing (no plugin is registered for the driver), so the baseline's
-bound -> running leaves a plugin's prepare out, and its pods/s to bound is the figure compared.
+kube-scheduler's DynamicResources plugin, what Kubernetes' DRA costs by itself here.
+
+Like every DRA driver, the minimal one has a kubelet plugin (`MinimalPreparer` behind the same gRPC server as the
+node agent's), and the pool's kubelet stand-ins prepare each pod's claim through it before its containers start, as
+kubelet does (`devstack.cluster.kubelet_dra`: kubelet reads the claim, then calls `NodePrepareResources`). What the
+plugin does is what a driver built on Kubernetes' own kubelet-plugin helper does at the least
+(k8s.io/dynamic-resource-allocation v0.37.2, kubeletplugin/draplugin.go: `NodePrepareResources` first reads each
+claim from the API server, `getResourceClaims`, and refuses one that is not allocated or was replaced by another
+UID; the driver then answers one device per allocation result of its own and hands the container a CDI device):
+no ledger, no gate, no wait. Before 2026-12-07 the stand-ins prepared nothing on this pool, which left kubelet's
+and the driver's claim reads out of Kubernetes' own DRA cost (docs/benchmarks.md).
 
 gpushare's binder and accounting still follow every pod and claim of the cluster (their watches), so what they spend
 on the baseline's objects shows as its (small) gpushare CPU.
@@ -16,6 +24,9 @@ on the baseline's objects shows as its (small) gpushare CPU.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -27,9 +38,13 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from devstack.cluster.kubelet_dra import DraKubeletStandIn
 from devstack.cluster.nodes import create_gpu_node, delete_node
 from devstack.stack.kubelets import NodeKubelet
 from devstack.stack.spec import parse_gpus
+from services.node_agent.dra_plugin import DraPluginServer
+from services.node_agent.dra_prepare import PreparedDevice, PrepareError
+from shared.dra import cdi
 from shared.dra.slices import resource_slice, slice_spec
 from shared.events.catalogue import GpuInfo
 from shared.kube.raw import read_json
@@ -99,12 +114,67 @@ def pod_body(name: str) -> dict[str, Any]:
     }
 
 
+class MinimalPreparer:
+    """The minimal driver's kubelet plugin for one node: reads each claim it is asked to prepare from the API server
+    (allocated, the UID kubelet named), answers one device per allocation result of this driver, and writes the
+    claim's CDI spec (one device per request); unprepare removes the spec."""
+
+    def __init__(self, api: Any, cdi_dir: Path) -> None:
+        self.resource = client.ResourceV1Api(api)
+        self.cdi_dir = cdi_dir
+        self.prepared = 0
+
+    async def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
+        """NodePrepareResources for one claim (raises PrepareError: the message goes to kubelet)."""
+        try:
+            claim = await read_json(
+                await self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
+            )
+        except ApiException as exc:
+            raise PrepareError(f"retrieve claim {namespace}/{name}: {exc.status} {exc.reason}") from None
+        allocation = (claim.get("status") or {}).get("allocation")
+        if not allocation:
+            raise PrepareError(f"claim {namespace}/{name} not allocated")
+        if (claim.get("metadata") or {}).get("uid") != uid:
+            raise PrepareError(f"claim {namespace}/{name} got replaced")
+        results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == DRIVER]
+        requests = list(dict.fromkeys(str(r["request"]) for r in results))
+        devices = {q: [str(r["device"]) for r in results if r["request"] == q] for q in requests}
+        spec = cdi.cdi_spec(uid, {q: {"BASELINE_DEVICES": ",".join(devices[q])} for q in requests})
+        path = self.cdi_dir / cdi.spec_file_name(uid)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(spec))
+        os.replace(tmp, path)
+        self.prepared += 1
+        first: set[str] = set()
+        out = []
+        for r in results:
+            request = str(r["request"])
+            ids = () if request in first else (cdi.device_id(uid, request),)
+            first.add(request)
+            out.append(PreparedDevice(request, str(r["pool"]), str(r["device"]), str(r.get("shareID") or ""), ids))
+        return out
+
+    def unprepare(self, uid: str) -> bool:
+        """NodeUnprepareResources for one claim: its CDI spec removed (True when there was one)."""
+        try:
+            (self.cdi_dir / cdi.spec_file_name(uid)).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+
 @dataclass
 class Pool:
-    """The baseline's nodes and their kubelet stand-ins."""
+    """The baseline's nodes, their kubelet stand-ins and the minimal driver's kubelet plugins."""
 
     nodes: list[str]
     kubelets: list[NodeKubelet] = field(default_factory=list)
+    plugins: list[DraPluginServer] = field(default_factory=list)
+
+    def prepared(self) -> int:
+        """Claims the minimal driver's plugins prepared so far."""
+        return sum(p.preparer.prepared for p in self.plugins)
 
 
 @asynccontextmanager
@@ -129,13 +199,29 @@ async def baseline_pool(api: Any, prefix: str, count: int, gpus: str, max_pods: 
                     node_slice(node, str(created.metadata.uid), gpus), _preload_content=False
                 )
             )
-            (sockets / node).mkdir()
-            kubelet = NodeKubelet(api, node, sockets / node / "dp", sockets / node / "pod-resources.sock")
+            here = sockets / node
+            (here / "cdi").mkdir(parents=True)
+            plugin = DraPluginServer(
+                node,
+                MinimalPreparer(api, here / "cdi"),  # type: ignore[arg-type]  # the preparer's two calls
+                registration_dir=here / "plugins_registry",
+                plugin_dir=here / "plugins",
+                health=list,
+                changed=asyncio.Event,
+                driver=DRIVER,
+            )
+            await plugin.start()
+            pool.plugins.append(plugin)
+            dra = DraKubeletStandIn(api, here / "plugins_registry", here / "cdi")
+            kubelet = NodeKubelet(api, node, here / "dp", here / "pod-resources.sock", dra=dra)
             pool.kubelets.append(await kubelet.start())
+            await dra.wait_registered(DRIVER)
         yield pool
     finally:
         for kubelet in pool.kubelets:
             await kubelet.stop()
+        for plugin in pool.plugins:
+            await plugin.stop()
         for node in pool.nodes:
             await delete_node(api, node)  # its slice is owned by the node and goes with it
         shutil.rmtree(sockets, ignore_errors=True)

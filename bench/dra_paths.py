@@ -18,7 +18,8 @@ the same `pods` pods named alike:
   to hold the claim, CDI spec, `assigned`) before the pod runs;
 * baseline: the very claim admission writes, hand-written, in a namespace that did not opt in, on the third pool
   whose slices a minimal driver publishes (`bench.dra_baseline`): kube-scheduler's DRA with nothing of gpushare on
-  the path (no webhook, no ledger, no node agent; the kubelet stand-ins prepare nothing there).
+  the path (no webhook, no ledger, no node agent); the kubelet stand-ins prepare each claim through the minimal
+  driver's kubelet plugin, as kubelet prepares any DRA driver's claims.
 
 Each phase keeps `level` pods in flight (created and not yet bound: a new pod is created as soon as one is bound)
 and ends when every pod runs; then its pods are deleted and the phase's teardown (unprepare, release, claims
@@ -90,7 +91,8 @@ EXERCISED = {
     "annotations) -> kubelet stand-in: NodePrepareResources on the node agent (waits for the ledger's record, CDI "
     "spec, assigned) -> Running; delete -> NodeUnprepareResources, binder release, claim deleted",
     "baseline": "resourceclaim controller -> kube-scheduler DynamicResources on a minimal driver's slices -> "
-    "Binding by kube-scheduler -> kubelet stand-in admits (no plugin prepares) -> Running; delete -> claim deleted",
+    "Binding by kube-scheduler -> kubelet stand-in: NodePrepareResources on the minimal driver's plugin (claim read, "
+    "CDI spec) -> Running; delete -> NodeUnprepareResources, claim deleted",
 }
 
 
@@ -568,7 +570,7 @@ async def run(ctx: Context) -> BenchResult:
         ) as stack,
         dra_baseline.baseline_pool(
             await stack.api_client(), stack.config.node_prefix, s.nodes, GPUS, max_pods_per_node(s)
-        ),
+        ) as base,
     ):
         api = await stack.api_client()
         agents = [
@@ -581,8 +583,11 @@ async def run(ctx: Context) -> BenchResult:
         busy_below = idle.cores() + 0.25
         for level in s.levels:
             for path in PATHS:
+                prepared = base.prepared()
                 phase = await run_phase(stack, api, path, level, s.pods, idle, listeners, timeout, hold, agents)
                 m.update(phase.metrics())
+                if path == "baseline":  # the minimal driver's plugin prepared each baseline claim
+                    m[f"baseline_c{level}_prepare_calls"] = base.prepared() - prepared
                 if level == max(s.levels):
                     result.notes.append(phase.api_note())
                 if len(phase.flight.running) < s.pods or not phase.torn_down:

@@ -134,6 +134,8 @@ def test_tiny_profile_runs_the_four_paths_through_what_each_exercises(
         # the baseline: Kubernetes' DRA alone, nothing of gpushare: no webhook call, nothing in the ledger
         assert not any(f"baseline_c{level}_extender_{v}_calls_per_pod" in m for v in ("filter", "admission"))
         assert f"baseline_c{level}_ledger_allocations" not in m
+        # ... but kubelet prepared every baseline claim through the minimal driver's plugin, as for any DRA driver
+        assert m[f"baseline_c{level}_prepare_calls"] >= s.pods
         # the ledger's events: reserved, bound, assigned and released at least for a GPU pod, none for the others
         assert m[f"extender_c{level}_ledger_events_per_pod"] >= 4 and m[f"dra_c{level}_ledger_events_per_pod"] >= 4
         assert m[f"baseline_c{level}_ledger_events_per_pod"] < 1 and m[f"plain_c{level}_ledger_events_per_pod"] < 1
