@@ -7,20 +7,20 @@ this option the benchmark plays that shape on one machine: the benchmark process
 starts (gpushare's services, PostgreSQL, NATS, the node agents, the kubelet stand-ins), runs on the CPUs not named;
 every thread of each control-plane process is moved to the CPUs named as soon as it is seen (a thread a pinned
 thread starts inherits its CPUs, so the watch only catches the first moments of each process).
+
+Benchmark 1 pins its own `pinned_*` phase for its duration (`bench.affinity`, control plane and gpushare's add-on
+on a CPU each); under this option it has the other CPUs only, and skips that phase where they are fewer than two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
+from bench.affinity import threads
 from bench.cpu import CONTROL_PLANE_GROUPS, group_of, tree
-
-log = logging.getLogger(__name__)
 
 WATCH_S = 1.0  # how often new control-plane processes and threads are looked for (before the phases measured)
 
@@ -58,16 +58,14 @@ def rest_of(cpus: set[int]) -> set[int]:
 
 
 def pin_threads(pid: int, cpus: set[int]) -> int:
-    """Every thread of `pid` not yet on `cpus` moved there; how many were moved (a process or thread that ended
-    meanwhile is skipped)."""
+    """Every thread of `pid` not yet on `cpus` moved there; how many were moved (a thread that ended meanwhile is
+    skipped)."""
     moved = 0
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                tid = int(task.name)
-                if os.sched_getaffinity(tid) != cpus:
-                    os.sched_setaffinity(tid, cpus)
-                    moved += 1
+    for tid in threads(pid):
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(tid) != cpus:
+                os.sched_setaffinity(tid, cpus)
+                moved += 1
     return moved
 
 
