@@ -159,7 +159,13 @@ async def test_only_clients_with_a_certificate_from_the_ca_reach_the_verbs(
 
 
 async def test_kube_scheduler_binds_through_mutual_tls(
-    extender: Path, control_plane: ControlPlane, ledger: Ledger, engine: AsyncEngine, binder: StandInBinder
+    extender: Path,
+    control_plane: ControlPlane,
+    ledger: Ledger,
+    engine: AsyncEngine,
+    binder: StandInBinder,
+    certs: dict[str, tuple[Path, Path]],
+    ports: tuple[int, int],
 ) -> None:
     node = f"mtls-{uuid.uuid4().hex[:6]}"
     api = control_plane.api_client()
@@ -167,6 +173,23 @@ async def test_kube_scheduler_binds_through_mutual_tls(
         await create_gpu_node(api, node, gpus=[(16, "Tesla-T4")])
         await add_node(ledger, node, [16])
         limits = {"aliyun.com/gpu-mem": "2"}
+        # The pod is created once the extender's view holds the node's inventory (its filter passes the node). A pod
+        # the extender refuses stays among kube-scheduler's unschedulable pods until a cluster event moves it or 5
+        # minutes pass (podMaxInUnschedulablePodsDuration). On a real node the node agent's Node update is that
+        # event; here no node agent runs, and under CI load the view once learned the inventory just after
+        # kube-scheduler's first filter call: the pod then waited past the test's 60 s.
+        url = f"https://127.0.0.1:{ports[0]}{PREFIX}/filter"
+        probe = {
+            "metadata": {"name": "probe", "namespace": "default", "uid": f"probe-{node}"},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
+        }
+
+        async def view_has_node() -> bool:
+            async with httpx.AsyncClient(verify=_context(certs, "scheduler"), timeout=5) as c:
+                answer = (await c.post(url, json={"Pod": probe, "NodeNames": [node]})).json()
+            return node in (answer.get("NodeNames") or [])
+
+        assert await eventually(view_has_node, within=30, what="the extender's view to hold the node's GPUs")
         pod = {
             "metadata": {"name": "through-mtls"},
             "spec": {"containers": [{"name": "main", "image": "busybox", "resources": {"limits": limits}}]},
