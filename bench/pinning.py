@@ -19,8 +19,8 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 
-from bench.affinity import threads
-from bench.cpu import CONTROL_PLANE_GROUPS, group_of, tree
+from bench.affinity import Pinning
+from bench.cpu import CONTROL_PLANE_GROUPS
 
 WATCH_S = 1.0  # how often new control-plane processes and threads are looked for (before the phases measured)
 
@@ -57,18 +57,6 @@ def rest_of(cpus: set[int]) -> set[int]:
     return os.sched_getaffinity(0) - cpus
 
 
-def pin_threads(pid: int, cpus: set[int]) -> int:
-    """Every thread of `pid` not yet on `cpus` moved there; how many were moved (a thread that ended meanwhile is
-    skipped)."""
-    moved = 0
-    for tid in threads(pid):
-        with contextlib.suppress(OSError):
-            if os.sched_getaffinity(tid) != cpus:
-                os.sched_setaffinity(tid, cpus)
-                moved += 1
-    return moved
-
-
 @contextlib.asynccontextmanager
 async def control_plane_pinned(cpus: set[int] | None) -> AsyncIterator[None]:
     """While the block runs, keep this process's control-plane descendants on `cpus` (None: do nothing)."""
@@ -76,12 +64,11 @@ async def control_plane_pinned(cpus: set[int] | None) -> AsyncIterator[None]:
         yield
         return
     stop = asyncio.Event()
+    pinning = Pinning({group: cpus for group in CONTROL_PLANE_GROUPS}, [os.getpid()])
 
     async def watch() -> None:
         while not stop.is_set():
-            for proc in tree([os.getpid()]):
-                if group_of(proc.command, proc.pid) in CONTROL_PLANE_GROUPS:
-                    pin_threads(proc.pid, cpus)
+            pinning.apply()  # benchmark 1's pinning, again for the control planes started since the last pass
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), WATCH_S)
 

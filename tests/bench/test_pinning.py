@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import parse_args
-from bench.pinning import WATCH_S, CpuListError, control_plane_pinned, parse_cpus, pin_threads
+from bench.affinity import threads
+from bench.pinning import WATCH_S, CpuListError, control_plane_pinned, parse_cpus
 
 
 def test_a_cpu_list_is_read_as_taskset_writes_it() -> None:
@@ -57,7 +58,7 @@ async def test_every_thread_of_a_control_plane_process_is_moved_onto_its_cpus(tm
                 await asyncio.sleep(0.1)
         assert os.sched_getaffinity(server.pid) == cpus
         assert os.sched_getaffinity(other.pid) == os.sched_getaffinity(0)
-        assert pin_threads(server.pid, cpus) == 0  # nothing left to move
+        assert all(os.sched_getaffinity(t) == cpus for t in threads(server.pid))  # nothing left to move
     finally:
         for p in (server, other):
             p.kill()
