@@ -16,6 +16,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -69,6 +70,7 @@ class AnnotationSync:
         metrics: BinderMetrics,
         retry: RetryPolicy = RetryPolicy(),
         pods: PodIndex | None = None,
+        recorded: Callable[[uuid.UUID], PodRecord | None] | None = None,
     ) -> None:
         self.engine = engine
         self.api = api
@@ -76,18 +78,22 @@ class AnnotationSync:
         self.metrics = metrics
         self.retry = retry
         self.pods = pods  # the binder's pod watch: the pod as last seen, instead of a GET before the first patch
+        # the claim gate's records of the claim allocations it just recorded (ClaimGate.record_of)
+        self.recorded = recorded
 
     async def __call__(self, event: Event) -> None:
         if isinstance(event, AssignedEvent):
             if not await self.flag(event):
-                await self.sync(event.allocation_id)
+                known = self.recorded(event.allocation_id) if self.recorded is not None else None
+                await self.sync(event.allocation_id, known.assigned_now() if known is not None else None)
         elif isinstance(event, ExchangedEvent):
             for allocation_id in dict.fromkeys((event.first_allocation_id, event.second_allocation_id)):
                 await self.sync(allocation_id)
 
-    async def sync(self, allocation_id: uuid.UUID) -> str:
-        """Bring one pod's annotations to its allocation's record; returns what happened (the metric's reason)."""
-        record = await reads.pod_record(self.engine, allocation_id)  # type: ignore[arg-type]
+    async def sync(self, allocation_id: uuid.UUID, known: PodRecord | None = None) -> str:
+        """Bring one pod's annotations to its allocation's record (`known`, else read from the ledger); returns what
+        happened (the metric's reason)."""
+        record = known if known is not None else await reads.pod_record(self.engine, allocation_id)  # type: ignore[arg-type]
         if record is None or not is_live(record.state):
             return self._count("skipped_ended")
         for attempt in range(CONFLICT_ROUNDS):

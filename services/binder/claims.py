@@ -61,6 +61,7 @@ from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.binder.metrics import BinderMetrics
+from services.binder.reads import PodRecord, claim_record
 from shared.annotations import ALLOCATION, binding_annotations, parse_allocation
 from shared.dra import CLAIM_ANNOTATION, DEVICE_CLASS, RESERVED_CONDITION
 from shared.dra.claims import (
@@ -176,7 +177,7 @@ def recorded_late(pod: Pod, now: float) -> bool:
     return since is None or now - since.timestamp() >= LATE_RECORD_S
 
 
-def _bounded(memory: dict[str, Any]) -> None:
+def _bounded(memory: dict[Any, Any]) -> None:
     """Forget the oldest entries of a memory past REMEMBERED_BOUND (dicts keep insertion order)."""
     while len(memory) > REMEMBERED_BOUND:
         memory.pop(next(iter(memory)))
@@ -237,6 +238,8 @@ class ClaimGate:
         self._fresh: set[str] = set()  # claims created in this term (after the claim watch listed them all)
         self._quota_namespaces: set[str] = set()  # namespaces with a GPU quota (their claims may hold quota)
         self._node_gpus: dict[str, tuple[float, dict[str, LedgerGpu]]] = {}  # node -> (when read, its GPUs)
+        # allocations recorded here in this term whose pods' annotations wait for `assigned` (`record_of`)
+        self._records: dict[uuid.UUID, PodRecord] = {}
         # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
         self.nudge: Callable[[str], None] | None = None
         self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
@@ -431,8 +434,8 @@ class ClaimGate:
             return await self._refuse(claim, results, refusal_reason(exc), str(exc), gate=gate, lasting=False)
         earlier = self._unrecorded.pop(uid, None)
         now_pod = (self.pods.by_uid(allocation.pod_uid) if self.pods is not None else None) or pod
+        memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
         if gate or recorded_late(now_pod, time.time()):  # else written once, with the assigned flag (AnnotationSync)
-            memory = {g.uuid: g.memory_mib for g in gpus_of_node.values()}
             parts = list(allocation.parts)
             annotations = binding_annotations(allocation.allocation_id, node, parts, memory, self.unit)
             annotations[CLAIM_ANNOTATION] = uid
@@ -452,6 +455,18 @@ class ClaimGate:
             await self._apply_status(
                 claim, status_apply(claim, results, reserved=True, reason="Recorded", message=message, data=data)
             )
+        elif reservation.created:  # AnnotationSync writes it at `assigned` from this record, not a ledger read
+            self._records[allocation.allocation_id] = claim_record(
+                allocation.allocation_id,
+                pod_uid=allocation.pod_uid,
+                namespace=allocation.namespace,
+                pod_name=allocation.pod_name,
+                node=node,
+                parts=allocation.parts,
+                gpu_memory=memory,
+                claim_uid=uid,
+            )
+            _bounded(self._records)
         # bound before the record reached it (no gate), or adopted after a restart; else the pod watch marks it
         self._remember_pod(allocation.pod_uid, allocation.allocation_id, node, uid)
         await self._mark_if_bound(allocation.pod_uid, pod, recorded_now=True)
@@ -508,7 +523,18 @@ class ClaimGate:
         """The pod watch released the pod's allocation (the pod ended): the claim holds nothing in the ledger now,
         so its deallocation that follows costs no query."""
         if claim_uid in self._held:
+            held = self._held[claim_uid]
+            if isinstance(held, uuid.UUID):
+                self._records.pop(held, None)
             self._held[claim_uid] = None
+
+    def record_of(self, allocation_id: uuid.UUID) -> PodRecord | None:
+        """The record of a claim allocation this gate recorded and has not seen end, once (None: read the ledger).
+
+        The binder's AnnotationSync writes a DRA pod's annotations from it when the allocation is first `assigned`:
+        the very record the ledger was just given (a claim's record has one version: it is never exchanged), so the
+        ledger need not be read back. Taken once: a sync that must try again reads the ledger."""
+        return self._records.pop(allocation_id, None)
 
     async def _refuse(
         self,
@@ -616,6 +642,7 @@ class ClaimGate:
         return self._count("ended") if ended else "nothing"
 
     async def _end(self, live: LiveClaim, reason: str) -> int:
+        self._records.pop(live.id, None)
         if live.state == AllocationState.RESERVED.value:  # the pod never bound: the reservation failed
             changed = await self.ledger.mark_failed(live.id, live.pod_uid, live.node, reason)
         else:

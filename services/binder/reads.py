@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
@@ -17,7 +18,7 @@ from shared.events.catalogue import AllocationPart
 from shared.ledger import driver
 from shared.ledger.db import reading
 from shared.ledger.models import allocation_parts, allocations, gpus, nodes, part_from_row
-from shared.ledger.rules import LIVE_STATE_VALUES
+from shared.ledger.rules import LIVE_STATE_VALUES, AllocationState
 
 
 @dataclass(frozen=True)
@@ -132,14 +133,16 @@ async def active_node(engine: AsyncEngine, name: str) -> bool:
     return row is not None
 
 
+def container_order(part: Any) -> tuple[bool, int, int]:
+    """The order of a record's parts (a part or an `allocation_parts` row): init containers first, then by
+    container and GPU index (pure)."""
+    return (not part.init, part.container_index, part.gpu_index)
+
+
 async def _part_rows(conn: Any, allocation_id: uuid.UUID) -> list[Any]:
     """The `allocation_parts` rows of one allocation, in container order."""
-    query = (
-        select(allocation_parts)
-        .where(allocation_parts.c.allocation_id == allocation_id)
-        .order_by(allocation_parts.c.init.desc(), allocation_parts.c.container_index, allocation_parts.c.gpu_index)
-    )
-    return list((await conn.execute(query)).all())
+    query = select(allocation_parts).where(allocation_parts.c.allocation_id == allocation_id)
+    return sorted((await conn.execute(query)).all(), key=container_order)
 
 
 async def reservation_parts(engine: AsyncEngine, allocation_id: uuid.UUID) -> list[AllocationPart]:
@@ -164,6 +167,40 @@ class PodRecord:
     assigned: bool  # a container has been handed its GPU
     gpu_memory: dict[str, int]  # schedulable MiB of the allocation's GPUs
     claim_uid: str | None = None  # the DRA claim it was recorded from (None: the device-plugin path)
+
+    def assigned_now(self) -> PodRecord:
+        """The same record once a container was handed its GPU (the `assigned` event's news)."""
+        return replace(self, state=AllocationState.ASSIGNED.value, assigned=True)
+
+
+def claim_record(
+    allocation_id: uuid.UUID,
+    *,
+    pod_uid: str,
+    namespace: str,
+    pod_name: str,
+    node: str,
+    parts: Sequence[AllocationPart],
+    gpu_memory: dict[str, int],
+    claim_uid: str,
+) -> PodRecord:
+    """A claim allocation's record as `pod_record` reads it right after the claim was recorded (pure): reserved,
+    version 1 (a claim's record is never exchanged), its parts in container order, the memory of its GPUs."""
+    ordered = sorted(parts, key=container_order)
+    uuids = {p.gpu_uuid for p in ordered}
+    return PodRecord(
+        allocation_id=allocation_id,
+        pod_uid=pod_uid,
+        namespace=namespace,
+        pod_name=pod_name,
+        node=node,
+        state=AllocationState.RESERVED.value,
+        version=1,
+        parts=ordered,
+        assigned=False,
+        gpu_memory={u: m for u, m in gpu_memory.items() if u in uuids},
+        claim_uid=claim_uid,
+    )
 
 
 async def pod_record(engine: AsyncEngine, allocation_id: uuid.UUID) -> PodRecord | None:

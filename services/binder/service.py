@@ -83,8 +83,17 @@ class Binder:
             heartbeat_s=HEARTBEAT_S,
             max_deliver=20,
         )
+        # DRA nodes: claim allocations are recorded as they appear (services/binder/claims.py); their pods'
+        # annotations are written at `assigned` from the gate's record
+        self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods)
         self.annotations = AnnotationSync(
-            ledger.engine, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods
+            ledger.engine,
+            api,
+            unit=config.unit,
+            metrics=self.metrics,
+            retry=config.retry,
+            pods=self.pods,
+            recorded=self.claims.record_of,
         )
         # assignments and exchanges rewrite pod annotations from the ledger's record (durable: a crash between
         # the ledger write and the patch only delays the patch)
@@ -105,8 +114,6 @@ class Binder:
             ledger, bus, metrics=self.metrics, concurrency=config.concurrency, on_exchanged=self.annotations
         )
         self.lifecycle = Lifecycle(ledger, api, metrics=self.metrics, index=self.pods)
-        # DRA nodes: claim allocations are recorded before kube-scheduler binds their pods (services/binder/claims.py)
-        self.claims = ClaimGate(ledger, api, unit=config.unit, metrics=self.metrics, retry=config.retry, pods=self.pods)
         self.lifecycle.claims = self.claims
         self.dra_pending = DraPending(bus)  # kube-scheduler's reasons for rewritten DRA pods, for /v1/pending
         self.lifecycle.dra_pending = self.dra_pending

@@ -290,3 +290,60 @@ async def test_a_claims_first_annotations_go_on_the_pods_uid_not_its_resource_ve
 
 async def _gone(cluster, name: str) -> bool:  # type: ignore[no-untyped-def]
     return await cluster.read(name) is None
+
+
+async def test_a_claims_annotations_at_assigned_come_from_the_gates_record_without_a_ledger_read(
+    cluster, kube, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A DRA pod's annotations are first written when its claim is assigned. The claim gate kept the record it gave
+    the ledger (tests/dra/test_gate_queries.py shows it is the one the ledger returns), so the `assigned` event's sync
+    writes it, with the claim and the assigned flag, without reading the ledger or the pod; the record is taken
+    once."""
+    from services.binder import annotate, reads
+    from services.binder.pod_index import binder_index
+    from shared.dra import CLAIM_ANNOTATION
+    from shared.events.catalogue import AllocationPart, AssignedEvent
+    from shared.kube.pods import get_pod
+
+    started = await cluster.pod(gib=2)
+    meta = started.metadata
+    index = binder_index()
+    index.synced()
+    index.update("ADDED", await get_pod(kube, meta.namespace, meta.name))
+    allocation_id, gpu_uuid, node = uuid.uuid4(), f"GPU-{uuid.uuid4()}", "dra-node"
+    part = AllocationPart(container="main", container_index=0, gpu_uuid=gpu_uuid, gpu_index=3, memory_mib=2 * GIB)
+    record = reads.claim_record(
+        allocation_id,
+        pod_uid=meta.uid,
+        namespace=meta.namespace,
+        pod_name=meta.name,
+        node=node,
+        parts=[part],
+        gpu_memory={gpu_uuid: 16 * GIB, f"GPU-{uuid.uuid4()}": 16 * GIB},
+        claim_uid="claim-uid-1",
+    )
+    kept = {allocation_id: record}
+    calls: list[str] = []
+
+    def counted(what, real):  # type: ignore[no-untyped-def]
+        async def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(what)
+            return await real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(annotate, "get_pod", counted("GET", get_pod))
+    monkeypatch.setattr(reads, "pod_record", counted("ledger", reads.pod_record))
+    metrics = BinderMetrics()
+    sync = AnnotationSync(
+        None, kube, unit=MemoryUnit.GIB, metrics=metrics, pods=index, recorded=lambda a: kept.pop(a, None)
+    )
+    event = AssignedEvent(
+        allocation_id=allocation_id, pod_uid=meta.uid, node=node, container="main", gpu_uuids=[gpu_uuid]
+    )
+    await sync(event)
+    assert calls == [] and kept == {}
+    written = await _annotations(cluster, meta.name)
+    assert written[CLAIM_ANNOTATION] == "claim-uid-1" and written[GPU_MEM_ASSIGNED] == "true"
+    assert written[GPU_MEM_IDX] == "3" and parse_allocation(written[ALLOCATION]) == (allocation_id, node, [part])
+    assert metrics.value("gpushare_binder_annotation_syncs_total", reason="patched") == 1

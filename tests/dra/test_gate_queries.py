@@ -246,3 +246,52 @@ async def test_a_throttled_api_server_does_not_end_the_term_at_its_dra_question(
     monkeypatch.setattr(gate, "_resource_api_served", refused)
     with pytest.raises(ApiException):  # not a passing failure: raised at once, as before
         await gate._ask_served(asyncio.Event())
+
+
+def _allocated(name: str, gib: str = "4Gi") -> tuple[dict[str, Any], dict[str, Any]]:
+    """A claim kube-scheduler allocated on the default (ungated) pool and reserved for its pod, the ledger not told
+    yet, and that pod as the binder's pod watch shows it."""
+    c = claim(f"{name}-gpushare", "team", [request("r", gib)], [("r", GPUS[0], gib, "0")], node=NODE)
+    for result in c["status"]["allocation"]["devices"]["results"]:
+        result.pop("bindingConditions")
+        result.pop("bindingFailureConditions")
+    p = pod(name, [("main", "r")], namespace="team")
+    c["status"]["reservedFor"] = [{"resource": "pods", "name": name, "uid": p["metadata"]["uid"]}]
+    return c, _pod_of(c)
+
+
+async def test_the_gate_keeps_the_record_it_gave_the_ledger_for_the_annotations_at_assigned(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """The binder writes a DRA pod's annotations when the node agent assigned its claim. The gate hands it the record
+    it has just given the ledger (`record_of`), so that write needs no ledger read (before: three statements per DRA
+    pod, `reads.pod_record`). That record is the very one the ledger returns; it is taken once, and an allocation
+    that ended leaves none behind."""
+    from services.binder import reads
+
+    gate.pods = binder_index()
+    gate.pods.synced()
+    c6, p6 = _allocated("p6")
+    gate.pods.update(ADDED, p6)
+    await _handled(gate, (ADDED, c6))
+    (live,) = await live_claim_allocations(engine)
+    kept = gate.record_of(live.id)
+    assert kept is not None and kept.claim_uid == c6["metadata"]["uid"] and not kept.assigned
+    assert await gate.ledger.mark_assigned(live.id, live.pod_uid, NODE, "main", [GPUS[0].uuid])
+    assert kept.assigned_now() == await reads.pod_record(engine, live.id)  # what the event's sync read before
+    assert gate.record_of(live.id) is None  # taken once: a sync that tries again reads the ledger
+
+    c7, p7 = _allocated("p7", "2Gi")
+    gate.pods.update(ADDED, p7)
+    await _handled(gate, (ADDED, c7))
+    (seven,) = [a for a in await live_claim_allocations(engine) if a.claim_uid == c7["metadata"]["uid"]]
+    await _handled(gate, (MODIFIED, _deallocated(c7)))  # ended before its pod's containers were handed the GPU
+    assert await _state(engine, seven.id) == "released" and gate.record_of(seven.id) is None
+
+    c8, p8 = _allocated("p8", "2Gi")
+    gate.pods.update(ADDED, p8)
+    await _handled(gate, (ADDED, c8))
+    (eight,) = [a for a in await live_claim_allocations(engine) if a.claim_uid == c8["metadata"]["uid"]]
+    assert await gate.ledger.release_pod(p8["metadata"]["uid"], "pod deleted") == 1  # the pod watch's release
+    gate.released_with_pod(c8["metadata"]["uid"])
+    assert gate.record_of(eight.id) is None
