@@ -204,13 +204,32 @@ async def test_the_assigned_flag_is_one_patch_when_the_pod_watch_shows_the_pod(
     assert await sync.sync(allocations[0][0]) == "up_to_date" and len(gets) == 1
 
 
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, every GET of a pod by AnnotationSync ("GET") and every read of a record from the ledger
+    ("ledger"), in order."""
+    from services.binder import annotate, reads
+    from shared.kube.pods import get_pod
+
+    calls: list[str] = []
+
+    def counted(what, real):  # type: ignore[no-untyped-def]
+        async def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(what)
+            return await real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(annotate, "get_pod", counted("GET", get_pod))
+    monkeypatch.setattr(reads, "pod_record", counted("ledger", reads.pod_record))
+    return calls
+
+
 async def test_an_assigned_event_sets_the_flag_from_the_pod_watch_without_reading_the_ledger(
     cluster, ledger: Ledger, kube, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An `assigned` event says the allocation was assigned: when the binder's watch shows the pod (by its UID),
     the flag is one conditional PATCH, with no ledger read and no GET; a second container's event then finds the
     flag set. A pod the watch does not show is read from ledger and API server as before."""
-    from services.binder import annotate, reads
     from services.binder.pod_index import binder_index
     from shared.events.catalogue import AssignedEvent
     from shared.kube.pods import get_pod
@@ -235,17 +254,7 @@ async def test_an_assigned_event_sets_the_flag_from_the_pod_watch_without_readin
                 meta.name,
             )
         )
-    calls: list[str] = []
-
-    def counted(what, real):  # type: ignore[no-untyped-def]
-        async def call(*args, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(what)
-            return await real(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(annotate, "get_pod", counted("GET", get_pod))
-    monkeypatch.setattr(reads, "pod_record", counted("ledger", reads.pod_record))
+    calls = _count_reads(monkeypatch)
     metrics = BinderMetrics()
     sync = AnnotationSync(ledger.engine, kube, unit=MemoryUnit.GIB, metrics=metrics, pods=index)
     await sync(events[0][0])
@@ -299,7 +308,7 @@ async def test_a_claims_annotations_at_assigned_come_from_the_gates_record_witho
     the ledger (tests/dra/test_gate_queries.py shows it is the one the ledger returns), so the `assigned` event's sync
     writes it, with the claim and the assigned flag, without reading the ledger or the pod; the record is taken
     once."""
-    from services.binder import annotate, reads
+    from services.binder import reads
     from services.binder.pod_index import binder_index
     from shared.dra import CLAIM_ANNOTATION
     from shared.events.catalogue import AllocationPart, AssignedEvent
@@ -323,17 +332,7 @@ async def test_a_claims_annotations_at_assigned_come_from_the_gates_record_witho
         claim_uid="claim-uid-1",
     )
     kept = {allocation_id: record}
-    calls: list[str] = []
-
-    def counted(what, real):  # type: ignore[no-untyped-def]
-        async def call(*args, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(what)
-            return await real(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(annotate, "get_pod", counted("GET", get_pod))
-    monkeypatch.setattr(reads, "pod_record", counted("ledger", reads.pod_record))
+    calls = _count_reads(monkeypatch)
     metrics = BinderMetrics()
     sync = AnnotationSync(
         None, kube, unit=MemoryUnit.GIB, metrics=metrics, pods=index, recorded=lambda a: kept.pop(a, None)
