@@ -240,6 +240,8 @@ class ClaimGate:
         self._node_gpus: dict[str, tuple[float, dict[str, LedgerGpu]]] = {}  # node -> (when read, its GPUs)
         # allocations recorded here in this term whose pods' annotations wait for `assigned` (`record_of`)
         self._records: dict[uuid.UUID, PodRecord] = {}
+        # allocation -> (pod UID, node) of the claim allocations this gate recorded or found (facts that never change)
+        self._owners: dict[uuid.UUID, tuple[str, str]] = {}
         # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
         self.nudge: Callable[[str], None] | None = None
         self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
@@ -388,6 +390,8 @@ class ClaimGate:
             await self._end(live, "claim allocated anew")
             live = None
         self._held[uid] = live.id if live is not None else None
+        if live is not None:
+            self._own(live.id, live.pod_uid, live.node)
         if verdict == REFUSED:
             return self._count("refused_already")
         if live is not None and (verdict == RESERVED or not gate):
@@ -426,6 +430,7 @@ class ClaimGate:
         try:
             reservation = await self.ledger.reserve_claim(allocation.event(source="binder"))
             self._held[uid] = allocation.allocation_id
+            self._own(allocation.allocation_id, allocation.pod_uid, node)
         except ClaimAllocationEnded as exc:
             log.warning("claim %s: %s", claim_key(claim), exc, extra={"claim_uid": uid})
             return self._count("ended_already")
@@ -634,32 +639,56 @@ class ClaimGate:
             self._held.pop(claim_uid, None)
         if held is None:  # nothing recorded for it, as far as this term saw
             return "nothing"
-        ended = 0
-        for live in await live_claim_allocations(self.ledger.engine, claim_uid):
-            ended += await self._end(live, reason)
+        known = held if isinstance(held, uuid.UUID) else None
+        owner = self._owners.get(known) if known is not None else None
+        if known is not None and owner is not None and await self._end_known(known, owner[0], owner[1], reason):
+            ended = 1  # the allocation the gate knows it holds, ended without a lookup
+        else:  # not known here, or ended meanwhile (then whatever the claim holds now is looked up)
+            ended = 0
+            for live in await live_claim_allocations(self.ledger.engine, claim_uid):
+                ended += await self._end(live, reason)
         if not gone:
             self._held[claim_uid] = None
         return self._count("ended") if ended else "nothing"
 
     async def _end(self, live: LiveClaim, reason: str) -> int:
-        self._records.pop(live.id, None)
         if live.state == AllocationState.RESERVED.value:  # the pod never bound: the reservation failed
             changed = await self.ledger.mark_failed(live.id, live.pod_uid, live.node, reason)
+            ended = AllocationState.FAILED if changed else None
         else:
             changed = await self.ledger.release(live.id, live.pod_uid, live.node, reason)
-            if changed:
-                self.metrics.released.labels(reason=reason.replace(" ", "_")).inc()
-        self._ended[live.pod_uid] = None  # ended now, or by someone else before: the pod holds nothing live
-        _bounded(self._ended)
-        if changed:
-            log.info(
-                "allocation %s of claim %s ended: %s",
-                live.id,
-                live.claim_uid,
-                reason,
-                extra={"claim_uid": live.claim_uid},
-            )
+            ended = AllocationState.RELEASED if changed else None
+        self._ended_now(live.id, live.pod_uid, live.claim_uid, ended, reason)
         return int(changed)
+
+    async def _end_known(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
+        """End the allocation this gate knows the claim holds, with no lookup (`Ledger.end`: failed while its pod
+        never bound, released otherwise); False when it had ended meanwhile (the caller then looks up)."""
+        ended = await self.ledger.end(allocation_id, pod_uid, node, reason)
+        if ended is not None:
+            self._ended_now(allocation_id, pod_uid, None, ended, reason)
+        return ended is not None
+
+    def _ended_now(
+        self, allocation_id: uuid.UUID, pod_uid: str, claim_uid: str | None, ended: AllocationState | None, reason: str
+    ) -> None:
+        """What the gate learns when it ended a claim allocation (`ended`: its end state, None: someone else ended it
+        before): the pod holds nothing live, and the allocation's record is not written on the pod."""
+        self._records.pop(allocation_id, None)
+        self._ended[pod_uid] = None
+        _bounded(self._ended)
+        if ended is None:
+            return
+        if ended is AllocationState.RELEASED:
+            self.metrics.released.labels(reason=reason.replace(" ", "_")).inc()
+        log.info(
+            "allocation %s of claim %s ended (%s): %s",
+            allocation_id,
+            claim_uid or "-",
+            ended.value,
+            reason,
+            extra={"claim_uid": claim_uid} if claim_uid else {},
+        )
 
     # -- Kubernetes writes --------------------------------------------------------------------------------------
     async def _kube(self, fn, what: str):  # type: ignore[no-untyped-def]
@@ -717,6 +746,16 @@ class ClaimGate:
         holds nothing live (a pod holds at most one live allocation), and the pod watch's release at the pod's end
         needs no query. A gate whose memory does not reach back that far says False (the query then runs)."""
         return pod_uid in self._ended
+
+    def recorded(self, pod_uid: str) -> tuple[uuid.UUID, str] | None:
+        """The claim allocation (and its node) this gate recorded or found for the pod, or None. It may have ended
+        since: a caller that ends it and finds it ended already looks the pod's allocations up."""
+        recorded = self._recorded.get(pod_uid)
+        return (recorded[0], recorded[1]) if recorded is not None else None
+
+    def _own(self, allocation_id: uuid.UUID, pod_uid: str, node: str) -> None:
+        self._owners[allocation_id] = (pod_uid, node)
+        _bounded(self._owners)
 
     def _remember_pod(self, pod_uid: str, allocation: uuid.UUID, node: str, claim_uid: str) -> None:
         self._ended.pop(pod_uid, None)

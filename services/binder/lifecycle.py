@@ -131,7 +131,7 @@ class Lifecycle:
         if self.claims is not None and self.claims.ended_with_claim(uid):
             self._remember(self._released, uid)  # its claim's deallocation ended its allocation: nothing to read
             return 0
-        released = await self.ledger.release_pod(uid, reason)
+        released = await self._release(uid, reason)
         self._remember(self._released, uid)
         if claim_uid and self.claims is not None:
             self.claims.released_with_pod(claim_uid)
@@ -147,6 +147,15 @@ class Lifecycle:
                 extra={"pod": pods.pod_key(pod), "pod_uid": uid, "reason": reason},
             )
         return released
+
+    async def _release(self, uid: str, reason: str) -> int:
+        """Release the pod's live allocation: the one its claim's record made, when the claim gate knows it, with no
+        lookup (a pod holds at most one live allocation); else (or when that one had ended already) whatever the
+        ledger holds for the pod."""
+        known = self.claims.recorded(uid) if self.claims is not None else None
+        if known is not None and await self.ledger.release(known[0], uid, known[1], reason):
+            return 1
+        return await self.ledger.release_pod(uid, reason)
 
     async def on_node(self, event: WatchEvent) -> int:
         """Retire a deleted node in the ledger; returns how many allocations ended."""

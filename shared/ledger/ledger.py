@@ -42,6 +42,7 @@ from shared.ledger import (
 from shared.ledger.commit_watch import watch_of
 from shared.ledger.db import reading
 from shared.ledger.reservations import Reservation, ReservationError, ReservationRequest
+from shared.ledger.rules import AllocationState
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,23 @@ class Ledger:
             await outbox.stage_new(conn, self.prefix, [e for e, a in zip(events, answers, strict=True) if a is None])
         self._committed()
         return answers
+
+    async def end(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> AllocationState | None:
+        """End an allocation from whichever live state it is in, with no read before (`transitions.end`): failed
+        while it is still reserved (its pod never bound), released otherwise; one transaction, and the event that
+        applied is staged when it wrote something. Returns the state it ended in, None when it had ended already
+        (or is unknown)."""
+        failed = FailedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
+        released = ReleasedEvent(
+            allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source
+        )
+        async with self._begin() as conn:
+            done, event = await transitions.end(conn, failed, released)
+            if done.wrote:
+                await outbox.stage(conn, self.prefix, event)
+        if done.wrote:
+            self._committed()
+        return AllocationState(event.kind) if done.changed else None
 
     async def release(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
         """End an allocation and give its capacity back (no-op, and no event, if already ended)."""

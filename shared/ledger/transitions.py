@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -58,16 +59,39 @@ class Transition:
 async def transition(conn: AsyncConnection, event: TransitionEvent) -> Transition:
     """`apply_transition`, saying whether the event wrote anything."""
     new_state = AllocationState(event.kind)  # a life-cycle event's kind names the state it moves to
-    stamp = STAMPS[new_state]
     if not is_live(new_state):
         await locks.lock_gpus_of(conn, [event.allocation_id])
-    row = (
-        await conn.execute(
-            select(allocations.c.state, getattr(allocations.c, stamp).label("stamp"))
-            .where(allocations.c.id == event.allocation_id)
-            .with_for_update()
-        )
-    ).first()
+    return await _apply(conn, event, await _locked_row(conn, event.allocation_id, STAMPS[new_state]))
+
+
+async def end(
+    conn: AsyncConnection, while_reserved: FailedEvent, otherwise: ReleasedEvent
+) -> tuple[Transition, FailedEvent | ReleasedEvent]:
+    """End one allocation from whichever live state it is in, without a read before: `while_reserved` (`failed`)
+    when it is still reserved (its pod never bound), else `otherwise` (`released`). Locks and writes as
+    `transition` does (both end states share one stamp); returns what it did and which of the two events applies
+    (the one to stage). Both events name the same allocation."""
+    assert while_reserved.allocation_id == otherwise.allocation_id
+    await locks.lock_gpus_of(conn, [otherwise.allocation_id])
+    row = await _locked_row(conn, otherwise.allocation_id, STAMPS[AllocationState.RELEASED])
+    event = while_reserved if row is not None and row.state == AllocationState.RESERVED.value else otherwise
+    return await _apply(conn, event, row), event
+
+
+async def _locked_row(conn: AsyncConnection, allocation_id: uuid.UUID, stamp: str) -> Any:
+    """The allocation's state and the step's stamp (`stamp`), its row locked for the transaction (None: unknown)."""
+    query = (
+        select(allocations.c.state, getattr(allocations.c, stamp).label("stamp"))
+        .where(allocations.c.id == allocation_id)
+        .with_for_update()
+    )
+    return (await conn.execute(query)).first()
+
+
+async def _apply(conn: AsyncConnection, event: TransitionEvent, row: Any) -> Transition:
+    """Apply `event` to the allocation whose locked `row` (`_locked_row`) was read (None: unknown, a no-op)."""
+    new_state = AllocationState(event.kind)
+    stamp = STAMPS[new_state]
     if row is None:
         return Transition(changed=False, wrote=False)
     values: dict[str, object] = {}

@@ -116,10 +116,10 @@ async def test_a_recorded_claim_is_looked_up_when_something_may_have_changed_and
     await _handled(gate, (MODIFIED, reserved), (MODIFIED, reserved))  # the gate's own condition, a finalizer
     assert len(lookups) == 1
     gone = _deallocated(reserved)
-    await _handled(gate, (MODIFIED, gone))  # deallocated: looked up and ended
-    assert len(lookups) == 2 and await _state(engine, allocation_id) == "failed"  # it never bound
+    await _handled(gate, (MODIFIED, gone))  # deallocated: the allocation it found is ended, with no lookup
+    assert len(lookups) == 1 and await _state(engine, allocation_id) == "failed"  # it never bound
     await _handled(gate, (MODIFIED, gone), (DELETED, gone))  # its finalizer removed, then deleted
-    assert len(lookups) == 2
+    assert len(lookups) == 1
     assert await live_claim_allocations(engine) == []
 
 
@@ -195,7 +195,7 @@ async def test_a_pod_recorded_again_after_its_claim_ended_is_released_when_it_is
     gate: ClaimGate, engine: AsyncEngine
 ) -> None:
     """What the gate remembers of an ended allocation is forgotten when it records the pod's claim anew: the pod's
-    deletion then reads the ledger and ends the new allocation (no share is left held by a pod that is gone)."""
+    deletion then ends the new allocation (no share is left held by a pod that is gone)."""
     reserved, first = await _recorded(gate.ledger, "p5")
     await _handled(gate, (MODIFIED, reserved))
     await _handled(gate, (MODIFIED, _deallocated(reserved)))
@@ -214,7 +214,7 @@ async def test_a_pod_recorded_again_after_its_claim_ended_is_released_when_it_is
     assert live.id != first and live.pod_uid == p5["metadata"]["uid"]
     lookups = _pod_lookups(engine)
     assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, p5)) == 1
-    assert len(lookups) == 1 and await _state(engine, live.id) in ("released", "failed")
+    assert lookups == [] and await _state(engine, live.id) == "released"  # the new one, known to the gate
     assert await live_claim_allocations(engine) == []
 
 
@@ -260,6 +260,19 @@ def _allocated(name: str, gib: str = "4Gi") -> tuple[dict[str, Any], dict[str, A
     return c, _pod_of(c)
 
 
+async def _recorded_by_gate(gate: ClaimGate, name: str, gib: str = "4Gi") -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """A claim allocated on the ungated pool for pod `name`, the pod bound and shown by the binder's pod watch, the
+    claim handed to the gate, which records it: (claim, pod, its live allocation)."""
+    if gate.pods is None:
+        gate.pods = binder_index()
+        gate.pods.synced()
+    c, p = _allocated(name, gib)
+    gate.pods.update(ADDED, p)
+    await _handled(gate, (ADDED, c))
+    (live,) = await live_claim_allocations(gate.ledger.engine, c["metadata"]["uid"])
+    return c, p, live
+
+
 async def test_the_gate_keeps_the_record_it_gave_the_ledger_for_the_annotations_at_assigned(
     gate: ClaimGate, engine: AsyncEngine
 ) -> None:
@@ -269,29 +282,72 @@ async def test_the_gate_keeps_the_record_it_gave_the_ledger_for_the_annotations_
     that ended leaves none behind."""
     from services.binder import reads
 
-    gate.pods = binder_index()
-    gate.pods.synced()
-    c6, p6 = _allocated("p6")
-    gate.pods.update(ADDED, p6)
-    await _handled(gate, (ADDED, c6))
-    (live,) = await live_claim_allocations(engine)
+    c6, _, live = await _recorded_by_gate(gate, "p6")
     kept = gate.record_of(live.id)
     assert kept is not None and kept.claim_uid == c6["metadata"]["uid"] and not kept.assigned
     assert await gate.ledger.mark_assigned(live.id, live.pod_uid, NODE, "main", [GPUS[0].uuid])
     assert kept.assigned_now() == await reads.pod_record(engine, live.id)  # what the event's sync read before
     assert gate.record_of(live.id) is None  # taken once: a sync that tries again reads the ledger
 
-    c7, p7 = _allocated("p7", "2Gi")
-    gate.pods.update(ADDED, p7)
-    await _handled(gate, (ADDED, c7))
-    (seven,) = [a for a in await live_claim_allocations(engine) if a.claim_uid == c7["metadata"]["uid"]]
+    c7, _, seven = await _recorded_by_gate(gate, "p7", "2Gi")
     await _handled(gate, (MODIFIED, _deallocated(c7)))  # ended before its pod's containers were handed the GPU
     assert await _state(engine, seven.id) == "released" and gate.record_of(seven.id) is None
 
-    c8, p8 = _allocated("p8", "2Gi")
-    gate.pods.update(ADDED, p8)
-    await _handled(gate, (ADDED, c8))
-    (eight,) = [a for a in await live_claim_allocations(engine) if a.claim_uid == c8["metadata"]["uid"]]
+    c8, p8, eight = await _recorded_by_gate(gate, "p8", "2Gi")
     assert await gate.ledger.release_pod(p8["metadata"]["uid"], "pod deleted") == 1  # the pod watch's release
     gate.released_with_pod(c8["metadata"]["uid"])
     assert gate.record_of(eight.id) is None
+
+
+async def _recorded_anew_elsewhere(gate: ClaimGate, c: dict[str, Any], p: dict[str, Any]) -> Any:
+    """What another term's leader did while this gate was not looking: ended the claim's (only) live allocation and
+    recorded the claim allocated anew (a new share id: a new allocation); returns the new one."""
+    (first,) = await live_claim_allocations(gate.ledger.engine, c["metadata"]["uid"])
+    assert await gate.ledger.release(first.id, first.pod_uid, NODE, "ended by another leader")
+    again = copy.deepcopy(c)
+    (result,) = again["status"]["allocation"]["devices"]["results"]
+    result["shareID"] = str(uuid.uuid4())
+    allocation = read_claim(again, p, ledger_gpus(GPUS), MemoryUnit.GIB)
+    await gate.ledger.reserve_claim(allocation.event(source="other leader"))
+    return allocation
+
+
+async def test_a_claims_allocation_the_gate_knows_is_ended_without_a_lookup_and_one_ended_meanwhile_is_looked_up(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """The gate ends the allocation it recorded for a deallocated claim in one transaction, with no lookup before
+    (`Ledger.end`: released, as its pod bound; before: a lookup, then the release). When what it knows is no longer
+    true (the allocation ended meanwhile and the claim holds a new one, recorded by another term's leader), the end
+    changes nothing and the gate looks the claim up and ends what it holds: no share is left behind."""
+    c9, _, live = await _recorded_by_gate(gate, "p9")
+    assert await _state(engine, live.id) == "bound"
+    lookups = _lookups(engine)
+    await _handled(gate, (MODIFIED, _deallocated(c9)))
+    assert lookups == [] and await _state(engine, live.id) == "released"
+    assert gate.metrics.value("gpushare_binder_released_total", reason="claim_deallocated") == 1
+
+    c10, p10, _ = await _recorded_by_gate(gate, "p10")
+    allocation = await _recorded_anew_elsewhere(gate, c10, p10)
+    lookups = _lookups(engine)
+    await _handled(gate, (MODIFIED, _deallocated(c10)))  # this gate still believes it holds the first
+    assert len(lookups) == 1 and await _state(engine, allocation.allocation_id) == "failed"
+    assert await live_claim_allocations(engine) == []
+
+
+async def test_a_recorded_pods_deletion_releases_its_allocation_without_a_lookup(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """The pod watch releases a DRA pod that is gone with the allocation its claim's record made, when the gate
+    knows it (before: a lookup of the pod's live allocations, then the release); one the gate knew that had ended
+    meanwhile leads to the lookup, which releases what the pod holds now."""
+    _, p11, live = await _recorded_by_gate(gate, "p11")
+    lookups = _pod_lookups(engine)
+    assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, p11)) == 1
+    assert lookups == [] and await _state(engine, live.id) == "released"
+
+    c12, p12, _ = await _recorded_by_gate(gate, "p12")
+    allocation = await _recorded_anew_elsewhere(gate, c12, p12)
+    lookups = _pod_lookups(engine)
+    assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, p12)) == 1
+    assert len(lookups) == 1 and await _state(engine, allocation.allocation_id) == "released"
+    assert await live_claim_allocations(engine) == []

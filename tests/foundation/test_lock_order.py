@@ -134,6 +134,18 @@ class Run:
             pod_uid, _ = self.live.pop(allocation_id)
             await self.ledger.release(allocation_id, pod_uid, NODE, "lock-order test")
 
+    async def ends(self) -> None:
+        """A claim's deallocation and its pod's deletion end one allocation at once: the claim gate through
+        `Ledger.end` (no read before; failed while reserved), the pod watch through `release`."""
+        if not self.live:
+            return
+        allocation_id = self.rng.choice(list(self.live))
+        pod_uid, _ = self.live.pop(allocation_id)
+        await asyncio.gather(
+            self.attempt("end", self.ledger.end(allocation_id, pod_uid, NODE, "claim deallocated")),
+            self.attempt("end-release", self.ledger.release(allocation_id, pod_uid, NODE, "pod deleted")),
+        )
+
     async def again(self) -> None:
         """A pod's allocation ends while the same pod is reserved anew (a failed bind that kube-scheduler
         retries), each through either path."""
@@ -173,12 +185,22 @@ class Run:
             "single": self.single,
             "twins": self.twins,
             "release": self.release,
+            "ends": self.ends,
             "again": self.again,
             "exchange": self.exchange,
             "bind": self.bind,
             "inventory": self.inventory,
         }
-        weights = {"fast": 3, "fallback": 2, "single": 1, "twins": 1, "release": 2, "again": 1, "exchange": 4}
+        weights = {
+            "fast": 3,
+            "fallback": 2,
+            "single": 1,
+            "twins": 1,
+            "release": 2,
+            "ends": 1,
+            "again": 1,
+            "exchange": 4,
+        }
         weights.update(bind=1, inventory=1)
         for _ in range(ROUNDS):
             (what,) = self.rng.choices(list(weights), weights=list(weights.values()))
@@ -226,6 +248,7 @@ async def test_mixed_writers_never_deadlock(pg_server_url: str, fresh: tuple[str
 
     # every kind of move really ran, many times
     assert all(run.done.get(k, 0) >= 20 for k in ("fast", "fallback", "single", "exchange", "release")), run.done
+    assert run.done.get("end", 0) >= 10, run.done
     assert run.done.get("twin-fast", 0) >= 10 and run.done.get("again-reserve", 0) >= 10, run.done
 
     count = await deadlocks_reported(pg_server_url, name) - before
