@@ -52,7 +52,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -112,6 +112,9 @@ RETRY_MAX_S = 30.0
 # update, so a late record's annotations are written at once. On time, they are written once the share is assigned.
 LATE_RECORD_S = 5.0
 ASK_AGAIN_S = 5.0  # a throttled or unreachable API server is asked again this often whether it serves DRA
+# A DRA pod's `bound` is marked in the background, and the marks of this long go in one transaction: kube-scheduler
+# binds DRA pods one after another, so each mark was a transaction of its own, awaited by the binder's pod watch.
+BOUND_LINGER_S = 0.1
 
 
 CHECK = "check"  # a claim the gate must look up in the ledger (reconciliation found it there)
@@ -244,7 +247,12 @@ class ClaimGate:
         self._owners: dict[uuid.UUID, tuple[str, str]] = {}
         # called with a node once a gated pod bound there (the binder's CapacityNudger): see `on_pod`
         self.nudge: Callable[[str], None] | None = None
-        self.bound: GroupCommit[tuple[uuid.UUID, str, str], bool] = GroupCommit(ledger.mark_bound_many, what="bound")
+        # nobody waits for a DRA pod's `bound` (kube-scheduler bound it): the marks linger to share transactions
+        self.bound: GroupCommit[tuple[uuid.UUID, str, str, datetime], bool] = GroupCommit(
+            lambda marks: ledger.mark_bound_many([m[:3] for m in marks], at=[m[3] for m in marks]),
+            what="claim_bound",
+            linger_s=BOUND_LINGER_S,
+        )
         self.holds_ended: GroupCommit[str, bool] = GroupCommit(
             lambda uids: end_holds(ledger.engine, uids), what="claim_holds_ended"
         )
@@ -789,15 +797,26 @@ class ClaimGate:
             return
         if pod_uid in self._bound and not recorded_now:
             return
-        await self._mark_bound(pod_uid, recorded[0], recorded[1])
+        self._mark_bound(pod_uid, recorded[0], recorded[1])
 
-    async def _mark_bound(self, pod_uid: str, allocation: uuid.UUID, node: str) -> bool:
+    def _mark_bound(self, pod_uid: str, allocation: uuid.UUID, node: str) -> bool:
+        """Start marking the pod's allocation `bound` (in the background: `BOUND_LINGER_S`); True when started."""
         self._bound[pod_uid] = None
         _bounded(self._bound)
-        marked = await self.bound.submit((allocation, pod_uid, node))
+        task = asyncio.create_task(self._bound_now(pod_uid, allocation, node, datetime.now(UTC)), name="claim-bound")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _bound_now(self, pod_uid: str, allocation: uuid.UUID, node: str, seen: datetime) -> None:
+        try:
+            marked = await self.bound.submit((allocation, pod_uid, node, seen))
+        except Exception as exc:  # the pod's next event tries again (reconciliation too)
+            self._bound.pop(pod_uid, None)
+            log.warning("allocation %s not marked bound yet: %r", allocation, exc, extra={"pod_uid": pod_uid})
+            return
         if marked and self.nudge is not None and self._gated_pods.pop(pod_uid, False):
             self.nudge(node)
-        return marked
 
     def _watched_pod(self, namespace: str, consumer: dict[str, Any]) -> Pod | None:
         """The claim's pod as the binder's pod watch last showed it (with its claim fields), or None."""
@@ -812,7 +831,8 @@ class ClaimGate:
         return pod if pod is not None and pods.pod_uid(pod) == consumer.get("uid") else None
 
     async def on_pod(self, event_type: str, pod: Pod) -> bool:
-        """The pod watch's hook: a DRA pod that kube-scheduler bound is `bound` in the ledger (True when marked).
+        """The pod watch's hook: a DRA pod that kube-scheduler bound is marked `bound` in the ledger (True when the
+        mark was started; it goes in the background, so the pod watch does not wait for it).
 
         A pod of a gated pool is then nudged (a label stamp, which makes kube-scheduler retry the pods waiting for
         DRA devices): while a pod waits in PreBind for its binding conditions, kube-scheduler 1.37.2 counts its
@@ -835,7 +855,7 @@ class ClaimGate:
             return False
         if recorded_node != node:
             return False
-        return await self._mark_bound(uid, allocation, node)
+        return self._mark_bound(uid, allocation, node)
 
     # -- reconciliation -----------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, interval_s: float) -> None:

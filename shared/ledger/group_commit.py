@@ -40,10 +40,14 @@ class GroupCommit(Generic[T, R]):
         *,
         what: str,
         max_batch: int = 64,
+        linger_s: float = 0.0,
     ) -> None:
         self.run_batch = run_batch
         self.what = what
         self.max_batch = max_batch
+        # how long an idle group waits after its first caller before it starts a batch: the callers that come
+        # meanwhile go in the same transaction (for writes nobody waits on, where a batch of one is the rule)
+        self.linger_s = linger_s
         self.batches = 0
         self._queue: list[tuple[T, asyncio.Future[R]]] = []
         self._worker: asyncio.Task[None] | None = None
@@ -57,6 +61,8 @@ class GroupCommit(Generic[T, R]):
         return await future
 
     async def _drain(self) -> None:
+        if self.linger_s > 0:
+            await asyncio.sleep(self.linger_s)
         while self._queue:
             taken, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
             batch = [(item, future) for item, future in taken if not future.done()]  # cancelled callers drop out

@@ -11,6 +11,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -201,12 +202,16 @@ class Ledger:
         (changed,) = await self.mark_bound_many([(allocation_id, pod_uid, node)])
         return changed
 
-    async def mark_bound_many(self, bindings: list[tuple[uuid.UUID, str, str]]) -> list[bool]:
+    async def mark_bound_many(
+        self, bindings: list[tuple[uuid.UUID, str, str]], *, at: list[datetime] | None = None
+    ) -> list[bool]:
         """`mark_bound` for many (allocation id, pod UID, node) in one transaction (the binder's group commit);
-        True per allocation that moved to `bound`. Only the events that wrote something are staged: a `bound` that
-        changed nothing (two replicas, or reconciliation and a redelivery, binding the same reservation) would reach
-        the stream twice."""
+        True per allocation that moved to `bound`. `at`: when each pod was seen bound (default: now). Only the events
+        that wrote something are staged: a `bound` that changed nothing (two replicas, or reconciliation and a
+        redelivery, binding the same reservation) would reach the stream twice."""
         events = [BoundEvent(allocation_id=a, pod_uid=p, node=n, source=self.source) for a, p, n in bindings]
+        if at is not None:
+            events = [e.model_copy(update={"occurred_at": when}) for e, when in zip(events, at, strict=True)]
         async with self._begin() as conn:
             changed, wrote = await transitions.bind_many(conn, events)
             written = [e for e, w in zip(events, wrote, strict=True) if w]

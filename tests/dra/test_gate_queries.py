@@ -351,3 +351,39 @@ async def test_a_recorded_pods_deletion_releases_its_allocation_without_a_lookup
     assert await _lifecycle(gate).on_pod(WatchEvent(DELETED, p12)) == 1
     assert len(lookups) == 1 and await _state(engine, allocation.allocation_id) == "released"
     assert await live_claim_allocations(engine) == []
+
+
+async def test_dra_pods_seen_bound_one_after_another_are_marked_bound_in_one_transaction(
+    gate: ClaimGate, engine: AsyncEngine
+) -> None:
+    """kube-scheduler binds DRA pods one after another, so each `bound` mark was a transaction of its own, and the
+    binder's pod watch waited for it. The pod watch now only starts the mark; the marks that come within
+    `BOUND_LINGER_S` share one transaction, each stamped with the moment its pod was seen bound."""
+    gate.pods = binder_index()
+    gate.pods.synced()
+    bound_pods = []
+    for name in ("p13", "p14", "p15"):
+        c, p = _allocated(name, "2Gi")
+        waiting = copy.deepcopy(p)
+        waiting["spec"].pop("nodeName")  # allocated, its pod not bound yet: recorded, not marked bound
+        gate.pods.update(ADDED, waiting)
+        await _handled(gate, (ADDED, c))
+        bound_pods.append(p)
+    assert {a.state for a in await live_claim_allocations(engine)} == {"reserved"}
+    batches = gate.bound.batches
+    seen = []
+    for p in bound_pods:
+        gate.pods.update(MODIFIED, p)
+        seen.append(datetime.now(UTC))
+        started = asyncio.get_running_loop().time()
+        assert await gate.on_pod(MODIFIED, p) is True
+        assert asyncio.get_running_loop().time() - started < claims_module.BOUND_LINGER_S  # not waited for
+        await asyncio.sleep(0.01)
+    await _drained(gate)
+    assert gate.bound.batches == batches + 1
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(allocations.c.pod_uid, allocations.c.state, allocations.c.bound_at))).all()
+    stamps = {r.pod_uid: r.bound_at for r in rows if r.state == "bound"}
+    assert len(stamps) == 3
+    for p, when in zip(bound_pods, seen, strict=True):
+        assert abs((stamps[p["metadata"]["uid"]] - when).total_seconds()) < 0.05  # when seen, not when committed

@@ -100,6 +100,26 @@ async def test_batches_are_capped() -> None:
     assert max(seen) <= 4 and sum(seen) == 10
 
 
+async def test_a_lingering_group_takes_the_callers_that_come_one_after_another_into_one_batch() -> None:
+    """Callers that come one at a time, each after the previous one's batch would have ended: without a linger,
+    a batch each; with one, those that come within it share the first batch, and a later one starts the next."""
+    for linger_s, expected in ((0.0, [1, 1, 1]), (0.2, [3])):
+        seen: list[list[int]] = []
+
+        async def run(items: list[int]) -> list[int]:
+            seen.append(items)  # noqa: B023 (each round's own list)
+            return items
+
+        group: GroupCommit[int, int] = GroupCommit(run, what="test", linger_s=linger_s)
+        calls = []
+        for i in range(3):
+            calls.append(asyncio.create_task(group.submit(i)))
+            await asyncio.sleep(0.01)  # the previous batch, if one started, has ended by now
+        assert await asyncio.gather(*calls) == [0, 1, 2]
+        assert [len(b) for b in seen] == expected, linger_s
+    assert await asyncio.wait_for(group.submit(3), 1.0) == 3 and [len(b) for b in seen] == [3, 1]
+
+
 # ---- Ledger.reserve_many -----------------------------------------------------------------------------------
 
 NODE = "node-g"
