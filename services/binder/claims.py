@@ -293,7 +293,23 @@ class ClaimGate:
                 self._fresh.discard(uid)
             elif event.type == ADDED and self.synced.is_set():
                 self._fresh.add(uid)  # created in this term: the ledger holds nothing of it but what it is told here
+            if self._settled(event.type, claim, uid):
+                continue
             self.submit(event.type, claim)
+
+    def _settled(self, event_type: str, claim: dict[str, Any], uid: str) -> bool:
+        """Whether handling this event could only find nothing to do: a claim with no allocation (or deleted) that
+        holds nothing in the ledger as far as this term learnt, none of its events in hand, no refusal pending and
+        no quota to give back. Most of a claim's events are such (created, a finalizer added or removed, deleted);
+        they are settled here, without a task each."""
+        if uid in self._running or uid in self._unrecorded or self._held.get(uid) is not None:
+            return False
+        if event_type == DELETED:
+            if str((claim.get("metadata") or {}).get("namespace")) in self._quota_namespaces:
+                return False  # the quota it took at creation comes back
+            self._held.pop(uid, None)
+            return True
+        return not our_results(claim)
 
     async def _ask_served(self, stop: asyncio.Event) -> bool | None:
         """Whether there are claims to gate, asked until the API server answers (None: `stop` came first). A

@@ -387,3 +387,25 @@ async def test_dra_pods_seen_bound_one_after_another_are_marked_bound_in_one_tra
     assert len(stamps) == 3
     for p, when in zip(bound_pods, seen, strict=True):
         assert abs((stamps[p["metadata"]["uid"]] - when).total_seconds()) < 0.05  # when seen, not when committed
+
+
+async def test_a_claims_events_that_can_change_nothing_are_settled_without_a_task(gate: ClaimGate) -> None:
+    """Most of a claim's events (created, a finalizer added or removed, deleted) find nothing to do: the claim
+    watch settles them at once, without a task each. An allocation, a claim the ledger holds, one with events in
+    hand, one the ledger refused and the deletion of a claim that holds quota are handled as before."""
+    idle = claim("idle-gpushare", "team", [request("r", "4Gi")], [], node=NODE)
+    uid = idle["metadata"]["uid"]
+    assert gate._settled(ADDED, idle, uid) and gate._settled(MODIFIED, idle, uid)
+    assert gate._settled(DELETED, idle, uid)
+    c, _ = _allocated("p16")
+    assert not gate._settled(MODIFIED, c, c["metadata"]["uid"])  # allocated: to be recorded
+    gate._held[uid] = uuid.uuid4()
+    assert not gate._settled(MODIFIED, idle, uid)  # deallocated while the ledger holds it: to be ended
+    gate._held[uid] = None
+    gate._running.add(uid)
+    assert not gate._settled(MODIFIED, idle, uid)  # an earlier event in hand: this one goes after it
+    gate._running.discard(uid)
+    assert gate._settled(DELETED, idle, uid) and uid not in gate._held
+    gate._quota_namespaces.add("team")
+    assert not gate._settled(DELETED, idle, uid)  # its quota hold is given back by the task
+    assert gate._tasks == set()
