@@ -370,6 +370,7 @@ async def test_dra_pods_seen_bound_one_after_another_are_marked_bound_in_one_tra
         await _handled(gate, (ADDED, c))
         bound_pods.append(p)
     assert {a.state for a in await live_claim_allocations(engine)} == {"reserved"}
+    gate.bound.linger_s = 1.0  # longer than the binder's 0.1 s: a loaded machine may be slow between the binds
     batches = gate.bound.batches
     seen = []
     for p in bound_pods:
@@ -377,7 +378,7 @@ async def test_dra_pods_seen_bound_one_after_another_are_marked_bound_in_one_tra
         seen.append(datetime.now(UTC))
         started = asyncio.get_running_loop().time()
         assert await gate.on_pod(MODIFIED, p) is True
-        assert asyncio.get_running_loop().time() - started < claims_module.BOUND_LINGER_S  # not waited for
+        assert asyncio.get_running_loop().time() - started < gate.bound.linger_s  # not waited for
         await asyncio.sleep(0.01)
     await _drained(gate)
     assert gate.bound.batches == batches + 1
@@ -386,7 +387,7 @@ async def test_dra_pods_seen_bound_one_after_another_are_marked_bound_in_one_tra
     stamps = {r.pod_uid: r.bound_at for r in rows if r.state == "bound"}
     assert len(stamps) == 3
     for p, when in zip(bound_pods, seen, strict=True):
-        assert abs((stamps[p["metadata"]["uid"]] - when).total_seconds()) < 0.05  # when seen, not when committed
+        assert abs((stamps[p["metadata"]["uid"]] - when).total_seconds()) < 0.5  # when seen, not when committed
 
 
 async def test_a_claims_events_that_can_change_nothing_are_settled_without_a_task(gate: ClaimGate) -> None:
