@@ -686,9 +686,9 @@ class ClaimGate:
         return int(changed)
 
     async def _end_known(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> bool:
-        """End the allocation this gate knows the claim holds, with no lookup (`Ledger.end`: failed while its pod
-        never bound, released otherwise); False when it had ended meanwhile (the caller then looks up)."""
-        ended = await self.ledger.end(allocation_id, pod_uid, node, reason)
+        """End the allocation this gate knows the claim holds, with no lookup (`Ledger.end_allocation`: failed while
+        its pod never bound, released otherwise); False when it had ended meanwhile (the caller then looks up)."""
+        ended = await self.ledger.end_allocation(allocation_id, pod_uid, node, reason)
         if ended is not None:
             self._ended_now(allocation_id, pod_uid, None, ended, reason)
         return ended is not None

@@ -265,17 +265,19 @@ class Ledger:
         self._committed()
         return answers
 
-    async def end(self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str) -> AllocationState | None:
-        """End an allocation from whichever live state it is in, with no read before (`transitions.end`): failed
-        while it is still reserved (its pod never bound), released otherwise; one transaction, and the event that
-        applied is staged when it wrote something. Returns the state it ended in, None when it had ended already
-        (or is unknown)."""
+    async def end_allocation(
+        self, allocation_id: uuid.UUID, pod_uid: str, node: str, reason: str
+    ) -> AllocationState | None:
+        """End an allocation from whichever live state it is in, with no read before
+        (`transitions.end_allocation`): failed while it is still reserved (its pod never bound), released otherwise;
+        one transaction, and the event that applied is staged when it wrote something. Returns the state it ended
+        in, None when it had ended already (or is unknown)."""
         failed = FailedEvent(allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source)
         released = ReleasedEvent(
             allocation_id=allocation_id, pod_uid=pod_uid, node=node, reason=reason, source=self.source
         )
         async with self._begin() as conn:
-            done, event = await transitions.end(conn, failed, released)
+            done, event = await transitions.end_allocation(conn, failed, released)
             if done.wrote:
                 await outbox.stage(conn, self.prefix, event)
         if done.wrote:

@@ -64,7 +64,7 @@ async def transition(conn: AsyncConnection, event: TransitionEvent) -> Transitio
     return await _apply(conn, event, await _locked_row(conn, event.allocation_id, STAMPS[new_state]))
 
 
-async def end(
+async def end_allocation(
     conn: AsyncConnection, while_reserved: FailedEvent, otherwise: ReleasedEvent
 ) -> tuple[Transition, FailedEvent | ReleasedEvent]:
     """End one allocation from whichever live state it is in, without a read before: `while_reserved` (`failed`)

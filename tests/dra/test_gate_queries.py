@@ -316,9 +316,9 @@ async def test_a_claims_allocation_the_gate_knows_is_ended_without_a_lookup_and_
     gate: ClaimGate, engine: AsyncEngine
 ) -> None:
     """The gate ends the allocation it recorded for a deallocated claim in one transaction, with no lookup before
-    (`Ledger.end`: released, as its pod bound; before: a lookup, then the release). When what it knows is no longer
-    true (the allocation ended meanwhile and the claim holds a new one, recorded by another term's leader), the end
-    changes nothing and the gate looks the claim up and ends what it holds: no share is left behind."""
+    (`Ledger.end_allocation`: released, as its pod bound; before: a lookup, then the release). When what it knows is
+    no longer true (the allocation ended meanwhile and the claim holds a new one, recorded by another term's leader),
+    the end changes nothing and the gate looks the claim up and ends what it holds: no share is left behind."""
     c9, _, live = await _recorded_by_gate(gate, "p9")
     assert await _state(engine, live.id) == "bound"
     lookups = _lookups(engine)

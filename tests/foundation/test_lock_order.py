@@ -136,13 +136,13 @@ class Run:
 
     async def ends(self) -> None:
         """A claim's deallocation and its pod's deletion end one allocation at once: the claim gate through
-        `Ledger.end` (no read before; failed while reserved), the pod watch through `release`."""
+        `Ledger.end_allocation` (no read before; failed while reserved), the pod watch through `release`."""
         if not self.live:
             return
         allocation_id = self.rng.choice(list(self.live))
         pod_uid, _ = self.live.pop(allocation_id)
         await asyncio.gather(
-            self.attempt("end", self.ledger.end(allocation_id, pod_uid, NODE, "claim deallocated")),
+            self.attempt("end", self.ledger.end_allocation(allocation_id, pod_uid, NODE, "claim deallocated")),
             self.attempt("end-release", self.ledger.release(allocation_id, pod_uid, NODE, "pod deleted")),
         )
 

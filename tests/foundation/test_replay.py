@@ -46,7 +46,7 @@ async def _busy_ledger(engine: AsyncEngine, bus: EventBus, seed: int = 7) -> Led
             if rng.random() < 0.5:
                 await ledger.release(r.allocation_id, r.pod_uid, r.node, "pod deleted")
             else:  # the claim gate's end: failed while still reserved, else released
-                await ledger.end(r.allocation_id, r.pod_uid, r.node, "claim deallocated")
+                await ledger.end_allocation(r.allocation_id, r.pod_uid, r.node, "claim deallocated")
         elif live and roll < 0.5:
             r = rng.choice(live)
             await ledger.mark_bound(r.allocation_id, r.pod_uid, r.node)
