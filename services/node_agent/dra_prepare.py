@@ -4,19 +4,23 @@ kubelet calls `NodePrepareResources` with all of a pod's claims of this driver b
 (pkg/kubelet/cm/dra/manager.go `prepareResources`, v1.37.2), and again after a restart of either side: preparing
 is idempotent and needs no memory, only the ledger and the files. For each claim the agent
 
-1. reads the claim and the pod it is reserved for from the API, and reads them as the binder did
-   (`shared.dra.claims.read_claim`: the same parts, the same allocation id);
+1. reads the claim from the API, and its shares as the binder did (`shared.dra.claims.claim_shares`: the same
+   shares, the same allocation id);
 2. checks that the ledger holds that very allocation live on this node: kube-scheduler binds the pod as soon as it
    wrote the claim's allocation and the binder records it from its claim watch, so kubelet may ask a moment before
    the record reaches the agent; the agent waits for it in its view of the ledger (the node's events) up to
    `dra_ledger_wait_s`, reloads the view once, and refuses a claim the ledger still does not hold: no container
    starts on a share the ledger does not hold. kubelet retries a refused pod at its next update (the binder
-   annotates the pod right after the record) or resync (pkg/kubelet/pod_workers.go, v1.37.2);
+   annotates the pod right after the record) or resync (pkg/kubelet/pod_workers.go, v1.37.2). Which container
+   holds each share comes from that record (`from_record`: the binder read it from the pod spec), so the pod is
+   not read; only when the record cannot say it for certain (two containers holding alike shares of one GPU, or
+   another pod reserving the claim now) is the pod read and the claim read as the binder read it (`read_claim`);
 3. writes the claim's CDI spec: per request, the environment the device-plugin path gives a container
    (`assignment.container_env`: NVIDIA_VISIBLE_DEVICES, gpushare's ALIYUN_COM_GPU_MEM_*, the memory limits and, under
    MPS, its limits and client directories);
-4. records each container that uses the claim as `assigned` in the ledger (through the binder's gateway; the
-   binder then sets `ALIYUN_COM_GPU_MEM_ASSIGNED=true` on the pod);
+4. records each container that holds a share of the claim as `assigned` in the ledger (through the binder's
+   gateway; the binder then sets `ALIYUN_COM_GPU_MEM_ASSIGNED=true` on the pod; the ledger keeps the parts of
+   holders only, so another container using a holder's share has nothing of its own to stamp);
 5. answers one `Device` per allocation result, the request's CDI device on its first result.
 
 `NodeUnprepareResources` removes the spec file (also of a claim that is long gone). Capacity is given back by the
@@ -31,6 +35,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,9 +46,20 @@ from services.node_agent.assignment import PendingContainer, Share, container_en
 from services.node_agent.ledger_link import CommandRefused, LedgerUnavailable
 from services.node_agent.mps import client_mounts
 from shared.dra import cdi
-from shared.dra.claims import ClaimAllocation, ClaimRefused, LedgerGpu, our_results, pod_consumer, read_claim
+from shared.dra.claims import (
+    ClaimAllocation,
+    ClaimRefused,
+    LedgerGpu,
+    Recorded,
+    claim_allocation_id,
+    claim_shares,
+    from_record,
+    our_results,
+    pod_consumer,
+    read_claim,
+)
 from shared.dra.slices import device_name
-from shared.events.catalogue import AssignedEvent
+from shared.events.catalogue import AllocationPart, AssignedEvent
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +99,7 @@ class ClaimPreparer:
         self.cdi_dir = Path(cdi_dir)
         self.prepared = 0
         self.refused = 0
+        self.pod_reads = 0  # prepares whose holders the ledger's record could not name (the pod was read)
 
     # -- prepare ------------------------------------------------------------------------------------------------
     async def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
@@ -114,23 +131,52 @@ class ClaimPreparer:
             raise PrepareError(f"claim {namespace}/{name} has no allocation of a gpushare GPU")
         try:
             consumer = pod_consumer(claim)
+            if consumer is None:
+                raise PrepareError(f"claim {namespace}/{name} is reserved for no pod")
+            claim_node, shares = claim_shares(claim, self._gpus(), self.agent.config.unit)
         except ClaimRefused as exc:
             raise PrepareError(exc.message) from None
-        if consumer is None:
-            raise PrepareError(f"claim {namespace}/{name} is reserved for no pod")
-        pod = await self.read_pod(namespace, str(consumer.get("name") or ""))
-        if pod is None or (pod.get("metadata") or {}).get("uid") != consumer.get("uid"):
-            raise PrepareError(f"the pod claim {namespace}/{name} is reserved for does not exist (any more)")
-        try:
-            allocation = read_claim(claim, pod, self._gpus(), self.agent.config.unit)
-        except ClaimRefused as exc:
-            raise PrepareError(exc.message) from None
-        if allocation.node != node:
-            raise PrepareError(f"claim {namespace}/{name} is allocated on node {allocation.node}, not on {node}")
-        await self._check_ledger(allocation)
+        if claim_node != node:
+            raise PrepareError(f"claim {namespace}/{name} is allocated on node {claim_node}, not on {node}")
+        allocation_id = claim_allocation_id(claim, shares)
+        await self._check_ledger(allocation_id, f"{namespace}/{name}")
+        allocation = from_record(claim, shares, self._recorded(allocation_id))
+        if allocation is None:  # the record cannot say who holds each share: the pod's spec does
+            self.pod_reads += 1
+            pod = await self.read_pod(namespace, str(consumer.get("name") or ""))
+            if pod is None or (pod.get("metadata") or {}).get("uid") != consumer.get("uid"):
+                raise PrepareError(f"the pod claim {namespace}/{name} is reserved for does not exist (any more)")
+            try:
+                allocation = read_claim(claim, pod, self._gpus(), self.agent.config.unit)
+            except ClaimRefused as exc:
+                raise PrepareError(exc.message) from None
         self._write_spec(allocation)
         await self._record_assigned(allocation)
         return self._devices(allocation)
+
+    def _recorded(self, allocation_id: uuid.UUID) -> Recorded:
+        """The ledger's record of one allocation as the node's view holds it."""
+        held = self.agent.view.containers_of(allocation_id)
+        first = held[0] if held else None
+        return Recorded(
+            pod_uid=first.pod_uid if first else "",
+            pod_name=first.pod_name if first else "",
+            pod_created_at=first.pod_created_at if first else None,
+            parts=tuple(
+                AllocationPart(
+                    container=c.container,
+                    container_index=c.container_index,
+                    gpu_uuid=s.gpu_uuid,
+                    gpu_index=s.gpu_index,
+                    memory_mib=s.memory_mib,
+                    compute=s.compute,
+                    init=c.init,
+                    sidecar=c.sidecar,
+                )
+                for c in held
+                for s in c.shares
+            ),
+        )
 
     def _gpus(self) -> dict[str, LedgerGpu]:
         return {
@@ -138,24 +184,23 @@ class ClaimPreparer:
             for g in self.agent.gpu_infos()
         }
 
-    async def _check_ledger(self, allocation: ClaimAllocation) -> None:
+    async def _check_ledger(self, allocation_id: uuid.UUID, claim: str) -> None:
         """The ledger must hold this allocation live on the node: the view as the node's events bring it (up to
         `dra_ledger_wait_s`), then a fresh snapshot once. How long it waited is observed (0: held at once)."""
         view, started = self.agent.view, time.monotonic()
         deadline = started + self.agent.config.dra_ledger_wait_s
-        while view.version(allocation.allocation_id) is None and time.monotonic() < deadline:
+        while view.version(allocation_id) is None and time.monotonic() < deadline:
             changed = self.agent.view_changed()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
-        if view.version(allocation.allocation_id) is None:
+        if view.version(allocation_id) is None:
             await self.agent.reload_view()
         self.agent.metrics.dra_ledger_wait.labels(self.agent.config.node).observe(time.monotonic() - started)
-        if view.version(allocation.allocation_id) is None:
+        if view.version(allocation_id) is None:
             raise PrepareError(
-                f"the gpushare ledger holds no live allocation {allocation.allocation_id} for claim "
-                f"{allocation.namespace}/{allocation.claim_name} on {allocation.node}: refusing to hand out a GPU "
-                "share the ledger did not record (the binder records each claim allocation as it appears; kubelet will "
-                "ask again)"
+                f"the gpushare ledger holds no live allocation {allocation_id} for claim {claim} on "
+                f"{self.agent.config.node}: refusing to hand out a GPU share the ledger did not record (the binder "
+                "records each claim allocation as it appears; kubelet will ask again)"
             )
 
     def _env(self, allocation: ClaimAllocation, request: str) -> tuple[dict[str, str], list[tuple[str, str, bool]]]:

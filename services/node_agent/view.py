@@ -88,6 +88,12 @@ class NodeView:
         """One live container by (allocation id, container name)."""
         return self._containers.get(key)
 
+    def containers_of(self, allocation_id: uuid.UUID) -> list[PendingContainer]:
+        """The live containers of one allocation (none: not live here)."""
+        if allocation_id not in self._versions:
+            return []
+        return [c for (alloc_id, _), c in self._containers.items() if alloc_id == allocation_id]
+
     def version(self, allocation_id: uuid.UUID) -> int | None:
         """The allocation's version as the view knows it (None: not live here)."""
         return self._versions.get(allocation_id)

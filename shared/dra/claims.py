@@ -4,8 +4,9 @@ kube-scheduler allocates a claim's requests from the node's ResourceSlice: each 
 a `shareID` and the `consumedCapacity` after the request policy's rounding. The ledger records that allocation
 before the pod is bound: `read_claim` turns the claim, its pod and the node's GPUs as the ledger holds them into
 a `ClaimAllocation` (the ledger's parts, the event that records them, the allocation id), or refuses with a
-`ClaimRefused` that says why and what to do instead. The node agent reads the same claim the same way when
-kubelet prepares it, so both sides agree on every share.
+`ClaimRefused` that says why and what to do instead. The node agent reads the same claim's shares the same way
+when kubelet prepares it (`claim_shares`), so both sides agree on every share, and takes who holds them from the
+ledger's record (`from_record`) rather than from the pod.
 
 Which container holds which share comes from the pod spec only (no request name is assumed):
 `containers[].resources.claims[]` names the pod's claim entry and a `request` (empty: every request of the
@@ -281,23 +282,17 @@ def _compute(share: str, raw: Any, gpu: LedgerGpu) -> int:
     return int(amount)
 
 
-def read_claim(
+def claim_shares(
     claim: Mapping[str, Any],
-    pod: Mapping[str, Any],
     gpus: Mapping[str, LedgerGpu],
     unit: MemoryUnit,
-) -> ClaimAllocation:
-    """The ledger allocation an allocated claim stands for. `gpus`: the node's GPUs in the ledger by device name
-    (`shared.dra.slices.device_name`). Raises ClaimRefused (nothing may be recorded then)."""
-    meta = claim.get("metadata") or {}
+) -> tuple[str, tuple[ClaimShare, ...]]:
+    """The node and the shares of an allocated claim's gpushare results, in result order (no pod needed).
+    `gpus`: the node's GPUs in the ledger by device name (`shared.dra.slices.device_name`). Raises ClaimRefused."""
     key = claim_key(claim)
     results = our_results(claim)
     if not results:
         raise ClaimRefused("NotAllocated", f"claim {key} has no allocation of the {DRIVER} driver")
-    consumer = pod_consumer(claim)
-    pod_meta = pod.get("metadata") or {}
-    if consumer is None or consumer.get("uid") != pod_meta.get("uid"):
-        raise ClaimRefused("NotReserved", f"claim {key} is not reserved for pod {pod_meta.get('name')}")
     nodes = {str(r.get("pool") or "") for r in results}
     if len(nodes) != 1:
         raise ClaimRefused("SeveralNodes", f"claim {key} has gpushare devices of several pools: {sorted(nodes)}")
@@ -331,6 +326,31 @@ def read_claim(
                 compute=_compute(label, consumed.get(COMPUTE), gpu),
             )
         )
+    return node, tuple(shares)
+
+
+def claim_allocation_id(claim: Mapping[str, Any], shares: tuple[ClaimShare, ...]) -> uuid.UUID:
+    """The ledger's id of the claim allocation these shares (`claim_shares`) are."""
+    return allocation_id(str((claim.get("metadata") or {}).get("uid") or ""), [s.share_id for s in shares])
+
+
+def read_claim(
+    claim: Mapping[str, Any],
+    pod: Mapping[str, Any],
+    gpus: Mapping[str, LedgerGpu],
+    unit: MemoryUnit,
+) -> ClaimAllocation:
+    """The ledger allocation an allocated claim stands for. `gpus`: the node's GPUs in the ledger by device name
+    (`shared.dra.slices.device_name`). Raises ClaimRefused (nothing may be recorded then)."""
+    meta = claim.get("metadata") or {}
+    key = claim_key(claim)
+    if not our_results(claim):
+        raise ClaimRefused("NotAllocated", f"claim {key} has no allocation of the {DRIVER} driver")
+    consumer = pod_consumer(claim)
+    pod_meta = pod.get("metadata") or {}
+    if consumer is None or consumer.get("uid") != pod_meta.get("uid"):
+        raise ClaimRefused("NotReserved", f"claim {key} is not reserved for pod {pod_meta.get('name')}")
+    node, shares = claim_shares(claim, gpus, unit)
     entry = pod_claim_entry(pod, str(meta.get("name") or ""))
     if entry is None:
         raise ClaimRefused("NotReferenced", f"pod {pod_meta.get('name')} does not reference claim {key}")
@@ -366,17 +386,70 @@ def read_claim(
     kind, owner_name = pods.owner(dict(pod))
     created = pod_meta.get("creationTimestamp")
     return ClaimAllocation(
-        allocation_id=allocation_id(str(meta.get("uid") or ""), [s.share_id for s in shares]),
+        allocation_id=claim_allocation_id(claim, shares),
         claim_uid=str(meta.get("uid") or ""),
         claim_name=str(meta.get("name") or ""),
         namespace=str(meta.get("namespace") or ""),
         pod_uid=str(pod_meta.get("uid") or ""),
         pod_name=str(pod_meta.get("name") or ""),
         node=node,
-        shares=tuple(shares),
+        shares=shares,
         users=ordered,
         parts=tuple(parts),
         owner_kind=kind,
         owner_name=owner_name,
         pod_created_at=datetime.fromisoformat(str(created).replace("Z", "+00:00")) if created else None,
+    )
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the ledger recorded of one claim allocation: its pod and the parts its holders hold."""
+
+    pod_uid: str
+    pod_name: str
+    pod_created_at: datetime | None
+    parts: tuple[AllocationPart, ...]
+
+
+def from_record(claim: Mapping[str, Any], shares: tuple[ClaimShare, ...], recorded: Recorded) -> ClaimAllocation | None:
+    """The allocation an allocated claim stands for, its holders taken from the ledger's record of it (what
+    `read_claim` made of the pod when the binder recorded it) instead of from the pod. `shares`: `claim_shares` of
+    the claim, whose allocation the ledger holds as `recorded`.
+
+    Each share's holder is the recorded part of its GPU with its amounts. None (read the pod then, `read_claim`)
+    when the record cannot say it for certain: another pod is the claim's consumer now, the parts are not these
+    shares, or two containers hold alike parts of one GPU. Only holders are named (`users`: one per request): the
+    record does not keep the other containers that use a request, nor the pod's owner."""
+    consumer = pod_consumer(claim)
+    if consumer is None or consumer.get("uid") != recorded.pod_uid or not shares:
+        return None
+    amounts = sorted((p.gpu_uuid, p.memory_mib, p.compute) for p in recorded.parts)
+    if amounts != sorted((s.gpu_uuid, s.memory_mib, s.compute) for s in shares):
+        return None
+    holders: dict[str, ContainerRef] = {}
+    for s in shares:
+        alike = {
+            ContainerRef(p.container, p.container_index, p.init, p.sidecar)
+            for p in recorded.parts
+            if (p.gpu_uuid, p.memory_mib, p.compute) == (s.gpu_uuid, s.memory_mib, s.compute)
+        }
+        if len(alike) != 1:
+            return None
+        holder = alike.pop()
+        if holders.setdefault(s.request, holder) != holder:  # one request, one holder
+            return None
+    meta = claim.get("metadata") or {}
+    return ClaimAllocation(
+        allocation_id=claim_allocation_id(claim, shares),
+        claim_uid=str(meta.get("uid") or ""),
+        claim_name=str(meta.get("name") or ""),
+        namespace=str(meta.get("namespace") or ""),
+        pod_uid=recorded.pod_uid,
+        pod_name=recorded.pod_name,
+        node=shares[0].pool,
+        shares=shares,
+        users={r: (h,) for r, h in holders.items()},
+        parts=recorded.parts,
+        pod_created_at=recorded.pod_created_at,
     )

@@ -8,7 +8,16 @@ from decimal import Decimal
 import pytest
 
 from shared.dra import DRIVER, REFUSED_CONDITION, RESERVED_CONDITION, UNHEALTHY_TAINT, cdi, conditions
-from shared.dra.claims import ClaimRefused, allocation_id, read_claim, requests_gpushare
+from shared.dra.claims import (
+    ClaimAllocation,
+    ClaimRefused,
+    Recorded,
+    allocation_id,
+    claim_shares,
+    from_record,
+    read_claim,
+    requests_gpushare,
+)
 from shared.dra.quantity import QuantityError, mib_quantity, parse_quantity
 from shared.dra.slices import (
     GATE_LABEL,
@@ -223,6 +232,86 @@ def test_a_container_naming_the_claim_without_a_request_uses_its_only_request() 
     p = pod("p", [("main", "")])
     c = _allocated(p, [request("gpu", "4Gi")], [("gpu", GPUS[0], "4Gi", "0")])
     assert read_claim(c, p, ledger_gpus(GPUS), GIB).parts[0].container == "main"
+
+
+def _recorded(alloc: ClaimAllocation) -> Recorded:
+    """The ledger's record of an allocation the binder recorded (as the node agent's view holds it)."""
+    return Recorded(alloc.pod_uid, alloc.pod_name, alloc.pod_created_at, alloc.parts)
+
+
+@pytest.mark.parametrize(
+    ("containers", "inits", "requests", "results"),
+    [
+        ([("main", "c-0")], [], [request("c-0", "4Gi", "30")], [("c-0", GPUS[1], "4Gi", "30")]),
+        (
+            [("a", "r-a"), ("b", "r-b")],
+            [],
+            [request("r-a", "4Gi"), request("r-b", "8Gi", count=2)],
+            [("r-a", GPUS[0], "4Gi", "0"), ("r-b", GPUS[0], "8Gi", "0"), ("r-b", GPUS[1], "8Gi", "0")],
+        ),
+        (
+            [("app", "r-app")],
+            [("setup", "r-init", False), ("proxy", "r-side", True)],
+            [request("r-init", "2Gi"), request("r-side", "1Gi"), request("r-app", "4Gi")],
+            [("r-init", GPUS[0], "2Gi", "0"), ("r-side", GPUS[0], "1Gi", "0"), ("r-app", GPUS[0], "4Gi", "0")],
+        ),
+        ([("app", "r")], [("warmup", "r", False)], [request("r", "4Gi")], [("r", GPUS[0], "4Gi", "0")]),
+    ],
+    ids=["one", "two-requests-and-count-two", "init-and-sidecar", "shared-request"],
+)
+def test_the_ledgers_record_names_the_same_holders_as_the_pod(containers, inits, requests, results) -> None:  # type: ignore[no-untyped-def]
+    """What the node agent makes of a claim from the ledger's record (no pod read) is what the binder made of it from
+    the pod: the same allocation, shares, holder of each request and environment inputs; only the other users of a
+    request (which hold nothing in the ledger) are left out."""
+    p = pod("p", containers, inits=inits)
+    c = _allocated(p, requests, results)
+    alloc = read_claim(c, p, ledger_gpus(GPUS), GIB)
+    node, shares = claim_shares(c, ledger_gpus(GPUS), GIB)
+    got = from_record(c, shares, _recorded(alloc))
+    assert got is not None and node == alloc.node
+    assert (got.allocation_id, got.claim_uid, got.claim_name, got.namespace, got.node) == (
+        alloc.allocation_id,
+        alloc.claim_uid,
+        alloc.claim_name,
+        alloc.namespace,
+        alloc.node,
+    )
+    assert (got.pod_uid, got.pod_name, got.pod_created_at, got.shares) == (
+        alloc.pod_uid,
+        alloc.pod_name,
+        alloc.pod_created_at,
+        alloc.shares,
+    )
+    assert {r: [(h.name, h.index, h.init) for h in hs] for r, hs in got.users.items()} == {
+        r: [(hs[0].name, hs[0].index, hs[0].init)] for r, hs in alloc.users.items()
+    }
+    assert got.pod_memory_mib() == alloc.pod_memory_mib()
+
+
+def test_a_record_that_cannot_name_the_holders_for_certain_sends_the_node_agent_to_the_pod() -> None:
+    """Two containers holding alike shares of one GPU (which is whose?), a record of other parts, or a claim reserved
+    for another pod than the record's: None, and the node agent reads the pod as the binder did."""
+    p = pod("p", [("a", "r-a"), ("b", "r-b")])
+    c = _allocated(
+        p, [request("r-a", "4Gi"), request("r-b", "4Gi")], [("r-a", GPUS[0], "4Gi", "0"), ("r-b", GPUS[0], "4Gi", "0")]
+    )
+    alloc = read_claim(c, p, ledger_gpus(GPUS), GIB)
+    _node, shares = claim_shares(c, ledger_gpus(GPUS), GIB)
+    assert from_record(c, shares, _recorded(alloc)) is None  # alike: a-or-b per share cannot be told
+
+    p = pod("p", [("a", "r-a"), ("b", "r-b")])
+    c = _allocated(
+        p, [request("r-a", "4Gi"), request("r-b", "2Gi")], [("r-a", GPUS[0], "4Gi", "0"), ("r-b", GPUS[0], "2Gi", "0")]
+    )
+    alloc = read_claim(c, p, ledger_gpus(GPUS), GIB)
+    _node, shares = claim_shares(c, ledger_gpus(GPUS), GIB)
+    told = from_record(c, shares, _recorded(alloc))
+    assert told is not None and {r: hs[0].name for r, hs in told.users.items()} == {"r-a": "a", "r-b": "b"}
+    assert from_record(c, shares, Recorded(alloc.pod_uid, "p", None, alloc.parts[:1])) is None  # other parts
+    other = Recorded("another-pod-uid", "p", None, alloc.parts)
+    assert from_record(c, shares, other) is None  # reserved for another pod than the record's
+    c["status"]["reservedFor"] = []
+    assert from_record(c, shares, _recorded(alloc)) is None  # reserved for nobody now
 
 
 @pytest.mark.parametrize(

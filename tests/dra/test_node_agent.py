@@ -30,7 +30,7 @@ from shared.dra.classes import device_class
 from shared.dra.slices import device_name
 from shared.events.bus import EventBus
 from shared.ledger.ledger import Ledger
-from shared.ledger.models import allocations, gpus
+from shared.ledger.models import allocation_parts, allocations, gpus
 from shared.settings import MemoryUnit
 from tests.dra import workloads as w
 from tests.dra.conftest import needs_dra
@@ -181,9 +181,18 @@ async def _untainted(api: client.ApiClient, node: str) -> dict[str, Any] | None:
 async def test_a_claim_is_prepared_only_once_the_ledger_holds_it_also_through_v1beta1(dra_node: DraNodeHarness) -> None:
     """kube-scheduler allocates the claim (no gate runs here, so the pod waits at its binding condition): a prepare
     call is refused while the ledger has not recorded it, and succeeds, idempotently, once it has; the kubelet here
-    knows only `v1beta1.DRAPlugin`. Unprepare removes the CDI spec and may be repeated."""
+    knows only `v1beta1.DRAPlugin`. Which container holds the share comes from the ledger's record: the agent reads
+    the claim, never the pod. Unprepare removes the CDI spec and may be repeated."""
     h = dra_node
     await h.start_agent(services=("v1beta1.DRAPlugin",))
+    preparer, pod_reads = h.agent.dra.preparer, []
+    read_pod = preparer.read_pod
+
+    async def counted_read_pod(namespace: str, name: str) -> dict[str, Any] | None:
+        pod_reads.append(name)
+        return await read_pod(namespace, name)
+
+    preparer.read_pod = counted_read_pod
     plugin = await h.kubelet.wait_registered(DRIVER)
     assert plugin.service == "v1beta1.DRAPlugin"
     ns = f"ns-{uuid.uuid4().hex[:6]}"
@@ -212,6 +221,7 @@ async def test_a_claim_is_prepared_only_once_the_ledger_holds_it_also_through_v1
     assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "3" and env["GPUSHARE_GPU_MEMORY_MIB"] == "3072"
     state = await eventually(lambda: _state(h.ledger, event.allocation_id, "assigned"), what="assigned", within=30)
     assert state
+    assert pod_reads == [] and preparer.pod_reads == 0  # the holder came from the ledger's record
     # a second prepare by a restarted kubelet (no cache) finds the same spec and records nothing new
     h.kubelet.cache.clear()
     await h.kubelet.prepare(pod_obj)
@@ -249,6 +259,57 @@ async def test_a_prepare_that_comes_before_the_record_waits_for_it(dra_node: Dra
     await asyncio.wait_for(preparing, 10)
     assert (registry.get_sample_value(wait_sum, labels) or 0.0) > before
     assert not registry.get_sample_value("gpushare_node_agent_dra_prepares_total", {**labels, "outcome": "refused"})
+    await client.CoreV1Api(h.api).delete_namespace(ns)
+
+
+async def test_alike_shares_of_one_gpu_held_by_two_containers_are_told_apart_by_the_pod(
+    dra_node: DraNodeHarness,
+) -> None:
+    """Two containers, each with its own 2Gi request, both allocated on one GPU: the ledger's record holds two alike
+    parts of that GPU, so it cannot say which share is whose. The agent reads the pod then (once), and each
+    container gets its own request's device."""
+    h = dra_node
+    agent = await h.start_agent()
+    await h.kubelet.wait_registered(DRIVER)
+    preparer, pod_reads = agent.dra.preparer, []
+    read_pod = preparer.read_pod
+
+    async def counted_read_pod(namespace: str, name: str) -> dict[str, Any] | None:
+        pod_reads.append(name)
+        return await read_pod(namespace, name)
+
+    preparer.read_pod = counted_read_pod
+    ns = f"ns-{uuid.uuid4().hex[:6]}"
+    await client.CoreV1Api(h.api).create_namespace({"metadata": {"name": ns}})
+    pod = w.pod("r", [("a", "ra"), ("b", "rb")], template_name="t")
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": h.node}
+    await w.create(h.api, ns, w.template("t", [("ra", "2Gi", None, 1), ("rb", "2Gi", None, 1)]), pod)
+    claim = await w.wait_claim_allocated(h.api, ns, "r")
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert len({r["device"] for r in results}) == 1, f"kube-scheduler took the first GPU that fits for both: {results}"
+    pod_obj = await w.raw_pod(h.api, ns, "r")
+    pod_obj["spec"]["nodeName"] = h.node
+    gpus = {device_name(g.uuid): LedgerGpu(g.uuid, g.index, g.memory_mib) for g in agent.gpu_infos()}
+    event = read_claim(claim, pod_obj, gpus, MemoryUnit.GIB).event(source="binder")
+    await h.ledger.reserve_claim(event)
+    await h.kubelet.prepare(pod_obj)
+    assert pod_reads == ["r"] and preparer.pod_reads == 1
+    for container in pod_obj["spec"]["containers"]:
+        env = h.kubelet.container_env(pod_obj, container)
+        assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2", (container["name"], env)
+
+    async def both_assigned() -> bool:  # each holder's own part is stamped: both containers were named
+        async with h.ledger.engine.connect() as conn:
+            stamped = (
+                await conn.execute(
+                    select(allocation_parts.c.container, allocation_parts.c.assigned_at).where(
+                        allocation_parts.c.allocation_id == event.allocation_id
+                    )
+                )
+            ).all()
+        return sorted(c for c, at in stamped if at is not None) == ["a", "b"]
+
+    assert await eventually(both_assigned, what="both containers' parts assigned", within=30)
     await client.CoreV1Api(h.api).delete_namespace(ns)
 
 
