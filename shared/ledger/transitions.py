@@ -148,11 +148,14 @@ async def bind_many(conn: AsyncConnection, events: list[BoundEvent]) -> tuple[li
     must see)."""
     if not events:
         return [], []
+    # one stamp per allocation, the first event's: with an id twice in the UPDATE's FROM, PostgreSQL would take
+    # either row's time, and the row could disagree with the one event staged (a replay would stamp another time)
+    first = {e.allocation_id: e.occurred_at for e in reversed(events)}
     rows = await driver.fetch(
         conn,
         _BIND_MANY,
-        [e.allocation_id for e in events],
-        [e.occurred_at for e in events],
+        list(first),
+        list(first.values()),
         AllocationState.RESERVED.value,
         AllocationState.BOUND.value,
     )

@@ -293,6 +293,37 @@ async def test_bound_in_a_batch_does_what_one_bound_event_does_from_every_state(
         assert await _row(engine, b.allocation_id) == await _row(engine, s.allocation_id)
 
 
+async def test_an_allocation_named_twice_in_a_bound_batch_is_stamped_as_its_one_staged_event_says(
+    engine: AsyncEngine,
+) -> None:
+    """A pod seen bound twice within one batch (the binder's background marks): only the first mark is staged, so the
+    row must carry the first mark's time too, or a replay of the stream would stamp another `bound_at` than the
+    live ledger holds (found by the DRA rebuild test in a fresh-clone CI on a loaded machine)."""
+    from datetime import UTC, datetime, timedelta
+
+    ledger = await _ledger(engine, gpus_gib=(256,))
+    rs = [await ledger.reserve(_request(1)) for _ in range(200)]
+    t0 = datetime(2026, 12, 7, 8, 0, tzinfo=UTC)
+    firsts = [t0 + timedelta(seconds=i) for i in range(len(rs))]
+    seconds = [t + timedelta(milliseconds=10) for t in firsts]
+    bindings = [(r.allocation_id, r.pod_uid, NODE) for r in rs]
+    changed = await ledger.mark_bound_many(bindings + bindings, at=firsts + seconds)
+    assert changed == [True] * len(rs) + [False] * len(rs)
+    async with engine.connect() as conn:
+        stamped = dict(
+            (
+                await conn.execute(
+                    select(allocations.c.id, allocations.c.bound_at).where(
+                        allocations.c.id.in_([r.allocation_id for r in rs])
+                    )
+                )
+            ).all()
+        )
+        staged = (await conn.execute(select(func.count()).select_from(outbox))).scalar()
+    assert [stamped[r.allocation_id] for r in rs] == firsts
+    assert staged is not None and staged >= len(rs)
+
+
 async def test_racing_bound_batches_move_each_allocation_once(engine: AsyncEngine, database_url: str) -> None:
     """Two binders' group commits race `bound` for the same 40 allocations: each moves exactly once."""
     from shared.ledger.db import make_engine
