@@ -133,7 +133,8 @@ class ClaimPreparer:
             consumer = pod_consumer(claim)
             if consumer is None:
                 raise PrepareError(f"claim {namespace}/{name} is reserved for no pod")
-            claim_node, shares = claim_shares(claim, self._gpus(), self.agent.config.unit)
+            gpus = self._gpus()
+            claim_node, shares = claim_shares(claim, gpus, self.agent.config.unit)
         except ClaimRefused as exc:
             raise PrepareError(exc.message) from None
         if claim_node != node:
@@ -147,7 +148,7 @@ class ClaimPreparer:
             if pod is None or (pod.get("metadata") or {}).get("uid") != consumer.get("uid"):
                 raise PrepareError(f"the pod claim {namespace}/{name} is reserved for does not exist (any more)")
             try:
-                allocation = read_claim(claim, pod, self._gpus(), self.agent.config.unit)
+                allocation = read_claim(claim, pod, gpus, self.agent.config.unit)
             except ClaimRefused as exc:
                 raise PrepareError(exc.message) from None
         self._write_spec(allocation)
@@ -157,11 +158,12 @@ class ClaimPreparer:
     def _recorded(self, allocation_id: uuid.UUID) -> Recorded:
         """The ledger's record of one allocation as the node's view holds it."""
         held = self.agent.view.containers_of(allocation_id)
-        first = held[0] if held else None
+        if not held:
+            return Recorded("", "", None, ())
         return Recorded(
-            pod_uid=first.pod_uid if first else "",
-            pod_name=first.pod_name if first else "",
-            pod_created_at=first.pod_created_at if first else None,
+            pod_uid=held[0].pod_uid,
+            pod_name=held[0].pod_name,
+            pod_created_at=held[0].pod_created_at,
             parts=tuple(
                 AllocationPart(
                     container=c.container,
