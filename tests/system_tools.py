@@ -9,14 +9,13 @@ import contextlib
 import ipaddress
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devstack.cluster import ControlPlane, ControlPlaneUnavailable, Paths, ensure_binaries
+from devstack.cluster import ControlPlane, ControlPlaneUnavailable, Paths, buildtools, ensure_binaries
 from devstack.cluster.releases import COMPAT, Release
 
 
@@ -33,17 +32,12 @@ def unavailable(reason: str) -> None:
 
 
 def apt_install(package: str) -> str | None:
-    """`apt-get install -y package` (updating the lists once if needed); None on success, else the error."""
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return "apt-get is not available as root"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if first.returncode == 0:
-        return None
-    subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, check=False)
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    return None if second.returncode == 0 else second.stderr.strip()[-500:]
+    """`apt-get install -y package` under devstack's machine-wide apt lock; None on success, else the error."""
+    try:
+        buildtools.apt_install([package], lambda _msg: None)
+    except ControlPlaneUnavailable as exc:
+        return exc.reason[-500:]
+    return None
 
 
 def ensure_tool(names: tuple[str, ...], package: str) -> str:
@@ -72,6 +66,19 @@ def control_plane_binaries(release: Release | None = None) -> Paths:
 def compat_binaries() -> Paths:
     """etcd and the Kubernetes 1.20 binaries of the compatibility run."""
     return control_plane_binaries(COMPAT)
+
+
+def monitoring_binaries() -> tuple[Path, Path]:
+    """Prometheus and prometheus-adapter, installed or built and cached on first use (minutes on a new machine),
+    so that a test's time limit covers running them, not building them; skip / fail with the reason."""
+    from devstack.monitoring.adapter_build import ensure_adapter
+    from devstack.monitoring.prometheus import ensure_prometheus
+
+    try:
+        return ensure_prometheus(), ensure_adapter()
+    except ControlPlaneUnavailable as exc:
+        unavailable(f"monitoring unavailable: {exc.reason}")
+        raise
 
 
 @contextlib.contextmanager

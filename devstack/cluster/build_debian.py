@@ -19,10 +19,12 @@ from .buildtools import (
     ControlPlaneUnavailable,
     Progress,
     apt_install,
+    apt_lock,
     apt_update,
     can_apt,
     executables_ok,
     run,
+    run_apt,
 )
 
 GO_ROOT = Path("/usr/lib/go-1.19")
@@ -74,9 +76,12 @@ def _ensure_deb_src(progress: Progress) -> None:
         return
     if not can_apt():
         raise ControlPlaneUnavailable("need a deb-src entry but cannot write apt sources (not root)")
-    progress(f"adding {DEB_SRC_FILE}")
-    DEB_SRC_FILE.write_text(DEB_SRC_CONTENT)
-    apt_update(progress, force=True)
+    with apt_lock(progress):
+        if DEB_SRC_FILE.exists():
+            return
+        progress(f"adding {DEB_SRC_FILE}")
+        DEB_SRC_FILE.write_text(DEB_SRC_CONTENT)
+        apt_update(progress, force=True)
 
 
 def fetch_source(root: Path, progress: Progress) -> Path:
@@ -91,7 +96,7 @@ def fetch_source(root: Path, progress: Progress) -> Path:
     if not origs:
         _ensure_deb_src(progress)
         apt_update(progress)
-        run(["apt-get", "source", "--download-only", "-q", "kubernetes"], progress, cwd=dl)
+        run_apt(["apt-get", "source", "--download-only", "-q", "kubernetes"], progress, cwd=dl)
         origs = sorted(dl.glob("kubernetes_*.orig.tar.*"))
         if not origs:
             raise ControlPlaneUnavailable(f"apt-get source gave no orig tarball in {dl}")

@@ -1,4 +1,5 @@
-"""What the control-plane builds share: the cache folder, progress lines, commands, apt and a build lock."""
+"""What the control-plane builds share: the cache folder, progress lines, commands, apt (one command at a time on
+the machine) and a build lock."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -93,24 +95,74 @@ def can_apt() -> bool:
     return os.geteuid() == 0 and shutil.which("apt-get") is not None
 
 
-_apt_updated = False
+APT_LOCK_ENV = "GPUSHARE_APT_LOCK"
+APT_LISTS_FRESH_S = 900.0
+"""An `apt-get update` by any process on this machine within this many seconds serves the next one's need."""
+
+_apt_held = threading.local()
+
+
+def apt_lock_path() -> Path:
+    """The machine-wide lock every apt command here runs under (`GPUSHARE_APT_LOCK`, else /run/lock's, else /tmp's).
+
+    apt itself refuses, not waits, when another apt holds its lists or dpkg lock, so builds in several processes
+    (test workers, `make run` beside a test) take this lock first.
+    """
+    env = os.environ.get(APT_LOCK_ENV)
+    if env:
+        return Path(env).expanduser()
+    run_lock = Path("/run/lock")
+    folder = run_lock if run_lock.is_dir() and os.access(run_lock, os.W_OK) else Path(tempfile.gettempdir())
+    return folder / "gpushare-apt.lock"
+
+
+@contextmanager
+def apt_lock(progress: Progress) -> Iterator[None]:
+    """Hold the machine-wide apt lock (re-entrant within one thread): one apt command at a time on this machine."""
+    depth = getattr(_apt_held, "depth", 0)
+    if depth:
+        _apt_held.depth = depth + 1
+        try:
+            yield
+        finally:
+            _apt_held.depth = depth
+        return
+    with file_lock(apt_lock_path(), progress):
+        _apt_held.depth = 1
+        try:
+            yield
+        finally:
+            _apt_held.depth = 0
+
+
+def run_apt(cmd: list[str], progress: Progress, *, cwd: Path | None = None) -> None:
+    """`run` an apt command under the machine-wide apt lock."""
+    with apt_lock(progress):
+        run(cmd, progress, cwd=cwd)
 
 
 def apt_install(pkgs: list[str], progress: Progress) -> None:
-    """Install Debian packages (updating the lists once per process)."""
+    """Install Debian packages (updating the lists first unless they are fresh), under the machine-wide apt lock."""
     if not can_apt():
         raise ControlPlaneUnavailable(f"need Debian packages {' '.join(pkgs)} but apt-get is unavailable or not root")
-    apt_update(progress)
-    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *pkgs], progress)
+    with apt_lock(progress):
+        apt_update(progress)
+        run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *pkgs], progress)
+
+
+def _lists_stamp() -> Path:
+    return apt_lock_path().with_name(apt_lock_path().name + ".updated")
 
 
 def apt_update(progress: Progress, *, force: bool = False) -> None:
-    """`apt-get update`, once per process unless `force`."""
-    global _apt_updated
-    if _apt_updated and not force:
-        return
-    run(["apt-get", "update", "-q"], progress)
-    _apt_updated = True
+    """`apt-get update` under the machine-wide apt lock; skipped when any process here updated the lists within
+    APT_LISTS_FRESH_S, unless `force`."""
+    with apt_lock(progress):
+        stamp = _lists_stamp()
+        if not force and stamp.is_file() and time.time() - stamp.stat().st_mtime < APT_LISTS_FRESH_S:
+            return
+        run(["apt-get", "update", "-q"], progress)
+        stamp.touch()
 
 
 @contextmanager

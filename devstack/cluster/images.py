@@ -33,7 +33,16 @@ from devstack.images.oci import BlobStore, ImageSpec, store_layer, write_archive
 
 from . import build_modules
 from .binaries import k8s_cache_dir
-from .buildtools import ControlPlaneUnavailable, Progress, apt_install, apt_update, cache_dir, can_apt, file_lock
+from .buildtools import (
+    ControlPlaneUnavailable,
+    Progress,
+    apt_install,
+    apt_lock,
+    apt_update,
+    cache_dir,
+    can_apt,
+    file_lock,
+)
 from .releases import Release
 
 PAUSE_TAG = "3.10.2"  # build/pause/Makefile's TAG in k8s.io/kubernetes v1.37.2
@@ -138,8 +147,9 @@ def _busybox_deb(work: Path, progress: Progress) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         raise ControlPlaneUnavailable(f"the busybox image needs Debian's {BUSYBOX_PACKAGE} (no apt-get/dpkg-deb here)")
     for attempt in range(2):
-        res = subprocess.run(["apt-get", "download", BUSYBOX_PACKAGE], cwd=work, capture_output=True, text=True,
-                             check=False)  # fmt: skip
+        with apt_lock(progress):
+            res = subprocess.run(["apt-get", "download", BUSYBOX_PACKAGE], cwd=work, capture_output=True, text=True,
+                                 check=False)  # fmt: skip
         debs = sorted(work.glob(f"{BUSYBOX_PACKAGE}_*.deb"))
         if res.returncode == 0 and debs:
             return debs[0]

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from devstack.cluster.buildtools import ControlPlaneUnavailable, Progress, apt_update, can_apt, run
+from devstack.cluster.buildtools import ControlPlaneUnavailable, Progress, apt_lock, apt_update, can_apt, run_apt
 
 # Debian 12's merged /usr: a package's bin/, sbin/, lib/... land under usr/, and these links point there.
 MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -83,7 +83,9 @@ def candidates(names: Iterable[str], progress: Progress) -> list[DebianPackage]:
         raise ControlPlaneUnavailable("apt-cache is not available: the images are built from Debian's packages")
 
     def policy() -> dict[str, str]:
-        res = subprocess.run(["apt-cache", "policy", *wanted], capture_output=True, text=True, timeout=120, check=False)
+        with apt_lock(progress):
+            res = subprocess.run(["apt-cache", "policy", *wanted], capture_output=True, text=True, timeout=120,
+                                 check=False)  # fmt: skip
         return parse_policy(res.stdout)
 
     found = policy()
@@ -112,7 +114,7 @@ def download(packages: Iterable[DebianPackage], folder: Path, progress: Progress
     if todo:
         progress(f"downloading {len(todo)} Debian packages into {folder}")
         try:
-            run(["apt-get", "download", "-q", *(p.pin for p in todo)], progress, cwd=folder)
+            run_apt(["apt-get", "download", "-q", *(p.pin for p in todo)], progress, cwd=folder)
         except ControlPlaneUnavailable as exc:
             if not can_apt():
                 raise

@@ -498,7 +498,7 @@ class ClaimGate:
             _bounded(self._records)
         # bound before the record reached it (no gate), or adopted after a restart; else the pod watch marks it
         self._remember_pod(allocation.pod_uid, allocation.allocation_id, node, uid)
-        await self._mark_if_bound(allocation.pod_uid, pod, recorded_now=True)
+        self._mark_if_bound(allocation.pod_uid, pod, recorded_now=True)
         self.metrics.bind_seconds.observe(time.monotonic() - started)
         log.info(
             "claim %s of %s/%s recorded on %s (%d MiB)%s%s",
@@ -798,9 +798,9 @@ class ClaimGate:
         if pod_uid in self._bound:
             return
         self._remember_pod(pod_uid, allocation, node, str((claim.get("metadata") or {}).get("uid") or ""))
-        await self._mark_if_bound(pod_uid, None)
+        self._mark_if_bound(pod_uid, None)
 
-    async def _mark_if_bound(self, pod_uid: str, pod: Pod | None, *, recorded_now: bool = False) -> None:
+    def _mark_if_bound(self, pod_uid: str, pod: Pod | None, *, recorded_now: bool = False) -> None:
         """Mark the pod's recorded allocation bound when the pod (as the watch shows it now, else `pod`) is bound
         on the allocation's node. Called right after `_remember_pod`, with no await between: the pod watch's
         `on_pod` marks any later bind. Once marked (or tried) it is not tried again, but right after a record

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from devstack.cluster import Paths
+from tests import system_tools
 from tests.conftest import create_database, drop_database
 
 pytestmark = pytest.mark.e2e
@@ -108,8 +109,15 @@ def assert_plain(out: str, tmp_path: Path) -> None:
     assert '"msg": "started extender"' in log.read_text()
 
 
+@pytest.fixture(scope="module")
+def monitoring_binaries() -> tuple[Path, Path]:
+    """Prometheus and prometheus-adapter, ready before `--monitoring`'s timed run (a new machine builds the adapter
+    for minutes)."""
+    return system_tools.monitoring_binaries()
+
+
 async def test_up_runs_the_demo_on_the_local_control_plane(
-    tmp_path: Path, up_database: str, nats_url: str, control_plane_binaries: Paths
+    tmp_path: Path, up_database: str, nats_url: str, control_plane_binaries: Paths, monitoring_binaries: object
 ) -> None:
     code, out = await _up(
         tmp_path,
