@@ -3,6 +3,7 @@ the machine) and a build lock."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -120,19 +121,12 @@ def apt_lock_path() -> Path:
 def apt_lock(progress: Progress) -> Iterator[None]:
     """Hold the machine-wide apt lock (re-entrant within one thread): one apt command at a time on this machine."""
     depth = getattr(_apt_held, "depth", 0)
-    if depth:
+    with contextlib.nullcontext() if depth else file_lock(apt_lock_path(), progress):
         _apt_held.depth = depth + 1
         try:
             yield
         finally:
             _apt_held.depth = depth
-        return
-    with file_lock(apt_lock_path(), progress):
-        _apt_held.depth = 1
-        try:
-            yield
-        finally:
-            _apt_held.depth = 0
 
 
 def run_apt(cmd: list[str], progress: Progress, *, cwd: Path | None = None) -> None:
@@ -151,7 +145,8 @@ def apt_install(pkgs: list[str], progress: Progress) -> None:
 
 
 def _lists_stamp() -> Path:
-    return apt_lock_path().with_name(apt_lock_path().name + ".updated")
+    lock = apt_lock_path()
+    return lock.with_name(lock.name + ".updated")
 
 
 def apt_update(progress: Progress, *, force: bool = False) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select
@@ -299,8 +300,6 @@ async def test_an_allocation_named_twice_in_a_bound_batch_is_stamped_as_its_one_
     """A pod seen bound twice within one batch (the binder's background marks): only the first mark is staged, so the
     row must carry the first mark's time too, or a replay of the stream would stamp another `bound_at` than the
     live ledger holds (found by the DRA rebuild test in a fresh-clone CI on a loaded machine)."""
-    from datetime import UTC, datetime, timedelta
-
     ledger = await _ledger(engine, gpus_gib=(256,))
     rs = [await ledger.reserve(_request(1)) for _ in range(200)]
     t0 = datetime(2026, 12, 7, 8, 0, tzinfo=UTC)
