@@ -16,6 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REQUESTS = "apiserver_request"  # the parser drops the `_total` of counters
 WATCH_EVENTS = "apiserver_watch_events"
+# how long each admission webhook call took as kube-apiserver saw it (the round trip, TLS and the webhook's queue
+# included), by webhook name; kept as `WEBHOOK-CALLS <name>` and `WEBHOOK-US <name>` (microseconds)
+WEBHOOK_SECONDS = "apiserver_admission_webhook_admission_duration_seconds"
+WEBHOOK = "WEBHOOK-"
 
 
 def request_key(labels: dict[str, str]) -> str:
@@ -27,9 +31,18 @@ def request_key(labels: dict[str, str]) -> str:
 
 
 def parse_counts(exposition: str) -> Counter[str]:
-    """Requests by `request_key`, and watch events sent as `WATCH-EVENT <resource>` (pure)."""
+    """Requests by `request_key`, watch events sent as `WATCH-EVENT <resource>`, and admission webhook calls and
+    their time as `WEBHOOK-CALLS <name>` / `WEBHOOK-US <name>` (pure)."""
     counts: Counter[str] = Counter()
     for family in text_string_to_metric_families(exposition):
+        if family.name == WEBHOOK_SECONDS:
+            for sample in family.samples:
+                name = sample.labels.get("name", "?")
+                if sample.name.endswith("_count"):
+                    counts[f"{WEBHOOK}CALLS {name}"] += int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    counts[f"{WEBHOOK}US {name}"] += round(sample.value * 1e6)
+            continue
         if family.name not in (REQUESTS, WATCH_EVENTS):
             continue
         for sample in family.samples:
@@ -59,7 +72,7 @@ async def read_counts(api: Any) -> Counter[str]:
 def per_pod(before: Counter[str], after: Counter[str], pods: int, prefix: str) -> dict[str, float]:
     """`{prefix}_api_requests_per_pod` (all requests, watches' events not included) and
     `{prefix}_watch_events_per_pod` (pure)."""
-    delta = after - before
+    delta = _without_webhooks(after - before)
     requests = sum(v for k, v in delta.items() if not k.startswith("WATCH-EVENT "))
     events = sum(v for k, v in delta.items() if k.startswith("WATCH-EVENT "))
     return {
@@ -70,5 +83,24 @@ def per_pod(before: Counter[str], after: Counter[str], pods: int, prefix: str) -
 
 def breakdown(before: Counter[str], after: Counter[str], pods: int, top: int = 8) -> str:
     """The phase's largest counts per pod, as one line (pure)."""
-    delta = after - before
+    delta = _without_webhooks(after - before)
     return ", ".join(f"{k} {v / pods:.2f}" for k, v in delta.most_common(top))
+
+
+def webhook_means(before: Counter[str], after: Counter[str], prefix: str) -> dict[str, float]:
+    """`{prefix}_webhook_<name>_calls` and `{prefix}_webhook_<name>_mean_ms` for each admission webhook kube-apiserver
+    called over the phase, `<name>` the webhook name's first label (`pods` for `pods.gpu.gpushare.io`) (pure)."""
+    delta = after - before
+    out: dict[str, float] = {}
+    for key, calls in sorted(delta.items()):
+        if not key.startswith(f"{WEBHOOK}CALLS "):
+            continue
+        name = key.split(" ", 1)[1]
+        short = name.split(".", 1)[0]
+        out[f"{prefix}_webhook_{short}_calls"] = calls
+        out[f"{prefix}_webhook_{short}_mean_ms"] = round(delta.get(f"{WEBHOOK}US {name}", 0) / calls / 1000, 2)
+    return out
+
+
+def _without_webhooks(counts: Counter[str]) -> Counter[str]:
+    return Counter({k: v for k, v in counts.items() if not k.startswith(WEBHOOK)})

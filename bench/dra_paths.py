@@ -394,6 +394,7 @@ class PhaseResult:
         m.update(self.presence(p, pods))
         m.update(self.calls)
         m.update(api_requests.per_pod(self.api_before, self.api_after, pods, p))
+        m.update(api_requests.webhook_means(self.api_before, self.api_after, p))
         m.update(self.db)
         m.update(self.extra)
         if self.path in ("extender", "dra"):

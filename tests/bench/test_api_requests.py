@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.api_requests import breakdown, parse_counts, per_pod
+from bench.api_requests import breakdown, parse_counts, per_pod, webhook_means
 
 EXPOSITION = """\
 # HELP apiserver_request_total [STABLE] Counter of apiserver requests.
@@ -20,12 +20,40 @@ apiserver_watch_events_total{group="",kind="Node",version="v1"} 2
 # TYPE apiserver_request_duration_seconds histogram
 apiserver_request_duration_seconds_bucket{verb="GET",resource="pods",le="0.1"} 3
 apiserver_request_duration_seconds_count{verb="GET",resource="pods"} 3
+# HELP apiserver_admission_webhook_admission_duration_seconds [STABLE] Admission webhook latency.
+# TYPE apiserver_admission_webhook_admission_duration_seconds histogram
+apiserver_admission_webhook_admission_duration_seconds_bucket{name="pods.gpu.gpushare.io",rejected="false",le="+Inf"} 4
+apiserver_admission_webhook_admission_duration_seconds_sum{name="pods.gpu.gpushare.io",rejected="false"} 0.2
+apiserver_admission_webhook_admission_duration_seconds_count{name="pods.gpu.gpushare.io",rejected="false"} 4
+apiserver_admission_webhook_admission_duration_seconds_sum{name="pods.gpu.gpushare.io",rejected="true"} 0.1
+apiserver_admission_webhook_admission_duration_seconds_count{name="pods.gpu.gpushare.io",rejected="true"} 1
 """
 
 
 def test_requests_are_counted_by_verb_and_resource_and_watch_events_by_kind() -> None:
     counts = parse_counts(EXPOSITION)
-    assert counts == Counter({"POST pods/binding": 8, "GET pods": 3, "WATCH-EVENT pods": 40, "WATCH-EVENT Node": 2})
+    assert counts == Counter(
+        {
+            "POST pods/binding": 8,
+            "GET pods": 3,
+            "WATCH-EVENT pods": 40,
+            "WATCH-EVENT Node": 2,
+            "WEBHOOK-CALLS pods.gpu.gpushare.io": 5,
+            "WEBHOOK-US pods.gpu.gpushare.io": 300000,
+        }
+    )
+
+
+def test_webhook_calls_are_averaged_over_the_phase_and_kept_out_of_the_request_counts() -> None:
+    before = Counter(
+        {"GET pods": 5, "WEBHOOK-CALLS claims.gpu.gpushare.io": 10, "WEBHOOK-US claims.gpu.gpushare.io": 1000}
+    )
+    after = Counter(
+        {"GET pods": 25, "WEBHOOK-CALLS claims.gpu.gpushare.io": 30, "WEBHOOK-US claims.gpu.gpushare.io": 201000}
+    )
+    assert webhook_means(before, after, "x") == {"x_webhook_claims_calls": 20, "x_webhook_claims_mean_ms": 10.0}
+    assert per_pod(before, after, 20, "x") == {"x_api_requests_per_pod": 1.0, "x_watch_events_per_pod": 0.0}
+    assert breakdown(before, after, 20) == "GET pods 1.00"
 
 
 def test_per_pod_figures_are_the_differences_over_the_phase() -> None:
