@@ -5,21 +5,29 @@ takes the lease over and those duties with it; nothing is bound twice.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 from kubernetes_asyncio import client
+from kubernetes_asyncio.client import ApiClient
 from sqlalchemy import func, select
 
 from devstack.cluster.controlplane import free_ports
 from services.binder.nudge import LABEL as CAPACITY_FREED
+from services.binder.service import Binder, BinderConfig
+from shared.kube.client import skip_environment_lookups
+from shared.kube.leases import ElectionConfig, ElectionTiming
 from shared.ledger.models import allocations
 from tests.binder.conftest import request_for, state_becomes
+from tests.reliability.throttle_proxy import Pressure, ThrottleProxy
 from tests.waiting import eventually, stream_events
 
 pytestmark = pytest.mark.e2e
@@ -102,7 +110,7 @@ async def test_only_the_lease_holder_watches_and_reconciles_and_the_other_takes_
     try:
         for r in replicas:
             await eventually(r.ready, what=f"{r.name} ready", within=60)
-        # a replica that does not lead is ready before its first election round: the lease is written a moment later
+        # each is ready once its first election round has ended (the leader also once its watches listed)
         roles = await eventually(lambda: _roles(replicas), what="one leader and one standby", within=30)
         leader = next(r for r in replicas if roles[r.name] == "leader")
         standby = next(r for r in replicas if r is not leader)
@@ -160,6 +168,53 @@ async def test_only_the_lease_holder_watches_and_reconciles_and_the_other_takes_
     async with engine.connect() as conn:
         left = (await conn.execute(select(func.count()).where(allocations.c.state == "reserved"))).scalar()
     assert left == 0
+
+
+async def test_a_replica_is_ready_only_once_its_first_election_round_has_ended(control_plane, ledger, bus) -> None:  # type: ignore[no-untyped-def]
+    """A replica starts as a standby; until its first round of the election has read the Lease it does not know
+    whether it leads, so it must not say ready yet. (tests/reliability/test_slow_apiserver.py restarts the binder
+    and counts its requests when /readyz first says 200: under CI load that was once 0, the binder ready as a
+    standby before its first round.) Every request to the API server waits 2 s here, so the consumers are ready
+    long before the round ends; the free Lease makes this replica the leader, and it is ready only as that."""
+    certs = control_plane.work_dir / "certs"
+    proxy = ThrottleProxy(control_plane.server_url, certs / "apiserver.crt", certs / "apiserver.key")
+    await proxy.start()
+    proxy.pressure = Pressure(delay_s=(2.0, 2.0), reject_fraction=0.0)
+    conf = control_plane.client_configuration()
+    conf.host = proxy.url
+    api = ApiClient(configuration=conf)
+    skip_environment_lookups(api)
+    election = ElectionConfig(
+        name=f"ready-{uuid.uuid4().hex[:6]}",
+        namespace="default",
+        identity="only",
+        timing=ElectionTiming(lease_duration_s=15, renew_deadline_s=10, retry_period_s=1),
+    )
+    binder = Binder(ledger, bus, api, BinderConfig(concurrency=2, reconcile_interval_s=3600, election=election))
+    stop = asyncio.Event()
+    task = asyncio.create_task(binder.run(stop))
+    consumers_ready_while_undecided = False
+    try:
+        deadline = time.monotonic() + 90
+        while not binder.ready():
+            assert not task.done(), f"the binder stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
+            assert time.monotonic() < deadline, f"never ready: {binder.describe()}"
+            assert binder.elector is not None
+            if not binder.elector.decided and binder.consumer.ready.is_set() and binder.gateway.ready.is_set():
+                consumers_ready_while_undecided = True
+            await asyncio.sleep(0.02)
+        assert binder.elector is not None and binder.elector.decided
+        assert binder.role == "leader", f"ready as {binder.describe()} before the election told it its role"
+        assert binder.lifecycle.pods_synced.is_set() and binder.claims.synced.is_set()
+        assert proxy.counts["requests"] - proxy.in_flight > 0, proxy.counts
+        # the case the test is for did arise: the shared duties were up while the round was still going on
+        assert consumers_ready_while_undecided, "the consumers were never ready before the first round ended"
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 30)
+        await api.close()
+        await proxy.stop()
 
 
 async def _roles(replicas: list[Replica]) -> dict[str, str] | None:
