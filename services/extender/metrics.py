@@ -24,6 +24,12 @@ BIND_OUTCOMES = Counter(
     ["reason"],
 )
 RESYNCS = Counter("gpushare_extender_resyncs_total", "Full reloads of the in-memory view from the ledger", ["reason"])
+GC_SECONDS = Histogram(
+    "gpushare_extender_gc_seconds",
+    "Garbage collections after a view reload (kind: young, or full every 20th), requests held meanwhile",
+    ["kind"],
+    buckets=_BUCKETS,
+)
 BIND_POD_READS = Counter(
     "gpushare_extender_bind_pod_reads_total",
     "Pods bind reserved for, by where the pod came from (watch: the unbound-pod watch; api: a GET)",
