@@ -160,11 +160,11 @@ class Binder:
     def ready(self) -> bool:
         """Every duty of this replica's role is up, once the election has told it its role: the consumers and the
         gateway on every replica; on the leader also both watches listed and one reconciliation done in its term."""
+        if self.elector is not None and not self.elector.decided:
+            return False
         shared = (
             self.consumer.ready.is_set() and self.annotation_consumer.ready.is_set() and self.gateway.ready.is_set()
         )
-        if self.elector is not None and not self.elector.decided:
-            return False
         if not self.leading:
             return shared
         return (

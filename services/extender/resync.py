@@ -68,20 +68,12 @@ class ViewSync:
     """Reloads `view` from the ledger (coalescing concurrent callers) and applies bus events to it, waking
     the binds that wait for those allocations."""
 
-    def __init__(
-        self,
-        view: ClusterView,
-        engine: AsyncEngine,
-        waiter: OutcomeWaiter,
-        *,
-        period_s: float,
-        settler: HeapSettler | None = None,
-    ) -> None:
+    def __init__(self, view: ClusterView, engine: AsyncEngine, waiter: OutcomeWaiter, *, period_s: float) -> None:
         self.view = view
         self.engine = engine
         self.waiter = waiter
         self.period_s = period_s
-        self.settler = settler or HeapSettler()
+        self.settler = HeapSettler()
         self._lock = asyncio.Lock()
         self._loaded_at = -1.0
 

@@ -261,18 +261,14 @@ class LeaderElector:
         self._lease: dict[str, Any] | None = None  # the Lease as last read or written (its resourceVersion)
         self._leading = False  # the role the duties were last started / stopped for
         self.failure = ""  # why the last round failed ('' when it did not)
-        self.rounds = 0  # rounds of the election ended, answered or not
+        # whether a round of the election has ended (answered or not), so that the role is this replica's own finding
+        # and not merely the standby it starts as (a replica that would lead must not report ready as a standby)
+        self.decided = False
 
     @property
     def is_leader(self) -> bool:
         """Whether this replica leads now (it renewed within the deadline)."""
         return still_leading(self._renewed, self.clock(), self.timing)
-
-    @property
-    def decided(self) -> bool:
-        """Whether this replica has ended one round of the election, so that its role is its own finding and not
-        merely the standby it starts as (a replica that would lead must not report ready as a standby first)."""
-        return self.rounds > 0
 
     @property
     def role(self) -> str:
@@ -305,7 +301,7 @@ class LeaderElector:
                     term[1].result()  # a duty that returned (or failed) on its own: raise its error
                     raise RuntimeError(f"the duties of lease {self.name} ended while leading")
                 await self._round()
-                self.rounds += 1
+                self.decided = True
                 leading = self.is_leader
                 if leading != self._leading:
                     self._leading = leading
